@@ -1,0 +1,69 @@
+"""The one rich console (stderr) and the progress adapter; only the CLI imports this module."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+err_console = Console(stderr=True, highlight=False)
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@contextmanager
+def progress(enabled: bool = True, *, transient: bool = False) -> Iterator[ProgressFn]:
+    """Yield an ``on_progress(label, done_bytes, total_bytes)`` callback drawn as rich bars.
+
+    One bar per label; rich draws nothing live when stderr is not a terminal.
+    """
+    if not enabled:
+        yield lambda label, done, total: None
+        return
+    bars = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=transient,
+    )
+    tasks: dict[str, TaskID] = {}
+
+    def on_progress(label: str, done: int, total: int) -> None:
+        if label not in tasks:
+            tasks[label] = bars.add_task(label, total=total)
+        bars.update(tasks[label], completed=done, total=total)
+
+    with bars:
+        yield on_progress
+
+
+def info(message: str) -> None:
+    err_console.print(message)
+
+
+def warn(message: str) -> None:
+    err_console.print(f"[yellow]Warning:[/] {message}")
+
+
+def emit_json(payload: Any) -> None:
+    """Results go to stdout, so ``--json | jq`` works."""
+    sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,1 @@
+"""The bundled Triton MXFP4 MoE kernel. Imports nothing heavy at package import time."""

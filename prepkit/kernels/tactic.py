@@ -1,0 +1,33 @@
+"""A tactic is a value: one kernel variant's knobs, for one GEMM of the MoE layer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True, order=True)
+class GemmTactic:
+    """Launch knobs of one GEMM (GEMM1 = gate/up + SwiGLU, GEMM2 = down + combine)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> GemmTactic:
+        raw = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown tactic fields {sorted(unknown)}")
+        return cls(**raw)
+
+    def key(self) -> str:
+        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
