@@ -16,6 +16,10 @@ class GemmTactic:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    # How fp4 becomes a matrix-unit operand: "bits" (integer unpack + scale in registers, then a
+    # bf16 dot; works on every arch) or "dot_scaled" (tl.dot_scaled; native where the arch has
+    # block-scaled MMA, emulated by the compiler elsewhere).
+    upcast: str = "bits"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -30,4 +34,6 @@ class GemmTactic:
         return cls(**raw)
 
     def key(self) -> str:
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
+        base = f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
+        # The default upcast keeps the key of tactics stored before the field existed.
+        return base if self.upcast == "bits" else f"{base}u{self.upcast}"

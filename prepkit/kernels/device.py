@@ -1,0 +1,46 @@
+"""Device facts that kernel heuristics read. Heuristics take a ``DeviceInfo``; only
+:meth:`DeviceInfo.from_torch` talks to the driver, so tests can describe any GPU on a CPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What variant pruning and defaults need to know about one GPU."""
+
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    max_shared_mem: int  # bytes one block may use (opt-in limit)
+    l2_bytes: int = 50 * 2**20
+    registers_per_sm: int = 65536
+
+    @classmethod
+    def from_torch(cls, device: Any = None) -> DeviceInfo:
+        """Read the facts of a CUDA device (the only place that queries the driver)."""
+        import torch
+
+        dev = torch.device("cuda" if device is None else device)
+        props = torch.cuda.get_device_properties(dev)
+        # Hopper and Blackwell expose 227 KiB per block, Ada/consumer Blackwell about 99 KiB.
+        smem = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+        if not smem:
+            smem = 232448 if props.major in (9, 10) else 101376
+        return cls(
+            name=props.name,
+            capability=(props.major, props.minor),
+            sm_count=props.multi_processor_count,
+            max_shared_mem=smem,
+            l2_bytes=int(getattr(props, "L2_cache_size", 50 * 2**20)),
+            registers_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536) or 65536),
+        )
+
+
+# Reference devices for tests, CPU runs and docs.
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 * 2**20)
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 60 * 2**20)
+RTX_PRO_6000 = DeviceInfo("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 101376, 128 * 2**20)
+GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20)

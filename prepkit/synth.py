@@ -1,0 +1,224 @@
+"""Synthetic gpt-oss MXFP4 checkpoints in the exact hub root format, for tests and benchmarks.
+
+Writes ``config.json``, ``generation_config.json``, ``model.safetensors.index.json`` and shards
+``model-{i:05d}-of-{last:05d}.safetensors`` numbered from 0 (the hub's "of" is the last index),
+with every tensor of every layer, sorted by name as the hub's converter sorted them, split at
+tensor granularity so a layer's tensors can straddle two shards. Data is random, never zero;
+E8M0 scale bytes stay in a plausible exponent window and never hit 0xFF (NaN).
+Deterministic for a seed: each tensor draws from its own generator seeded by (seed, name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from prepkit.recipes import Recipe, load_recipe, shape_of
+
+SCALE_LOW, SCALE_HIGH = 112, 132  # E8M0 exponents 2^-15 .. 2^4: realistic, never 0xFF
+DEFAULT_MAX_SHARD_BYTES = 4_800_000_000  # the hub converter's cap
+
+
+def synthetic_config(
+    *,
+    num_layers: int = 2,
+    num_experts: int = 4,
+    hidden: int = 2880,
+    intermediate: int = 2880,
+    top_k: int = 4,
+    vocab_size: int = 1024,
+    num_attention_heads: int = 8,
+    num_key_value_heads: int = 2,
+    head_dim: int = 64,
+) -> dict[str, Any]:
+    """A gpt-oss ``config.json`` with the hub's keys and spellings, dims as given."""
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "pad_token_id": 199999,
+        "experts_per_token": top_k,
+        "num_experts_per_tok": top_k,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "num_hidden_layers": num_layers,
+        "num_local_experts": num_experts,
+        "output_router_logits": False,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
+def tensor_table(recipe: Recipe, config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor of a checkpoint with this config."""
+    table: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for layer in range(int(config["num_hidden_layers"])):
+        for rules in (recipe.layer_tensors, recipe.expert_tensors):
+            for rule in rules.values():
+                table[rule.name(layer)] = (shape_of(rule, config), rule.dtype)
+    for rule in recipe.global_tensors.values():
+        table[rule.name()] = (shape_of(rule, config), rule.dtype)
+    return table
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random, never-all-zero contents appropriate to the tensor's role."""
+    g = _generator(seed, name)
+    if dtype == torch.uint8 and name.endswith("_scales"):
+        return torch.randint(SCALE_LOW, SCALE_HIGH + 1, shape, dtype=torch.uint8, generator=g)
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    values = torch.randn(shape, generator=g, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        values = 1.0 + 0.1 * values
+    else:
+        values = 0.02 * values
+    return values.to(dtype)
+
+
+def shard_names(count: int) -> list[str]:
+    return [f"model-{i:05d}-of-{count - 1:05d}.safetensors" for i in range(count)]
+
+
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int, num_shards: int | None = None) -> list[list[str]]:
+    """Split the sorted names into shards: at most ``max_shard_bytes`` payload each, or exactly
+    ``num_shards`` shards cut where the running byte count crosses each ``total / num_shards``."""
+    if num_shards:
+        total = sum(sizes.values())
+        cut: list[list[str]] = [[] for _ in range(num_shards)]
+        start = 0
+        for name in sorted(sizes):
+            cut[min(num_shards - 1, start * num_shards // max(total, 1))].append(name)
+            start += sizes[name]
+        return [names for names in cut if names]
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(sizes):
+        if shards[-1] and used + sizes[name] > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    return shards
+
+
+def write_synthetic_checkpoint(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    num_experts: int = 4,
+    hidden: int = 2880,
+    intermediate: int = 2880,
+    top_k: int = 4,
+    vocab_size: int = 1024,
+    num_attention_heads: int = 8,
+    num_key_value_heads: int = 2,
+    head_dim: int = 64,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    num_shards: int | None = None,
+    seed: int = 0,
+    recipe: Recipe | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> Path:
+    """Write a gpt-oss MXFP4 checkpoint into ``out_dir`` and return it.
+
+    ``num_shards`` (if given) overrides ``max_shard_bytes`` with an even split, which is the easy
+    way to make a small model's layers straddle shard files.
+    """
+    recipe = recipe or load_recipe("gpt-oss-120b")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = synthetic_config(
+        num_layers=num_layers,
+        num_experts=num_experts,
+        hidden=hidden,
+        intermediate=intermediate,
+        top_k=top_k,
+        vocab_size=vocab_size,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+    )
+    table = tensor_table(recipe, config)
+    sizes = {n: _nbytes(s, d) for n, (s, d) in table.items()}
+    total = sum(sizes.values())
+    groups = plan_shards(sizes, max_shard_bytes, num_shards)
+    files = shard_names(len(groups))
+    weight_map: dict[str, str] = {}
+    done = 0
+    for file_name, names in zip(files, groups):
+        tensors = {n: random_tensor(n, *table[n], seed=seed) for n in names}
+        tmp = out / f"{file_name}.tmp-{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, out / file_name)
+        for n in names:
+            weight_map[n] = file_name
+        done += sum(sizes[n] for n in names)
+        if on_progress:
+            on_progress("synthesize", done, total)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_json(out / "model.safetensors.index.json", index)
+    _write_json(out / "generation_config.json", {
+        "bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
+        "pad_token_id": 199999, "transformers_version": "4.55.0.dev0",
+    })
+    _write_json(out / "config.json", config)
+    return out
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    path.write_text(json.dumps(payload, indent=2) + "\n")
