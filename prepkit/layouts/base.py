@@ -217,9 +217,11 @@ class Layout(Protocol):
         ...
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
-        """The rank's tensors for one layer from that layer's local experts (checkpoint form).
+        """The rank's tensors for one layer from local experts in checkpoint form.
 
-        ``weights`` holds exactly ``plan.expert_range`` experts and the full intermediate axis.
+        ``weights`` holds a consecutive run of the rank's experts (the pipeline streams chunks of
+        ``plan.expert_range``) and the full intermediate axis; every output tensor has the
+        expert as dim 0, so chunks concatenate along it.
         """
         ...
 

@@ -11,6 +11,9 @@ dims), then either
 * ad hoc: ``lookup_tactic(problem, num_tokens, device)`` which caches one table per problem
   and device in a module-level :class:`TacticResolver`.
 
+``device`` is an :class:`Environment` or the kernels' ``prepkit.kernels.device.DeviceInfo``
+(software versions are then read from the installed packages' metadata).
+
 Where a table comes from, in order (first that has winners for the problem wins):
 
 1. the user DB (``$PREPKIT_TACTICS_DB``, else ``$XDG_CACHE_HOME/prepkit/tactics.db``), rows
@@ -28,7 +31,7 @@ Triton minor are dropped. Ranges use ceil semantics: the tactic measured at M se
 ``(previous point, M]``; above the last tuned point only a range marked ``extends_up`` serves.
 
 This module imports only the standard library (``torch``/``triton`` lazily in
-:meth:`DeviceInfo.current`), so ``import prepkit.runtime`` stays cheap.
+:meth:`Environment.current`), so ``import prepkit.runtime`` stays cheap.
 """
 
 from __future__ import annotations
@@ -189,10 +192,12 @@ def suggest_tune_command(problem: ProblemKey, arch: str) -> str:
 
 
 @dataclass(frozen=True)
-class DeviceInfo:
-    """Facts about the GPU and software stack that decide which rows may be used.
+class Environment:
+    """The GPU and software stack a row was measured on, or that a lookup runs on.
 
-    Passed in (never probed inside a heuristic); :meth:`current` builds it from torch.
+    Passed in (never probed inside a heuristic). :meth:`of` also takes the kernels'
+    ``prepkit.kernels.device.DeviceInfo`` (filling software versions from the installed
+    packages), and :meth:`current` reads the current CUDA device through torch.
     """
 
     cc_major: int
@@ -216,7 +221,28 @@ class DeviceInfo:
         return triton_minor(self.triton_version)
 
     @classmethod
-    def current(cls, device: int | None = None) -> DeviceInfo:
+    def of(cls, device: Any) -> Environment:
+        """Accept an :class:`Environment` or anything with ``capability``/``name``/``sm_count``
+        (the kernels' ``DeviceInfo``); versions come from the installed distributions."""
+        if isinstance(device, Environment):
+            return device
+        try:
+            cc_major, cc_minor = (int(x) for x in device.capability)
+        except (AttributeError, TypeError, ValueError) as err:
+            raise TypeError(f"cannot describe the device from {device!r}") from err
+        return cls(
+            cc_major=cc_major,
+            cc_minor=cc_minor,
+            name=str(getattr(device, "name", "")),
+            sm_count=int(getattr(device, "sm_count", 0)),
+            l2_bytes=int(getattr(device, "l2_bytes", 0)),
+            smem_per_block_optin=int(getattr(device, "max_shared_mem", 0)),
+            triton_version=str(getattr(device, "triton_version", "") or _dist_version("triton")),
+            torch_version=str(getattr(device, "torch_version", "") or _dist_version("torch")),
+        )
+
+    @classmethod
+    def current(cls, device: int | None = None) -> Environment:
         """Describe the current CUDA device.
 
         Raises:
@@ -252,6 +278,16 @@ class DeviceInfo:
             cuda_version=str(torch.version.cuda or ""),
             driver_version=_driver_version(),
         )
+
+
+def _dist_version(name: str) -> str:
+    # Package metadata, not an import: reading triton's version must not load triton.
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return ""
 
 
 def _driver_version() -> str:
@@ -398,7 +434,9 @@ class TacticTable:
             self.hits += 1
         return tj
 
-    def get(self, num_tokens: int, default: Callable[[int], T], decode: Callable[[str], T] | None = None) -> T:
+    def get(
+        self, num_tokens: int, default: Callable[[int], T], decode: Callable[[str], T] | None = None
+    ) -> T:
         """The decoded tactic for ``num_tokens``; ``default(num_tokens)`` on a miss.
 
         ``decode`` defaults to ``GemmTactic.from_json``; a row the decoder rejects (fields this
@@ -412,7 +450,9 @@ class TacticTable:
             try:
                 self._decoded[tj] = dec(tj)
             except (ValueError, TypeError, KeyError) as err:
-                log.warning("tactic %s from %s cannot be decoded (%s); using the default", tj, self.db_path, err)
+                log.warning(
+                    "tactic %s from %s cannot be decoded (%s); using the default", tj, self.db_path, err
+                )
                 self._decoded[tj] = None
         value = self._decoded[tj]
         return default(num_tokens) if value is None else value
@@ -425,7 +465,7 @@ class TacticTable:
     def load(
         cls,
         problem: ProblemKey,
-        device: DeviceInfo,
+        device: Environment | Any,
         *,
         user_db: str | os.PathLike[str] | None = None,
         bundled_db: str | os.PathLike[str] | None | bool = True,
@@ -437,6 +477,7 @@ class TacticTable:
         :func:`bundled_db_path`, ``False``/``None`` skips it. A DB that is missing is skipped
         silently; one that is corrupt, foreign or newer is skipped with a warning.
         """
+        device = Environment.of(device)
         dbs: list[tuple[str, Path]] = []
         upath = Path(user_db) if user_db is not None else user_db_path()
         dbs.append(("user", upath))
@@ -502,7 +543,7 @@ class _EnvRows:
         return triton_minor(self.triton_version)
 
 
-def _read_rows(path: Path, problem: ProblemKey, device: DeviceInfo) -> list[_EnvRows]:
+def _read_rows(path: Path, problem: ProblemKey, device: Environment) -> list[_EnvRows]:
     """Winner ranges per environment of the same compute capability, best environment first."""
     conn = open_readonly(path)
     try:
@@ -576,11 +617,12 @@ class TacticResolver:
         self.user_db = user_db
         self.bundled_db = bundled_db
         self.smoke_check = smoke_check
-        self._tables: dict[tuple[ProblemKey, DeviceInfo], TacticTable] = {}
+        self._tables: dict[tuple[ProblemKey, Environment], TacticTable] = {}
         self._warned: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()
 
-    def table(self, problem: ProblemKey, device: DeviceInfo) -> TacticTable:
+    def table(self, problem: ProblemKey, device: Environment | Any) -> TacticTable:
+        device = Environment.of(device)
         key = (problem, device)
         with self._lock:
             table = self._tables.get(key)
@@ -592,15 +634,16 @@ class TacticResolver:
                 self._tables[key] = table
         return table
 
-    def lookup(self, problem: ProblemKey, num_tokens: int, device: DeviceInfo) -> str | None:
+    def lookup(self, problem: ProblemKey, num_tokens: int, device: Environment | Any) -> str | None:
         """Tactic JSON for the call, or ``None`` (the caller's default serves it; warned once)."""
+        device = Environment.of(device)
         table = self.table(problem, device)
         tj = table.tactic_for(num_tokens)
         if tj is None:
             self._warn_miss(table, num_tokens, device)
         return tj
 
-    def _warn_miss(self, table: TacticTable, num_tokens: int, device: DeviceInfo) -> None:
+    def _warn_miss(self, table: TacticTable, num_tokens: int, device: Environment) -> None:
         outside = bool(table.ranges)  # a table exists but does not reach this M
         key = (table.problem.problem_hash(), device.arch + device.name, "outside" if outside else "none")
         if key in self._warned:
@@ -652,7 +695,7 @@ def default_resolver() -> TacticResolver:
 def lookup_tactic(
     problem: ProblemKey,
     num_tokens: int,
-    device: DeviceInfo,
+    device: Environment | Any,
     *,
     resolver: TacticResolver | None = None,
 ) -> Any | None:
@@ -683,11 +726,11 @@ def expand_ranges(points: Iterable[int], winners: Sequence[str]) -> list[Range]:
     pts = list(points)
     if len(pts) != len(winners):
         raise ValueError("points and winners differ in length")
-    if any(b <= a for a, b in zip(pts, pts[1:])) or (pts and pts[0] < 1):
+    if any(b <= a for a, b in zip(pts, pts[1:], strict=False)) or (pts and pts[0] < 1):
         raise ValueError(f"token points must be ascending positive integers, got {pts}")
     out: list[Range] = []
     lo = 1
-    for i, (m, tj) in enumerate(zip(pts, winners)):
+    for i, (m, tj) in enumerate(zip(pts, winners, strict=True)):
         if i + 1 < len(pts) and winners[i + 1] == tj:
             continue
         out.append(Range(lo, m, tj))

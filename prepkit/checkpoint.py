@@ -1,0 +1,248 @@
+"""Read a gpt-oss checkpoint lazily and validate all of it before any work starts.
+
+Every tensor is resolved through ``model.safetensors.index.json`` (a layer's tensors straddle
+shard files in the real checkpoint). Validation reads only the safetensors headers, so it is
+cheap on 65 GB, and it reports every problem at once, naming file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from prepkit.errors import CheckpointError
+from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights, ModelDims
+from prepkit.recipes import SAFETENSORS_DTYPES, Recipe, check_config, model_dims, shape_of
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    file: str
+    dtype: torch.dtype | None
+    dtype_name: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The header dict and the data section's start offset; raises CheckpointError when the file
+    is shorter than its header says (a truncated download)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{path.name}: file is {size} bytes, too short to be safetensors",
+                                      hint="re-download it")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(f"{path.name}: header length {header_len} does not fit a {size}-byte file",
+                                      hint="the file is truncated or not safetensors; re-download it")
+            header = json.loads(f.read(header_len))
+    except OSError as err:
+        raise CheckpointError(f"{path.name}: cannot read ({err.strerror})") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path.name}: header is not valid JSON", hint="re-download it") from err
+    data_start = 8 + header_len
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if data_start + end > size:
+        raise CheckpointError(
+            f"{path.name}: truncated: holds {size} bytes, its header needs {data_start + end}",
+            hint="re-download it (prepkit fetch verifies sha256 and resumes)",
+        )
+    return header, data_start
+
+
+class Checkpoint:
+    """A checkpoint folder: config, index, headers. Tensors are read on demand."""
+
+    def __init__(self, root: str | Path, recipe: Recipe) -> None:
+        self.root = Path(root)
+        self.recipe = recipe
+        if not self.root.is_dir():
+            raise CheckpointError(f"checkpoint folder {self.root} does not exist",
+                                  hint=f"download it first: prepkit fetch --model {recipe.name}")
+        self.config = self._read_json("config.json")
+        problems = check_config(recipe, self.config, "config.json")
+        if problems:
+            raise CheckpointError(
+                "the model is not a gpt-oss MXFP4 checkpoint:\n  " + "\n  ".join(problems),
+                hint="point --src at a gpt-oss checkpoint (openai/gpt-oss-120b or -20b layout)",
+            )
+        self.dims: ModelDims = model_dims(self.config)
+        self.weight_map = self._read_weight_map()
+        self.entries: dict[str, TensorEntry] = {}
+        self._handles: dict[str, Any] = {}
+
+    # --- index and headers ----------------------------------------------------------------
+
+    def _read_json(self, name: str) -> dict[str, Any]:
+        path = self.root / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing", hint=f"download the model: prepkit fetch --model {self.recipe.name}")
+        try:
+            value = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path} is not valid JSON: {err}") from err
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path} must hold a JSON object")
+        return value
+
+    def _read_weight_map(self) -> dict[str, str]:
+        if (self.root / INDEX_NAME).is_file():
+            index = self._read_json(INDEX_NAME)
+            weight_map = index.get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{INDEX_NAME} has no weight_map")
+            return {str(k): str(v) for k, v in weight_map.items()}
+        if (self.root / SINGLE_FILE).is_file():
+            header, _ = read_safetensors_header(self.root / SINGLE_FILE)
+            return {k: SINGLE_FILE for k in header if k != "__metadata__"}
+        raise CheckpointError(f"{self.root} holds neither {INDEX_NAME} nor {SINGLE_FILE}",
+                              hint=f"download the model: prepkit fetch --model {self.recipe.name}")
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.weight_map.values()))
+
+    def expected_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        table: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        for layer in range(self.dims.num_layers):
+            for rules in (self.recipe.layer_tensors, self.recipe.expert_tensors):
+                for rule in rules.values():
+                    table[rule.name(layer)] = (shape_of(rule, self.config), rule.dtype)
+        for rule in self.recipe.global_tensors.values():
+            table[rule.name()] = (shape_of(rule, self.config), rule.dtype)
+        return table
+
+    def validate(self) -> None:
+        """Check files, names, dtypes and shapes of every tensor; raise once with every problem."""
+        problems: list[str] = []
+        headers: dict[str, tuple[dict[str, Any], int]] = {}
+        for file in self.files:
+            path = self.root / file
+            if not path.is_file():
+                names = sorted(n for n, f in self.weight_map.items() if f == file)
+                problems.append(f"{file}: missing (holds {len(names)} tensors, e.g. {names[0]})")
+                continue
+            try:
+                headers[file] = read_safetensors_header(path)
+            except CheckpointError as err:
+                problems.append(str(err))
+        for name, (shape, dtype) in self.expected_tensors().items():
+            file = self.weight_map.get(name)
+            if file is None:
+                problems.append(f"{name}: not in {INDEX_NAME}")
+                continue
+            if file not in headers:
+                continue
+            info = headers[file][0].get(name)
+            if info is None:
+                problems.append(f"{file}: {name} is listed in the index but not stored in the file")
+                continue
+            got_dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+            got_shape = tuple(info["shape"])
+            if got_dtype != dtype:
+                problems.append(f"{file}: {name} has dtype {info['dtype']}, expected {_st_name(dtype)}")
+            if got_shape != shape:
+                problems.append(f"{file}: {name} has shape {list(got_shape)}, expected {list(shape)}")
+            lo, hi = info["data_offsets"]
+            self.entries[name] = TensorEntry(name, file, got_dtype, info["dtype"], got_shape, hi - lo)
+        for name, file in self.weight_map.items():
+            if name not in self.entries and file in headers and name in headers[file][0]:
+                info = headers[file][0][name]
+                lo, hi = info["data_offsets"]
+                self.entries[name] = TensorEntry(
+                    name, file, SAFETENSORS_DTYPES.get(info["dtype"]), info["dtype"], tuple(info["shape"]), hi - lo
+                )
+        if problems:
+            shown = problems[:50]
+            more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+            raise CheckpointError(
+                f"checkpoint {self.root} has {len(problems)} problem(s):\n  " + "\n  ".join(shown) + more,
+                hint="re-download the files named above (prepkit fetch verifies every file)",
+            )
+
+    # --- reading --------------------------------------------------------------------------
+
+    def _handle(self, file: str) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = safe_open(str(self.root / file), framework="pt")
+            self._handles[file] = handle
+        return handle
+
+    def read(self, name: str) -> torch.Tensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{name}: not in {INDEX_NAME}")
+        try:
+            return self._handle(file).get_tensor(name)
+        except Exception as err:  # safetensors raises its own error types
+            raise CheckpointError(f"{file}: cannot read {name}: {err}", hint="re-download the file") from err
+
+    def read_experts(self, layer: int) -> ExpertWeights:
+        """All experts of one layer in checkpoint form (about 1.75 GB for gpt-oss-120b)."""
+        return ExpertWeights(**{role: self.read(self.recipe.expert_name(layer, role)) for role in SOURCE_ROLES})
+
+    def read_experts_range(self, layer: int, lo: int, hi: int) -> ExpertWeights:
+        """Experts ``[lo, hi)`` of one layer, reading only their bytes."""
+        tensors = {}
+        for role in SOURCE_ROLES:
+            name = self.recipe.expert_name(layer, role)
+            try:
+                tensors[role] = self._handle(self.weight_map[name]).get_slice(name)[lo:hi]
+            except Exception as err:  # safetensors raises its own error types
+                raise CheckpointError(f"{self.weight_map[name]}: cannot read {name}: {err}",
+                                      hint="re-download the file") from err
+        return ExpertWeights(**tensors)
+
+    def expert_names(self, layer: int) -> list[str]:
+        return [self.recipe.expert_name(layer, role) for role in SOURCE_ROLES]
+
+    def non_expert_names(self) -> list[str]:
+        experts = {n for layer in range(self.dims.num_layers) for n in self.expert_names(layer)}
+        return sorted(n for n in self.weight_map if n not in experts)
+
+    def source_files(self) -> Iterable[Path]:
+        for name in ("config.json", INDEX_NAME, *self.files):
+            path = self.root / name
+            if path.is_file():
+                yield path
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _st_name(dtype: torch.dtype) -> str:
+    for k, v in SAFETENSORS_DTYPES.items():
+        if v == dtype:
+            return k
+    return str(dtype)
+
+
+def free_bytes(path: Path) -> int:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize

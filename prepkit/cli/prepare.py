@@ -1,0 +1,123 @@
+"""``prepkit prepare``: checkpoint experts -> engine-ready shards per TP/EP rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from prepkit import console
+from prepkit.cli._app import cli
+from prepkit.cli._options import json_option, model_option, quiet_option
+from prepkit.layouts import LAYOUTS, LayoutOptions, get_layout
+from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
+from prepkit.recipes import load_recipe
+
+
+def default_src(model: str) -> Path:
+    """Where ``prepkit fetch`` puts the model."""
+    from prepkit.fetch import default_model_dir
+
+    return Path(default_model_dir(load_recipe(model)))
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@cli.command()
+@model_option
+@click.option("--layout", "layout_name", default="trtllm-gen", show_default=True,
+              type=click.Choice(sorted(LAYOUTS)), help="Target engine layout.")
+@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="MoE tensor-parallel size.")
+@click.option("--ep", "ep_size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Expert-parallel size (contiguous expert slices).")
+@click.option("--rank", "ranks", multiple=True, type=click.IntRange(min=0),
+              help="Only these output ranks (rank = ep_rank*tp + tp_rank); repeatable. Default: all.")
+@click.option("--trtllm-version", default="main", show_default=True, type=click.Choice(TRTLLM_VERSIONS),
+              help="TensorRT-LLM whose TP split to match: 'main' (logical TP slicing where it applies, "
+                   "PR #18870) or '1.2' (pad-before-shard everywhere). Only TP2 of gpt-oss differs.")
+@click.option("--src", type=click.Path(path_type=Path, file_okay=False),
+              help="Checkpoint folder. Default: where 'prepkit fetch' puts --model.")
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False),
+              help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>].")
+@click.option("--dry-run", is_flag=True, help="Print the plan (ranks, shapes, bytes, free disk) and stop.")
+@json_option
+@quiet_option
+def prepare(model: str, layout_name: str, tp_size: int, ep_size: int, ranks: tuple[int, ...],
+            trtllm_version: str, src: Path | None, out: Path | None, dry_run: bool, as_json: bool,
+            quiet: bool) -> None:
+    """Convert the MoE experts of a checkpoint into one shard set per TP/EP rank.
+
+    Reads each layer once, writes every rank's file from it, and finishes with
+    OUT/manifest.json (layout id, source hashes, per-rank sizes, sha256 of every
+    file). An interrupted run resumes: rerun the same command.
+
+    \b
+    Example:
+        prepkit prepare --model gpt-oss-120b --layout trtllm-gen --tp 4
+        prepkit prepare --src ./synthetic --tp 8 --out ./shards --dry-run
+    """
+    from prepkit import pipeline
+    from prepkit.errors import OutputError
+
+    recipe = load_recipe(model)
+    layout = get_layout(layout_name)
+    src = src or default_src(model)
+    suffix = f"-ep{ep_size}" if ep_size > 1 else ""
+    out = out or Path("prepared") / f"{recipe.name}-{layout.name}-tp{tp_size}{suffix}"
+    plan = pipeline.plan_prepare(recipe, src, layout, tp_size=tp_size, ep_size=ep_size, out_dir=out,
+                                 options=LayoutOptions(trtllm_version=trtllm_version),
+                                 ranks=list(ranks) if ranks else None)
+    _show_plan(plan)
+    if dry_run:
+        if as_json:
+            console.emit_json({"plan": plan.summary()})
+        return
+    if plan.bytes_to_write > plan.free_bytes:
+        raise OutputError(
+            f"{out} needs {_human(plan.bytes_to_write)} but only {_human(plan.free_bytes)} is free",
+            hint="free disk space or choose --out on another disk",
+        )
+    with console.progress(enabled=not quiet) as on_progress:
+        result = pipeline.prepare(plan, on_progress=on_progress)
+    summary = result.summary()
+    if as_json:
+        console.emit_json(summary)
+    else:
+        console.info(f"[green]done:[/] {summary['files_written']} files written, {summary['files_skipped']} "
+                     f"already complete, {_human(summary['bytes_written'])} in {summary['seconds']:.1f} s "
+                     f"({summary['source_gb_per_s']:.2f} GB/s of source)")
+        click.echo(str(result.out_dir / "manifest.json"))
+
+
+def _show_plan(plan: "pipeline.PreparePlan") -> None:  # type: ignore[name-defined]  # noqa: F821
+    from rich.table import Table
+
+    s = plan.summary()
+    d = s["dims"]
+    console.info(
+        f"[bold]{s['model']}[/] from {s['source']}: {d['num_layers']} layers, {d['num_experts']} experts, "
+        f"H={d['hidden']}, I={d['intermediate']}  ->  [bold]{s['layout']}[/] ({s['layout_id']}), "
+        f"tp={s['tp_size']} ep={s['ep_size']} into {s['out']}"
+    )
+    table = Table(title=None, show_edge=False, header_style="bold")
+    for col in ("rank", "experts", "I rows", "valid", "padded", "rule", "bytes"):
+        table.add_column(col)
+    for r in s["ranks"]:
+        lo, hi = r["intermediate_rows"]
+        table.add_row(str(r["rank"]), f"{r['experts'][0]}..{r['experts'][1] - 1}", f"[{lo}, {hi})",
+                      str(r["valid_intermediate"]), str(r["padded_intermediate"]), r["sharding_rule"],
+                      _human(r["bytes"]))
+    console.err_console.print(table)
+    shapes = ", ".join(f"{n} {v}" for n, v in s["ranks"][0]["tensors_per_layer"].items())
+    console.info(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
+    console.info(f"to write: {_human(s['bytes_to_write'])} (shared non-expert tensors {_human(s['shared_bytes'])}, "
+                 f"written once); free: {_human(s['free_bytes'])}")
+    for w in s["warnings"]:
+        console.warn(w)

@@ -1,0 +1,1092 @@
+"""Download a checkpoint from the Hugging Face hub: only the files ``prepare`` needs, each one
+checked against the hub's hashes, plus a fetch record that ``prepare`` cites as provenance.
+
+huggingface_hub moves the bytes (``hf_hub_download`` into a plain folder); this module adds what it
+leaves out for a 61 GiB download: a plan with a free-disk check, sha256 verification of every file
+(the library only compares sizes), one retry of a file that fails it, cleanup of the partial files
+an interrupted run leaves behind (huggingface_hub 2.x never resumes them), and a completeness check
+against ``model.safetensors.index.json``.
+
+Layout of a model folder::
+
+    <dir>/model-00000-of-00014.safetensors ...    the repo files, at their repo paths
+    <dir>/prepkit-fetch.json                      written last, only when every file is verified
+    <dir>/.cache/prepkit/fetch-state.json         plan + per-file verification (for reruns, --offline)
+    <dir>/.cache/huggingface/                     huggingface_hub's own bookkeeping
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import shutil
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+from prepkit import __version__
+from prepkit.errors import FetchError, RecipeError
+
+logger = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]
+
+RECORD_NAME = "prepkit-fetch.json"
+RECORD_FORMAT = "prepkit-fetch/1"
+STATE_FORMAT = "prepkit-fetch-state/1"
+STATE_PATH = Path(".cache") / "prepkit" / "fetch-state.json"
+LOCK_PATH = Path(".cache") / "prepkit" / "fetch.lock"
+HF_DOWNLOAD_DIR = Path(".cache") / "huggingface" / "download"
+TOTAL_LABEL = "all files"
+REWRITE_HINT = "run `prepkit fetch` again to rewrite it"
+
+# Used for an ORG/REPO without a recipe; recipes carry their own lists (recipes/*.json "fetch").
+DEFAULT_INCLUDE = (
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+DEFAULT_EXCLUDE = ("original/*", "metal/*")
+DEFAULT_ORIGINAL = ("original/*",)
+# metal/model.bin is a third copy of the weights (65 GB, Xet-only); nothing here reads it.
+NEVER = ("metal/*",)
+# Files prepare cannot do without; a repo lacking them is refused before anything is downloaded.
+REQUIRED = ("config.json", "model.safetensors.index.json")
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_HASH_CHUNK = 8 * 1024 * 1024
+
+
+class RecipeLike(Protocol):
+    repo_id: str
+    revision: str
+
+
+# --------------------------------------------------------------------------------------- sources
+
+
+@dataclass(frozen=True)
+class Source:
+    """What to fetch: a hub repo, the revision to pin, and which files."""
+
+    repo_id: str
+    revision: str
+    recipe: str | None = None
+    include: tuple[str, ...] = DEFAULT_INCLUDE
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    original: tuple[str, ...] = DEFAULT_ORIGINAL
+
+    def patterns(self, include_original: bool) -> tuple[list[str], list[str]]:
+        include = list(self.include) + (list(self.original) if include_original else [])
+        exclude = [p for p in self.exclude if not (include_original and p in self.original)]
+        return include, exclude + [p for p in NEVER if p not in exclude]
+
+
+def resolve_source(model: str, *, revision: str | None = None) -> Source:
+    """``gpt-oss-120b`` / ``openai/gpt-oss-120b`` / a recipe path -> the recipe's repo and pinned revision;
+    any other ``ORG/NAME`` -> that repo at ``main``. ``revision`` overrides the pin."""
+    from prepkit.recipes import load_recipe
+
+    try:
+        recipe = load_recipe(model)
+    except RecipeError:
+        if model.endswith(".json") or model.count("/") != 1 or not all(model.split("/")):
+            raise
+        return Source(repo_id=model, revision=revision or "main")
+    fetch = getattr(recipe, "fetch", None) or {}
+    return Source(
+        repo_id=recipe.repo_id,
+        revision=revision or recipe.revision,
+        recipe=recipe.name,
+        include=tuple(fetch.get("include", DEFAULT_INCLUDE)),
+        exclude=tuple(fetch.get("exclude", DEFAULT_EXCLUDE)),
+        original=tuple(fetch.get("original", DEFAULT_ORIGINAL)),
+    )
+
+
+def prepkit_home() -> Path:
+    return Path(os.environ.get("PREPKIT_HOME") or Path.home() / ".cache" / "prepkit").expanduser()
+
+
+def model_dir_for(repo_id: str, revision: str) -> Path:
+    """``$PREPKIT_HOME/models/<org>--<name>/<revision>``: one folder per pinned revision."""
+    safe_revision = revision.replace("/", "--")
+    return prepkit_home() / "models" / repo_id.replace("/", "--") / safe_revision
+
+
+def default_model_dir(recipe: RecipeLike) -> Path:
+    """Where ``prepkit fetch --model <recipe>`` puts the model, and where ``prepare`` looks by default."""
+    return model_dir_for(recipe.repo_id, recipe.revision)
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    path: str
+    size: int
+    sha256: str | None  # the LFS oid; None for small files stored in git
+    git_blob: str | None  # git blob sha1 of a small file; None for LFS files
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256, "git_blob": self.git_blob}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RemoteFile:
+        return cls(path=raw["path"], size=int(raw["size"]), sha256=raw.get("sha256"),
+                   git_blob=raw.get("git_blob"))
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    remote: RemoteFile
+    status: str  # "verified" | "unverified" (present, right size, not hashed yet) | "wrong-size" | "missing"
+    local_size: int = 0
+
+    @property
+    def path(self) -> str:
+        return self.remote.path
+
+    @property
+    def need_bytes(self) -> int:
+        """Extra disk bytes a download of this file takes (a stale copy is deleted first)."""
+        if self.status in ("verified", "unverified"):
+            return 0
+        return max(self.remote.size - self.local_size, 0)
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    source: Source
+    commit: str
+    dest: Path
+    files: tuple[PlannedFile, ...]
+    endpoint: str
+    offline: bool
+    include_original: bool
+    free_bytes: int
+    orphan_bytes: int  # partial files of earlier runs, deleted before downloading
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.remote.size for f in self.files)
+
+    @property
+    def need_bytes(self) -> int:
+        return sum(f.need_bytes for f in self.files)
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.remote.size for f in self.files if f.status in ("missing", "wrong-size"))
+
+    @property
+    def margin_bytes(self) -> int:
+        # Room for huggingface_hub's metadata and filesystem slack; 1 % covers block rounding.
+        return 64 * 2**20 + self.need_bytes // 100
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes + self.margin_bytes <= self.free_bytes + self.orphan_bytes
+
+    def count(self, status: str) -> int:
+        return sum(1 for f in self.files if f.status == status)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.source.repo_id,
+            "revision": self.source.revision,
+            "commit": self.commit,
+            "recipe": self.source.recipe,
+            "dir": str(self.dest),
+            "endpoint": self.endpoint,
+            "offline": self.offline,
+            "include_original": self.include_original,
+            "total_bytes": self.total_bytes,
+            "download_bytes": self.download_bytes,
+            "need_bytes": self.need_bytes,
+            "free_bytes": self.free_bytes,
+            "orphan_bytes": self.orphan_bytes,
+            "fits": self.fits,
+            "files": [{"path": f.path, "size": f.remote.size, "status": f.status} for f in self.files],
+        }
+
+
+def plan_fetch(
+    source: Source,
+    dest: Path,
+    *,
+    include_original: bool = False,
+    offline: bool = False,
+    endpoint: str | None = None,
+    token: str | bool | None = None,
+) -> FetchPlan:
+    """List the files to fetch with their hub sizes and hashes, and what ``dest`` already holds.
+
+    Online this asks the hub for the commit and the file tree; offline it reuses the plan an earlier
+    fetch into ``dest`` stored. Nothing is written.
+
+    Raises:
+        FetchError: the repo or revision does not exist, access is denied, the hub is unreachable,
+            no file matches, a required file is missing from the repo, or (offline) nothing was
+            fetched into ``dest`` before.
+    """
+    from huggingface_hub import constants
+
+    dest = Path(dest).expanduser().resolve()
+    offline = offline or bool(constants.HF_HUB_OFFLINE)
+    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
+    include, exclude = source.patterns(include_original)
+    if offline:
+        commit, remote = _plan_offline(source, dest, include_original)
+    else:
+        commit, remote = _plan_online(source, endpoint=endpoint, token=token)
+    selected = _select(remote, include, exclude)
+    if not selected:
+        raise FetchError(
+            f"no file of {source.repo_id} at {commit[:12]} matches {include} (excluding {exclude})",
+            hint="check --model; a repo without safetensors shards cannot be prepared",
+        )
+    if source.recipe is not None:
+        names = {f.path for f in selected}
+        missing = [name for name in REQUIRED if name not in names]
+        if missing:
+            raise FetchError(
+                f"{source.repo_id} at {commit[:12]} has no {', '.join(missing)}: it is not a "
+                "transformers-format gpt-oss checkpoint",
+                hint=f"check --revision (the recipe pins {source.revision})",
+            )
+    state = _State.load(dest)
+    files = tuple(_local_status(dest, f, state) for f in selected)
+    return FetchPlan(
+        source=source,
+        commit=commit,
+        dest=dest,
+        files=files,
+        endpoint=endpoint,
+        offline=offline,
+        include_original=include_original,
+        free_bytes=_free_bytes(dest),
+        orphan_bytes=sum(size for _, size in _orphans(dest)),
+    )
+
+
+def _select(files: Sequence[RemoteFile], include: list[str], exclude: list[str]) -> list[RemoteFile]:
+    from huggingface_hub.utils import filter_repo_objects
+
+    # huggingface_hub's own matcher, so patterns mean what they mean for `hf download`.
+    chosen = filter_repo_objects(files, allow_patterns=include, ignore_patterns=exclude, key=lambda f: f.path)
+    return sorted(chosen, key=lambda f: f.path)
+
+
+def _plan_online(source: Source, *, endpoint: str, token: str | bool | None) -> tuple[str, list[RemoteFile]]:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=endpoint, token=token, library_name="prepkit", library_version=__version__)
+    with _hub_errors(source, endpoint, api=api, stage="listing"):
+        if _COMMIT.match(source.revision):
+            commit = source.revision  # immutable: no need to resolve it
+        else:
+            sha = api.repo_info(source.repo_id, revision=source.revision).sha
+            if not sha:
+                raise FetchError(f"{endpoint} did not resolve {source.repo_id}@{source.revision} to a commit")
+            commit = sha
+        tree = list(api.list_repo_tree(source.repo_id, revision=commit, recursive=True))
+    remote = []
+    for entry in tree:
+        if not isinstance(entry, RepoFile):
+            continue
+        lfs = entry.lfs
+        remote.append(
+            RemoteFile(
+                path=entry.path,
+                size=int(lfs.size if lfs is not None else entry.size),
+                sha256=lfs.sha256 if lfs is not None else None,
+                git_blob=None if lfs is not None else entry.blob_id,
+            )
+        )
+    return commit, remote
+
+
+def _plan_offline(source: Source, dest: Path, include_original: bool) -> tuple[str, list[RemoteFile]]:
+    state = _State.load(dest)
+    if state is not None and state.matches(source):
+        if include_original and not state.include_original:
+            raise FetchError(
+                f"the earlier fetch into {dest} did not include original/, and --offline cannot list it",
+                hint="run once without --offline to add original/",
+            )
+        return state.commit, list(state.files)
+    record = read_fetch_record(dest)
+    if record is not None and record.matches(source):
+        return record.commit, list(record.files)
+    raise FetchError(
+        f"--offline: no earlier fetch of {source.repo_id}@{source.revision} in {dest}",
+        hint="run `prepkit fetch` once with network access, or point --dir at the folder it used",
+    )
+
+
+def _local_status(dest: Path, remote: RemoteFile, state: _State | None) -> PlannedFile:
+    path = dest / remote.path
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return PlannedFile(remote, "missing")
+    if st.st_size != remote.size:
+        return PlannedFile(remote, "wrong-size", st.st_size)
+    if state is not None and state.is_verified(remote, st):
+        return PlannedFile(remote, "verified", st.st_size)
+    return PlannedFile(remote, "unverified", st.st_size)
+
+
+def _free_bytes(dest: Path) -> int:
+    probe = dest
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _orphans(dest: Path) -> list[tuple[Path, int]]:
+    """Partial downloads under huggingface_hub's download folder (each run writes a new unique name,
+    so a killed run's file is never reused, only left behind)."""
+    root = dest / HF_DOWNLOAD_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.rglob("*.incomplete"):
+        with contextlib.suppress(OSError):
+            found.append((path, path.stat().st_size))
+    return found
+
+
+# ------------------------------------------------------------------------------- local bookkeeping
+
+
+@dataclass
+class _State:
+    """The plan of the latest fetch into a folder and what has been verified since; rewritten after
+    every verified file, so an interrupted run loses no verification work."""
+
+    dest: Path
+    repo_id: str
+    revision: str
+    commit: str
+    include_original: bool
+    files: list[RemoteFile]
+    verified: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @classmethod
+    def load(cls, dest: Path) -> _State | None:
+        path = dest / STATE_PATH
+        try:
+            raw = json.loads(path.read_text())
+            if raw.get("format") != STATE_FORMAT:
+                return None
+            return cls(
+                dest=dest,
+                repo_id=raw["repo_id"],
+                revision=raw["revision"],
+                commit=raw["commit"],
+                include_original=bool(raw.get("include_original")),
+                files=[RemoteFile.from_json(f) for f in raw["files"]],
+                verified=dict(raw.get("verified", {})),
+            )
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.warning("ignoring unreadable %s", path)
+            return None
+
+    def matches(self, source: Source) -> bool:
+        return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
+
+    def is_verified(self, remote: RemoteFile, st: os.stat_result) -> bool:
+        entry = self.verified.get(remote.path)
+        if not entry or entry.get("size") != st.st_size or entry.get("mtime_ns") != st.st_mtime_ns:
+            return False
+        return _hash_matches(remote, entry.get("sha256"), entry.get("git_blob"))
+
+    def mark(self, remote: RemoteFile, digest: _Digest, st: os.stat_result) -> None:
+        with self.lock:
+            self.verified[remote.path] = {
+                "size": st.st_size,
+                "mtime_ns": st.st_mtime_ns,
+                "sha256": digest.sha256,
+                "git_blob": digest.git_blob,
+            }
+            self.save()
+
+    def save(self) -> None:
+        payload = {
+            "format": STATE_FORMAT,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "include_original": self.include_original,
+            "files": [f.to_json() for f in self.files],
+            "verified": self.verified,
+        }
+        _write_json_atomic(self.dest / STATE_PATH, payload)
+
+
+@dataclass(frozen=True)
+class _Digest:
+    sha256: str
+    git_blob: str
+
+
+def _hash_file(path: Path) -> _Digest:
+    """sha256 (the LFS oid) and the git blob sha1 (the oid of a small file) in one read."""
+    size = path.stat().st_size
+    sha256 = hashlib.sha256()
+    blob = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    with path.open("rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            sha256.update(chunk)
+            blob.update(chunk)
+    return _Digest(sha256=sha256.hexdigest(), git_blob=blob.hexdigest())
+
+
+def _hash_matches(remote: RemoteFile, sha256: str | None, git_blob: str | None) -> bool:
+    if remote.sha256 is not None:
+        return sha256 == remote.sha256
+    if remote.git_blob is not None:
+        return git_blob == remote.git_blob
+    return sha256 is not None  # the hub gave no hash: the size check is all there is
+
+
+def _write_json_atomic(path: Path, payload: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _folder_lock(dest: Path) -> Iterator[None]:
+    """One fetch per folder: the orphan cleanup would delete another run's in-flight partial files."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no advisory locks, run unguarded
+        yield
+        return
+    path = dest / LOCK_PATH
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            raise FetchError(
+                f"another prepkit fetch is running on {dest}",
+                hint="wait for it to finish, or use another --dir",
+            ) from err
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------- record
+
+
+@dataclass(frozen=True)
+class RecordFile:
+    path: str
+    size: int
+    sha256: str
+    lfs: bool
+    git_blob: str | None = None
+
+
+@dataclass(frozen=True)
+class FetchRecord:
+    """What ``prepkit-fetch.json`` says: the repo, the exact commit, and every file with its hash."""
+
+    path: Path
+    repo_id: str
+    revision: str
+    commit: str
+    endpoint: str
+    recipe: str | None
+    include_original: bool
+    fetched_at: str
+    prepkit_version: str
+    entries: tuple[RecordFile, ...]
+
+    @property
+    def files(self) -> tuple[RemoteFile, ...]:
+        return tuple(
+            RemoteFile(e.path, e.size, e.sha256 if e.lfs else None, None if e.lfs else e.git_blob)
+            for e in self.entries
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    def matches(self, source: Source) -> bool:
+        return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
+
+    def provenance(self) -> dict[str, Any]:
+        """The part of the record a prepared manifest cites."""
+        return {
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "endpoint": self.endpoint,
+            "fetched_at": self.fetched_at,
+            "fetch_record": RECORD_NAME,
+            "files": {e.path: {"size": e.size, "sha256": e.sha256} for e in self.entries},
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RECORD_FORMAT,
+            "prepkit_version": self.prepkit_version,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+            "endpoint": self.endpoint,
+            "recipe": self.recipe,
+            "include_original": self.include_original,
+            "fetched_at": self.fetched_at,
+            "total_bytes": self.total_bytes,
+            "files": [
+                {"path": e.path, "size": e.size, "sha256": e.sha256, "lfs": e.lfs}
+                | ({} if e.lfs else {"git_blob": e.git_blob})
+                for e in self.entries
+            ],
+        }
+
+
+def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
+    """The fetch record of ``model_dir``, or None when the folder was not (completely) fetched by prepkit.
+
+    Raises:
+        FetchError: the record exists but is not a prepkit fetch record this version can read.
+    """
+    path = Path(model_dir) / RECORD_NAME
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise FetchError(f"{path} is unreadable: {err}", hint=REWRITE_HINT) from err
+    try:
+        if raw.get("format") != RECORD_FORMAT:
+            raise ValueError(f"format is {raw.get('format')!r}, expected {RECORD_FORMAT!r}")
+        entries = tuple(
+            RecordFile(
+                path=f["path"],
+                size=int(f["size"]),
+                sha256=f["sha256"],
+                lfs=bool(f["lfs"]),
+                git_blob=f.get("git_blob"),
+            )
+            for f in raw["files"]
+        )
+        return FetchRecord(
+            path=path,
+            repo_id=raw["repo_id"],
+            revision=raw["revision"],
+            commit=raw["commit"],
+            endpoint=raw["endpoint"],
+            recipe=raw.get("recipe"),
+            include_original=bool(raw.get("include_original")),
+            fetched_at=raw["fetched_at"],
+            prepkit_version=raw["prepkit_version"],
+            entries=entries,
+        )
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise FetchError(
+            f"{path} is not a prepkit fetch record: {err}", hint=REWRITE_HINT
+        ) from err
+
+
+# -------------------------------------------------------------------------------------- download
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    plan: FetchPlan
+    downloaded: tuple[str, ...]  # fetched from the hub in this run
+    reused: tuple[str, ...]  # already present and verified (by hash now, or by an earlier run)
+    retried: tuple[str, ...]  # failed verification once, fetched again and then passed
+    orphans_removed: int
+    record: FetchRecord
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.plan.source.repo_id,
+            "revision": self.plan.source.revision,
+            "commit": self.plan.commit,
+            "dir": str(self.plan.dest),
+            "record": str(self.record.path),
+            "total_bytes": self.plan.total_bytes,
+            "downloaded": list(self.downloaded),
+            "downloaded_bytes": sum(f.remote.size for f in self.plan.files if f.path in set(self.downloaded)),
+            "reused": list(self.reused),
+            "retried": list(self.retried),
+            "orphans_removed": self.orphans_removed,
+            "files": [
+                {"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.record.entries
+            ],
+        }
+
+
+class _HashMismatch(Exception):
+    def __init__(self, path: str, expected: str, actual: str) -> None:
+        super().__init__(f"{path}: expected {expected}, got {actual}")
+        self.path = path
+
+
+def fetch(
+    plan: FetchPlan,
+    *,
+    token: str | bool | None = None,
+    max_workers: int = 4,
+    on_progress: ProgressFn | None = None,
+) -> FetchResult:
+    """Bring ``plan.dest`` to the planned snapshot, verify every file, and write the fetch record.
+
+    Files already verified are never downloaded again. A file that fails its hash check is deleted
+    and downloaded once more; if it fails again it is deleted and reported.
+
+    Raises:
+        FetchError: not enough disk space (checked first), another fetch holds the folder, a hub or
+            network error, disk full, a file that failed verification twice, a shard named by the
+            index that is not in the snapshot, or (offline) files that are missing or fail verification.
+    """
+    dest = plan.dest
+    dest.mkdir(parents=True, exist_ok=True)
+    with _folder_lock(dest):
+        removed = _remove_orphans(dest)
+        if not plan.fits:
+            raise FetchError(
+                f"not enough disk space in {dest}: {_human(plan.need_bytes)} to download "
+                f"+ {_human(plan.margin_bytes)} margin, {_human(plan.free_bytes + plan.orphan_bytes)} free",
+                hint="free some space, or fetch elsewhere with --dir DIR or PREPKIT_HOME",
+            )
+        state = _State.load(dest)
+        if state is None or state.commit != plan.commit or state.repo_id != plan.source.repo_id:
+            state = _State(dest, plan.source.repo_id, plan.source.revision, plan.commit,
+                           plan.include_original, [f.remote for f in plan.files])
+        else:
+            state.revision = plan.source.revision
+            known = {f.path for f in state.files}
+            state.files += [f.remote for f in plan.files if f.path not in known]
+            state.include_original = state.include_original or plan.include_original
+        if not plan.offline:
+            state.save()
+        if any(f.status != "verified" for f in plan.files):
+            # The folder is about to change: until every file is verified again it must not look complete.
+            (dest / RECORD_NAME).unlink(missing_ok=True)
+        progress = _Progress(on_progress, plan)
+        worker = _Worker(plan, state, progress, token=token)
+        results = _run_parallel([f for f in plan.files if f.status != "verified"], worker.run, max_workers)
+        errors = [r for r in results.values() if isinstance(r, Exception)]
+        mismatched = [err for err in errors if isinstance(err, _HashMismatch)]
+        others = [err for err in errors if not isinstance(err, _HashMismatch)]
+        if others:
+            raise others[0]
+        if mismatched:
+            names = ", ".join(sorted(err.path for err in mismatched))
+            raise FetchError(
+                f"{len(mismatched)} file(s) failed sha256 verification twice and were deleted: {names}",
+                hint="the hub, a proxy or the disk corrupts data; run the fetch again, and check "
+                "HF_ENDPOINT if you use a mirror",
+            )
+        _check_index(plan)
+        record = _write_record(plan, state)
+    verified_before = [f.path for f in plan.files if f.status == "verified"]
+    return FetchResult(
+        plan=plan,
+        downloaded=tuple(sorted(p for p, r in results.items() if r in ("downloaded", "retried"))),
+        reused=tuple(sorted(verified_before + [p for p, r in results.items() if r == "reused"])),
+        retried=tuple(sorted(p for p, r in results.items() if r == "retried")),
+        orphans_removed=removed,
+        record=record,
+    )
+
+
+def _remove_orphans(dest: Path) -> int:
+    removed = 0
+    for path, size in _orphans(dest):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed += 1
+            logger.info("removed partial file of an interrupted run: %s (%s)", path.name, _human(size))
+    return removed
+
+
+class _Worker:
+    """Fetches and verifies one file; runs in worker threads."""
+
+    def __init__(
+        self, plan: FetchPlan, state: _State, progress: _Progress, *, token: str | bool | None
+    ) -> None:
+        self.plan = plan
+        self.state = state
+        self.progress = progress
+        self.token = token
+
+    def run(self, planned: PlannedFile) -> str:
+        remote = planned.remote
+        target = self.plan.dest / remote.path
+        if planned.status == "unverified":
+            if self._verify(remote, target):
+                self.progress.done(remote)
+                return "reused"
+            logger.warning("%s: present but its hash does not match the hub; fetching it again", remote.path)
+            target.unlink(missing_ok=True)
+        elif planned.status == "wrong-size":
+            target.unlink(missing_ok=True)
+        if self.plan.offline:
+            state = "missing" if planned.status == "missing" else "not the planned file"
+            raise FetchError(
+                f"--offline: {remote.path} is {state}, so the snapshot in {self.plan.dest} is incomplete",
+                hint="run the same command without --offline to complete it",
+            )
+        for attempt in (1, 2):
+            self._download(remote, force=attempt > 1)
+            if self._verify(remote, target):
+                return "downloaded" if attempt == 1 else "retried"
+            # Remove it at once so a corrupt file never sits under its final name.
+            target.unlink(missing_ok=True)
+            logger.warning("%s failed sha256 verification (attempt %d of 2)", remote.path, attempt)
+        expected = remote.sha256 or remote.git_blob or "?"
+        raise _HashMismatch(remote.path, expected, "a different hash")
+
+    def _download(self, remote: RemoteFile, *, force: bool) -> None:
+        from huggingface_hub import hf_hub_download
+
+        source = self.plan.source
+        with _hub_errors(source, self.plan.endpoint, stage="download", filename=remote.path):
+            hf_hub_download(
+                source.repo_id,
+                remote.path,
+                revision=self.plan.commit,
+                local_dir=self.plan.dest,
+                endpoint=self.plan.endpoint,
+                token=self.token,
+                force_download=force,
+                tqdm_class=self.progress.bar_for(remote),  # type: ignore[arg-type]
+                library_name="prepkit",
+                library_version=__version__,
+            )
+
+    def _verify(self, remote: RemoteFile, target: Path) -> bool:
+        try:
+            st = target.stat()
+        except FileNotFoundError:
+            return False
+        if st.st_size != remote.size:
+            return False
+        digest = _hash_file(target)
+        if not _hash_matches(remote, digest.sha256, digest.git_blob):
+            return False
+        self.state.mark(remote, digest, st)
+        return True
+
+
+def _run_parallel(
+    items: list[PlannedFile], fn: Callable[[PlannedFile], str], max_workers: int
+) -> dict[str, str | Exception]:
+    """Run ``fn`` over ``items`` on daemon threads: path -> result, or the exception it raised.
+
+    Daemon threads, not a ThreadPoolExecutor: on Ctrl-C the main thread must be able to leave at once
+    (an executor joins its threads at exit, i.e. waits for multi-GB transfers). The partial files
+    left by an interrupted download are removed by the next run.
+    """
+    todo: queue.Queue[PlannedFile] = queue.Queue()
+    for item in items:
+        todo.put(item)
+    done: queue.Queue[tuple[str, str | Exception]] = queue.Queue()
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.is_set():
+            try:
+                item = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                done.put((item.path, fn(item)))
+            except Exception as err:  # handed to the main thread, which decides
+                if not isinstance(err, _HashMismatch):
+                    stop.set()  # a hub, network or disk error: start nothing new
+                done.put((item.path, err))
+
+    count = max(1, min(max_workers, len(items)))
+    threads = [threading.Thread(target=loop, daemon=True, name=f"prepkit-fetch-{i}") for i in range(count)]
+    for thread in threads:
+        thread.start()
+    results: dict[str, str | Exception] = {}
+    try:
+        while any(t.is_alive() for t in threads) or not done.empty():
+            with contextlib.suppress(queue.Empty):
+                path, result = done.get(timeout=0.2)
+                results[path] = result
+    except BaseException:
+        stop.set()
+        raise
+    return results
+
+
+def _check_index(plan: FetchPlan) -> None:
+    """Every shard the index names must be in the snapshot (and so verified by now)."""
+    index_path = plan.dest / "model.safetensors.index.json"
+    if not any(f.path == "model.safetensors.index.json" for f in plan.files):
+        return
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise FetchError(f"{index_path} is not a valid safetensors index: {err}") from err
+    present = {f.path for f in plan.files}
+    missing = [s for s in shards if s not in present]
+    if missing:
+        raise FetchError(
+            f"model.safetensors.index.json names {len(missing)} shard(s) that {plan.source.repo_id} at "
+            f"{plan.commit[:12]} does not have: {', '.join(missing)}",
+            hint="the repo is incomplete at this revision; try another --revision",
+        )
+
+
+def _write_record(plan: FetchPlan, state: _State) -> FetchRecord:
+    entries = []
+    for f in plan.files:
+        verified = state.verified[f.path]
+        entries.append(
+            RecordFile(
+                path=f.path,
+                size=f.remote.size,
+                sha256=verified["sha256"],
+                lfs=f.remote.sha256 is not None,
+                git_blob=None if f.remote.sha256 is not None else verified.get("git_blob"),
+            )
+        )
+    record = FetchRecord(
+        path=plan.dest / RECORD_NAME,
+        repo_id=plan.source.repo_id,
+        revision=plan.source.revision,
+        commit=plan.commit,
+        endpoint=plan.endpoint,
+        recipe=plan.source.recipe,
+        include_original=plan.include_original,
+        fetched_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        prepkit_version=__version__,
+        entries=tuple(entries),
+    )
+    _write_json_atomic(record.path, record.to_json())
+    return record
+
+
+# -------------------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """Per-file and total byte counts, fed by huggingface_hub's progress-bar hooks from many threads."""
+
+    def __init__(self, on_progress: ProgressFn | None, plan: FetchPlan) -> None:
+        self._report = on_progress
+        self._lock = threading.Lock()
+        self._per_file: dict[str, int] = {}
+        self._total = sum(f.remote.size for f in plan.files if f.status != "verified")
+        self._done = 0
+        if self._report is not None and self._total:
+            self._report(TOTAL_LABEL, 0, self._total)
+
+    def set(self, remote: RemoteFile, done: int) -> None:
+        if self._report is None:
+            return
+        with self._lock:
+            done = max(0, min(done, remote.size))
+            self._done += done - self._per_file.get(remote.path, 0)
+            self._per_file[remote.path] = done
+            self._report(remote.path, done, remote.size)
+            self._report(TOTAL_LABEL, self._done, self._total)
+
+    def done(self, remote: RemoteFile) -> None:
+        self.set(remote, remote.size)
+
+    def bar_for(self, remote: RemoteFile) -> Callable[..., _Bar]:
+        def make(**kwargs: Any) -> _Bar:
+            return _Bar(self, remote, initial=int(kwargs.get("initial") or 0))
+
+        return make
+
+
+class _Bar:
+    """The subset of the tqdm interface huggingface_hub drives (HTTP and Xet paths); draws nothing."""
+
+    def __init__(self, progress: _Progress, remote: RemoteFile, *, initial: int = 0) -> None:
+        self._progress = progress
+        self._remote = remote
+        self.n = initial
+        self.total: int | None = remote.size
+        progress.set(remote, self.n)
+
+    def update(self, n: int | float | None = 1) -> None:
+        self.n += int(n or 0)
+        self._progress.set(self._remote, self.n)
+
+    def update_transfer(self, n: int | float | None = 1) -> None:
+        pass  # network bytes; disk bytes (update) are what the bars show
+
+    def set_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def set_transfer_postfix_str(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------- errors
+
+
+@contextlib.contextmanager
+def _hub_errors(
+    source: Source, endpoint: str, *, stage: str, api: Any = None, filename: str | None = None
+) -> Iterator[None]:
+    """Turn huggingface_hub / httpx2 / OS errors into one FetchError with the next step to take."""
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    repo = source.repo_id
+    what = f"{filename} of {repo}" if filename else repo
+    token_hint = "if the repo is private, set HF_TOKEN (or run `hf auth login`)"
+    try:
+        yield
+    except (FetchError, _HashMismatch):
+        raise
+    except hf.GatedRepoError as err:  # before RepositoryNotFoundError: it is a subclass of it
+        raise FetchError(
+            f"{repo} is gated and this account has not been granted access",
+            hint=f"accept the terms at {endpoint}/{repo}, then set HF_TOKEN to a token of that account",
+        ) from err
+    except hf.RevisionNotFoundError as err:
+        raise FetchError(
+            f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
+        ) from err
+    except hf.RepositoryNotFoundError as err:
+        if stage == "listing" and _repo_exists(api, repo):
+            # Some servers (olah) answer an unknown branch with RepoNotFound.
+            raise FetchError(
+                f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
+            ) from err
+        raise FetchError(
+            f"repository {repo} not found at {endpoint}", hint=f"check --model; {token_hint}"
+        ) from err
+    except hf.EntryNotFoundError as err:
+        if stage == "listing":
+            # The tree of an unknown commit: the hub says RevisionNotFound, olah says EntryNotFound.
+            raise FetchError(
+                f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
+            ) from err
+        raise FetchError(f"{what} is missing at {source.revision}", hint="check --revision") from err
+    except hf.LocalEntryNotFoundError as err:
+        raise FetchError(f"cannot reach {endpoint} for {what}", hint=_network_hint()) from err
+    except hf.HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status in (401, 403):
+            raise FetchError(f"{endpoint} refused access to {what} (HTTP {status})", hint=token_hint) from err
+        if status == 429:
+            raise FetchError(f"{endpoint} is rate limiting requests for {what} (HTTP 429)",
+                             hint="wait a few minutes and run the same command again; finished files are kept"
+                             ) from err
+        raise FetchError(
+            f"{endpoint} failed on {what} (HTTP {status})",
+            hint="run the same command again later; finished files are kept",
+        ) from err
+    except (httpx2.ConnectError, httpx2.TimeoutException, hf.OfflineModeIsEnabled) as err:
+        raise FetchError(f"cannot reach {endpoint} for {what}: {err}", hint=_network_hint()) from err
+    except httpx2.HTTPError as err:
+        raise FetchError(
+            f"the transfer of {what} broke off: {err}",
+            hint="run the same command again; finished files are kept",
+        ) from err
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise FetchError(
+                f"disk full while writing {what}: {err.strerror}",
+                hint="free some space and run the same command again; finished files are kept, "
+                "partial ones are removed",
+            ) from err
+        if "Consistency check failed" in str(err):
+            raise FetchError(
+                f"{what} arrived with the wrong size (the connection dropped?)",
+                hint="run the same command again; finished files are kept",
+            ) from err
+        raise FetchError(f"cannot write {what}: {err}") from err
+    except ValueError as err:
+        if "too large" in str(err):  # > 50 GB over plain HTTP (huggingface_hub's MAX_HTTP_DOWNLOAD_SIZE)
+            raise FetchError(f"{what} is too large for a plain HTTP download",
+                             hint="install hf_xet, and unset HF_HUB_DISABLE_XET") from err
+        raise
+
+
+def _network_hint() -> str:
+    return ("check the network and HF_ENDPOINT; if the model was fetched completely before, "
+            "add --offline to check it without the hub")
+
+
+def _repo_exists(api: Any, repo: str) -> bool:
+    if api is None:
+        return False
+    try:
+        api.list_repo_refs(repo)
+    except Exception:
+        return False
+    return True
+
+
+def _revision_hint(source: Source, api: Any) -> str:
+    hint = "give a branch, a tag or a full 40-character commit sha with --revision"
+    if api is not None:
+        with contextlib.suppress(Exception):
+            refs = api.list_repo_refs(source.repo_id)
+            names = sorted({b.name for b in refs.branches} | {t.name for t in refs.tags})
+            if names:
+                hint += f"; {source.repo_id} has: {', '.join(names[:10])}"
+    return hint
+
+
+def _human(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def human_bytes(n: int) -> str:
+    return _human(n)

@@ -1,0 +1,388 @@
+"""The bundled MXFP4 MoE layer in Triton: routing, grouping, GEMM1 + SwiGLU, GEMM2 + combine.
+
+Four launches per layer, all with static grids so a CUDA graph can capture them:
+
+1. ``_route_kernel`` (tokens): top-k of the router logits, softmax over the k picks in fp32, an
+   atomic per-expert counter whose old value is the pick's rank inside its expert, and zeroing of
+   the fp32 output rows that step 4 accumulates into.
+2. ``_scatter_kernel`` (picks): exclusive prefix sum of the counters, then each pick writes its
+   index to ``sorted[start(expert) + rank]``; the rows of one expert become contiguous.
+3. ``_gemm1_swiglu_kernel`` (row blocks x N tiles): gathers token rows, multiplies by the MXFP4
+   gate/up rows of the expert, adds the bias and applies the gpt-oss SwiGLU in the epilogue;
+   writes bf16 activations in sorted order.
+4. ``_gemm2_combine_kernel`` (row blocks x N tiles x K splits): multiplies by the MXFP4 down rows,
+   adds the bias (K split 0 only), scales by the routing weight and atomically adds into the
+   token's fp32 output row, so the sum over a token's k experts needs no extra pass.
+
+Every GEMM program finds its (expert, row block) from the per-expert counters alone, so grids are
+sized by an upper bound and surplus programs return at once.
+
+Weights are in the ``triton_moe_v1`` layout (docs/triton-moe-layout.md): per expert,
+``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous), ``w13_scales [H/32, 2*Ip]``
+(N contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``,
+``w2_bias [H]`` fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from prepkit.kernels.tactic import GemmTactic
+
+WEIGHT_LAYOUT = "triton_moe_v1"
+KERNEL_VERSION = 1
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+_UPCAST_IDS = {"bits": 0, "dot_scaled": 1}
+
+
+def _interpreting() -> bool:
+    # The CPU interpreter computes bf16 dots wrongly (torch CPU + numpy), so dots run in fp32 there.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# --------------------------------------------------------------------------------------------
+# routing and grouping
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, topk_ids_ptr, topk_w_ptr, rank_ptr, counts_ptr, out_ptr,
+    T, E, H, stride_lt, stride_ot, E_LO, E_LOCAL,
+    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    offs_e = tl.arange(0, E_PAD)
+    e_mask = offs_e < E
+    logits = tl.load(
+        logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
+        mask=t_mask[:, None] & e_mask[None, :], other=0.0,
+    ).to(tl.float32)
+    logits = tl.where(e_mask[None, :], logits, float("-inf"))
+    row_max = tl.max(logits, axis=1)
+
+    # Pass 1: the softmax denominator over the k picks.
+    work = logits
+    denom = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for _ in tl.static_range(TOP_K):
+        m = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == m[:, None], offs_e[None, :], E_PAD), axis=1)
+        denom += tl.exp(m - row_max)
+        work = tl.where(offs_e[None, :] == idx[:, None], float("-inf"), work)
+
+    # Pass 2: the same picks in the same order (largest first, lowest index on ties), stored.
+    work = logits
+    for j in tl.static_range(TOP_K):
+        m = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == m[:, None], offs_e[None, :], E_PAD), axis=1)
+        flat = offs_t * TOP_K + j
+        tl.store(topk_ids_ptr + flat, idx, mask=t_mask)
+        tl.store(topk_w_ptr + flat, tl.exp(m - row_max) / denom, mask=t_mask)
+        local = idx - E_LO
+        is_local = t_mask & (local >= 0) & (local < E_LOCAL)
+        rank = tl.atomic_add(counts_ptr + local, tl.full([BLOCK_T], 1, tl.int32), mask=is_local)
+        tl.store(rank_ptr + flat, rank, mask=is_local)
+        work = tl.where(offs_e[None, :] == idx[:, None], float("-inf"), work)
+
+    # The combine in GEMM2 accumulates into these rows.
+    zeros = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        tl.store(
+            out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :], zeros,
+            mask=t_mask[:, None] & (offs_h < H)[None, :],
+        )
+
+
+@triton.jit
+def _scatter_kernel(
+    topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, TK, E_LO, E_LOCAL,
+    E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    f_mask = offs < TK
+    local = tl.load(topk_ids_ptr + offs, mask=f_mask, other=-1) - E_LO
+    is_local = f_mask & (local >= 0) & (local < E_LOCAL)
+    start = tl.sum(tl.where(offs_e[None, :] < local[:, None], counts[None, :], 0), axis=1)
+    rank = tl.load(rank_ptr + offs, mask=is_local, other=0)
+    tl.store(sorted_ptr + start + rank, offs, mask=is_local)
+
+
+@triton.jit
+def _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Map a row-block program id to (valid, expert, first sorted row of expert, rows, block)."""
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0)
+    nblk = (counts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(nblk, axis=0)
+    total = tl.sum(nblk, axis=0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), axis=0)
+    first_blk = tl.sum(tl.where(offs_e < e, nblk, 0), axis=0)
+    row_start = tl.sum(tl.where(offs_e < e, counts, 0), axis=0)
+    count_e = tl.sum(tl.where(offs_e == e, counts, 0), axis=0)
+    return pid_m < total, e, row_start, count_e, pid_m - first_blk
+
+
+# --------------------------------------------------------------------------------------------
+# the MXFP4 main loop shared by both GEMMs
+
+
+@triton.jit
+def _upcast_mxfp4(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``wq [BLOCK_N, BLOCK_K/2]`` packed E2M1 and ``sc [BLOCK_K/32, BLOCK_N]`` E8M0 -> bf16
+    ``[BLOCK_K, BLOCK_N]``. Integer bit moves instead of a table: E2M1 magnitude code ``e1 e0 m``
+    shifted to fp32 bits 24..22 is ``2^(e-127) (1 + m/2)``; adding 126 to the exponent gives the
+    value for normal codes, and codes 0 and 1 (zero and the subnormal 0.5) are chosen directly."""
+    lo = wq & 0xF
+    hi = wq >> 4
+    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.uint32)
+    mag = codes & 7
+    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000) | ((codes & 8) << 28)
+    val = bits.to(tl.float32, bitcast=True)
+    # Scale byte s is 2^(s-127): the same bits as an fp32 exponent field (s = 0 reads as 0).
+    scale = tl.trans((sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True))  # [BLOCK_N, BLOCK_K/32]
+    val = tl.reshape(val, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+    return tl.trans(tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.bfloat16))
+
+
+@triton.jit
+def _mxfp4_mainloop(
+    a_ptrs, a_mask, w_base, s_base, offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` with W in MXFP4 rows (K contiguous)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_ks = tl.arange(0, BLOCK_K // 32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(a_ptrs + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)
+        kb = k0 // 2 + offs_kb
+        ks = k0 // 32 + offs_ks
+        if UPCAST == 0:
+            wq = tl.load(w_base + offs_n[:, None] * stride_wn + kb[None, :],
+                         mask=n_mask[:, None] & (kb < K // 2)[None, :], other=0)
+            sc = tl.load(s_base + ks[:, None] * stride_sk + offs_n[None, :],
+                         mask=(ks < K // 32)[:, None] & n_mask[None, :], other=0)
+            b = _upcast_mxfp4(wq, sc, BLOCK_N, BLOCK_K)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+            else:
+                acc = tl.dot(a, b, acc)
+        else:
+            wq = tl.load(w_base + offs_n[None, :] * stride_wn + kb[:, None],
+                         mask=n_mask[None, :] & (kb < K // 2)[:, None], other=0)
+            sc = tl.load(s_base + ks[None, :] * stride_sk + offs_n[:, None],
+                         mask=(ks < K // 32)[None, :] & n_mask[:, None], other=0)
+            acc = tl.dot_scaled(a, None, "bf16", wq, sc, "e2m1", acc)
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM1 + SwiGLU, GEMM2 + combine
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, counts_ptr, sorted_ptr, h_ptr,
+    N, K, E_LOCAL,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sk, stride_be, stride_ht,
+    alpha, limit,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    valid, e, row_start, count_e, mb = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, BLOCK_M)
+    if valid:
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count_e
+        f = tl.load(sorted_ptr + row_start + offs_m, mask=m_mask, other=0)
+        tok = (f // TOP_K).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        e64 = e.to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _mxfp4_mainloop(
+            x_ptr + tok[:, None] * stride_xt, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+            offs_n, n_mask, stride_wn, stride_sk, 0, K, K, acc,
+            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32,
+        )
+        acc += tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)[None, :]
+        # Rows alternate gate/up, so each column pair of the tile is one (gate, up) of one unit.
+        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
+                        propagate_nan=tl.PropagateNan.ALL)
+        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        rows = (row_start + offs_m).to(tl.int64)
+        tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act.to(h_ptr.dtype.element_ty),
+                 mask=m_mask[:, None] & (offs_i < N // 2)[None, :])
+
+
+@triton.jit
+def _gemm2_combine_kernel(
+    h_ptr, w_ptr, s_ptr, b_ptr, counts_ptr, sorted_ptr, topk_w_ptr, out_ptr,
+    N, K, E_LOCAL,
+    stride_ht, stride_we, stride_wn, stride_se, stride_sk, stride_be, stride_ot,
+    TOP_K: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    valid, e, row_start, count_e, mb = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, BLOCK_M)
+    if valid:
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count_e
+        rows = (row_start + offs_m).to(tl.int64)
+        f = tl.load(sorted_ptr + rows, mask=m_mask, other=0)
+        tok = (f // TOP_K).to(tl.int64)
+        gw = tl.load(topk_w_ptr + f, mask=m_mask, other=0.0)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < N
+        # Split boundaries on BLOCK_K multiples keep every scale group inside one split.
+        k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+        k_lo = pid_k * k_per_split
+        k_hi = tl.minimum(k_lo + k_per_split, K)
+        e64 = e.to(tl.int64)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _mxfp4_mainloop(
+            h_ptr + rows[:, None] * stride_ht, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+            offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
+            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32,
+        )
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
+            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
+        acc = acc * gw[:, None]
+        tl.atomic_add(out_ptr + tok[:, None] * stride_ot + offs_n[None, :], acc,
+                      mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+
+
+def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
+    """Upper bound of sum over experts of ceil(rows_e / block_m) when the rows sum to at most
+    ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
+    busy = min(num_local_experts, num_picks)
+    return (num_picks + busy * (block_m - 1)) // block_m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _check_tactic(t: GemmTactic, name: str) -> None:
+    if t.upcast not in _UPCAST_IDS:
+        raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
+    if t.block_k % 32 or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
+        raise ValueError(f"{name}: tile {t.key()} needs block_k % 32 == 0 and block_m, block_n >= 16")
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    expert_lo: int,
+    valid_intermediate: int,
+    gemm1: GemmTactic,
+    gemm2: GemmTactic,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One MoE layer for this rank's experts. Returns the fp32 ``[T, H]`` sum over the token's picks
+    that live on this rank (``out`` if given). ``w2_bias=None`` skips the down bias (TP ranks but
+    one). Shapes as in the module docstring; ``router_logits`` is ``[T, E_total]`` over all experts.
+    """
+    _check_tactic(gemm1, "gemm1")
+    _check_tactic(gemm2, "gemm2")
+    if gemm1.split_k != 1:
+        raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
+    T, H = hidden_states.shape
+    E_total = router_logits.shape[1]
+    E_local = w13_blocks.shape[0]
+    if router_logits.shape[0] != T:
+        raise ValueError(f"router_logits has {router_logits.shape[0]} rows, hidden_states {T}")
+    if w13_blocks.shape[2] * 2 != H or w2_blocks.shape[1] != H:
+        raise ValueError(f"weights are for hidden {w13_blocks.shape[2] * 2}, activations have {H}")
+    if hidden_states.stride(1) != 1 or router_logits.stride(1) != 1:
+        raise ValueError("hidden_states and router_logits must be contiguous in their last dim")
+    device = hidden_states.device
+    I_v = valid_intermediate
+    TK = T * top_k
+    if out is None:
+        out = torch.empty((T, H), dtype=torch.float32, device=device)
+    counts = torch.zeros(E_local, dtype=torch.int32, device=device)
+    topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
+    rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
+    h1 = torch.empty((max(TK, 1), I_v), dtype=torch.bfloat16, device=device)
+    if T == 0:
+        return out
+
+    e_pad_all = max(16, _next_pow2(E_total))
+    e_pad = max(16, _next_pow2(E_local))
+    block_t = max(1, min(32, 4096 // e_pad_all))
+    _route_kernel[(triton.cdiv(T, block_t),)](
+        router_logits, topk_ids, topk_w, rank, counts, out,
+        T, E_total, H, router_logits.stride(0), out.stride(0), expert_lo, E_local,
+        TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad_all, BLOCK_H=128,
+    )
+    scatter_block = 128
+    _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
+        topk_ids, rank, counts, sorted_picks, TK, expert_lo, E_local,
+        E_PAD=e_pad, BLOCK=scatter_block,
+    )
+    dot_fp32 = _interpreting()
+    n1 = 2 * I_v
+    grid1 = (max_row_blocks(TK, E_local, gemm1.block_m), triton.cdiv(n1, gemm1.block_n))
+    _gemm1_swiglu_kernel[grid1](
+        hidden_states, w13_blocks, w13_scales, w13_bias, counts, sorted_picks, h1,
+        n1, H, E_local,
+        hidden_states.stride(0), w13_blocks.stride(0), w13_blocks.stride(1),
+        w13_scales.stride(0), w13_scales.stride(1), w13_bias.stride(0), h1.stride(0),
+        swiglu_alpha, swiglu_limit,
+        TOP_K=top_k, E_PAD=e_pad,
+        BLOCK_M=gemm1.block_m, BLOCK_N=gemm1.block_n, BLOCK_K=gemm1.block_k,
+        UPCAST=_UPCAST_IDS[gemm1.upcast], DOT_FP32=dot_fp32,
+        num_warps=gemm1.num_warps, num_stages=gemm1.num_stages,
+    )
+    has_bias = w2_bias is not None
+    grid2 = (max_row_blocks(TK, E_local, gemm2.block_m), triton.cdiv(H, gemm2.block_n), gemm2.split_k)
+    _gemm2_combine_kernel[grid2](
+        h1, w2_blocks, w2_scales, w2_bias if has_bias else w13_bias, counts, sorted_picks, topk_w, out,
+        H, I_v, E_local,
+        h1.stride(0), w2_blocks.stride(0), w2_blocks.stride(1),
+        w2_scales.stride(0), w2_scales.stride(1), w2_bias.stride(0) if has_bias else 0, out.stride(0),
+        TOP_K=top_k, E_PAD=e_pad,
+        BLOCK_M=gemm2.block_m, BLOCK_N=gemm2.block_n, BLOCK_K=gemm2.block_k, SPLIT_K=gemm2.split_k,
+        UPCAST=_UPCAST_IDS[gemm2.upcast], DOT_FP32=dot_fp32, HAS_BIAS=has_bias,
+        num_warps=gemm2.num_warps, num_stages=gemm2.num_stages,
+    )
+    return out

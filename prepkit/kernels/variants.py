@@ -1,0 +1,139 @@
+"""The variant space of the MoE kernel: which tactics exist, which fit a device, and a default.
+
+Nothing here imports triton or queries a GPU: device facts arrive as a :class:`DeviceInfo`, so the
+tuner, the runtime and the tests all prune the same way on any machine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Literal
+
+from prepkit.kernels.device import DeviceInfo
+from prepkit.kernels.tactic import GemmTactic
+
+Gemm = Literal["gemm1", "gemm2"]
+GEMMS: tuple[Gemm, ...] = ("gemm1", "gemm2")
+
+BLOCK_M = (16, 32, 64, 128)
+BLOCK_N = (32, 64, 128, 256)
+BLOCK_K = (64, 128, 256)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (1, 2, 3, 4)
+SPLIT_K = (1, 2, 4, 8)
+UPCASTS = ("bits", "dot_scaled")
+
+# Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
+# values per thread the compiler spills, and such a variant never wins.
+_MAX_VALUES_PER_THREAD = 192
+
+
+@dataclass(frozen=True)
+class MoeProblem:
+    """One MoE layer call as the tactic table keys it (per rank: local experts, valid I)."""
+
+    num_tokens: int
+    num_experts: int  # local experts on this rank
+    hidden: int
+    intermediate: int  # valid intermediate rows on this rank
+    top_k: int
+
+    def key(self) -> str:
+        return f"E{self.num_experts}H{self.hidden}I{self.intermediate}k{self.top_k}"
+
+    @property
+    def max_rows_per_expert(self) -> int:
+        """A token picks an expert at most once, so no expert sees more rows than tokens."""
+        return self.num_tokens
+
+
+def shared_mem_bytes(t: GemmTactic) -> int:
+    """Upper estimate of the shared memory one program uses (pipelined operands + dot staging)."""
+    per_stage = t.block_m * t.block_k * 2 + t.block_n * t.block_k // 2 + t.block_n * t.block_k // 32
+    staging = t.block_k * t.block_n * 2  # the upcast bf16 weight tile handed to the matrix unit
+    return max(t.num_stages, 1) * per_stage + staging
+
+
+def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
+    """Why ``t`` cannot run GEMM ``gemm`` on ``device``, or ``None`` when it can."""
+    if gemm not in GEMMS:
+        return f"unknown gemm {gemm!r} (expected one of {GEMMS})"
+    if t.upcast not in UPCASTS:
+        return f"unknown upcast {t.upcast!r} (expected one of {UPCASTS})"
+    for name, value, allowed in (
+        ("block_m", t.block_m, BLOCK_M),
+        ("block_n", t.block_n, BLOCK_N),
+        ("block_k", t.block_k, BLOCK_K),
+        ("num_warps", t.num_warps, NUM_WARPS),
+        ("num_stages", t.num_stages, NUM_STAGES),
+        ("split_k", t.split_k, SPLIT_K),
+    ):
+        if value not in allowed:
+            return f"{name}={value} not in {allowed}"
+    if gemm == "gemm1" and t.split_k != 1:
+        # SwiGLU needs the whole K sum of gate and up before it can be applied.
+        return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
+    smem = shared_mem_bytes(t)
+    if smem > device.max_shared_mem:
+        return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
+    threads = 32 * t.num_warps
+    values = (t.block_m * t.block_n + t.block_n * t.block_k) // threads
+    if values > _MAX_VALUES_PER_THREAD:
+        return f"{values} fp32 values per thread would spill (limit {_MAX_VALUES_PER_THREAD})"
+    return None
+
+
+def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None = None) -> list[GemmTactic]:
+    """Every valid variant of ``gemm`` on ``device``, in a stable order.
+
+    With ``problem`` given, block_m larger than any expert's row count is dropped: such tiles only
+    add masked rows.
+    """
+    out = []
+    for bm, bn, bk, w, s, sk, up in itertools.product(
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS
+    ):
+        t = GemmTactic(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up)
+        if invalid_reason(t, gemm, device) is not None:
+            continue
+        if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):
+            continue
+        out.append(t)
+    return out
+
+
+def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
+    """A variant pair that is valid on every device; good, not tuned."""
+    active = min(problem.num_experts, problem.num_tokens * problem.top_k)
+    rows = -(-problem.num_tokens * problem.top_k // max(active, 1))
+    bm = min(max(16, _next_pow2(rows)), 64 if device.max_shared_mem < 160 * 1024 else 128)
+    big = bm >= 64
+    g1 = GemmTactic(block_m=bm, block_n=128 if big else 64, block_k=128, num_warps=8 if big else 4,
+                    num_stages=3, split_k=1)
+    # Few rows: too few programs to cover the SMs with output tiles alone, so split K.
+    tiles = active * -(-problem.hidden // 64)
+    split = 1 if big else max(1, min(8, _next_pow2(-(-2 * device.sm_count // max(tiles, 1)))))
+    g2 = GemmTactic(block_m=bm, block_n=128 if big else 64, block_k=128, num_warps=8 if big else 4,
+                    num_stages=3, split_k=split)
+    return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
+
+
+def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> GemmTactic:
+    """Shrink stages, then tiles, until ``t`` is valid: the default must always run."""
+    from dataclasses import replace
+
+    for stages in (t.num_stages, 2, 1):
+        cand = replace(t, num_stages=stages)
+        if invalid_reason(cand, gemm, device) is None:
+            return cand
+    for bm, bn, bk in ((t.block_m, 64, 64), (64, 64, 64), (16, 64, 64), (16, 32, 64)):
+        for stages in (2, 1):
+            cand = replace(t, block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=4)
+            if invalid_reason(cand, gemm, device) is None:
+                return cand
+    raise ValueError(f"no {gemm} variant fits {device.name} ({device.max_shared_mem} B shared memory)")
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()

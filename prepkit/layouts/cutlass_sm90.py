@@ -1,0 +1,232 @@
+"""``--layout cutlass-sm90``: MXFP4 weights for FlashInfer's SM90 (Hopper) W4A16 CUTLASS MoE.
+
+Consumer: FlashInfer 0.7.x ``cutlass_fused_moe(x_bf16, ..., use_w4_group_scaling=True)``, the
+mixed-input grouped GEMM (BF16 activations x MXFP4 weights) whose byte layout FlashInfer has had
+since 0.6.15 (PR #3738). Sources read: FlashInfer 0.7.2.post1 ``flashinfer/fused_moe/prepare.py``
+(``interleave_moe_weights_for_sm90_mixed_gemm``, ``interleave_moe_scales_for_sm90_mixed_gemm``),
+``csrc/nv_internal/tensorrt_llm/kernels/cutlass_kernels/moe_gemm/moe_gemm_mixed_utils.cu``
+(``interleave_fp4_weights_for_sm90_mixed_gemm_kernel``), ``tests/moe/test_trtllm_cutlass_fused_moe.py``
+(``test_moe_bf16_mxfp4``: the call), and ``cutlass_fused_moe_kernels.cuh`` (fc2 bias on TP rank 0).
+TensorRT-LLM's own Hopper method (``WFP4A16FusedMoEMethod``) wants other bytes (no weight
+interleave, ``[E, K/128, rows*4]`` scales); this layout does not target it.
+
+Per expert and rank:
+  1-3. as ``cutlass-sm12x``: ``[up ; gate]`` rows, TensorRT-LLM's pad-before-shard TP split,
+     each half zero-padded to ``Ip = roundup(I/tp, 128)``, K and fc2 rows to ``roundup(H, 128)``
+     (the scale fold needs K % 128 == 0 and rows % 64 == 0);
+  4. weights: the SM90 mixed-GEMM nibble interleave (:func:`interleave_weights_sm90`);
+  5. scales: the 64-row x 128-K fold (:func:`fold_scales_sm90`), stored in the logical 2-D shape;
+  6. biases bfloat16, the fc2 bias whole and unscaled (added on TP rank 0 only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from prepkit.errors import LayoutError
+from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec, TensorSpec
+from prepkit.layouts.cutlass_sm12x import NAMES, check_tensors, padded_pieces, plan_cutlass_rank, unpadded_pieces
+
+FLASHINFER_VERSION = "0.7.2.post1"  # the layout of FlashInfer >= 0.6.15 (PR #3738), read in this release
+
+# --- weight interleave (moe_gemm_mixed_utils.cu, interleave_fp4_weights_for_sm90_mixed_gemm_kernel) --
+#
+# The kernel works on tiles of 16 rows x 32 bytes. Rows 16g + r8 and 16g + r8 + 8 form a pair; in a
+# 32-byte group the byte offset is 8*mma + 4*h + j (mma 0..3, h 0..1, j 0..3). The four bytes
+# (row ra, c), (row rb, c), (row ra, c+4), (row rb, c+4) with c = 8*mma + j give eight nibbles
+# n0..n7 (low nibble first), which are repacked into one little-endian 32-bit word so that the
+# LUT-based FP4 -> BF16 converter finds magnitudes and signs where it reads them. The word lands
+# in row 16g + r8 + 8*(mma % 2), bytes 16*(mma // 2) + 4*j .. +3 of the group.
+
+
+def _pack_half(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """16 bits from four nibbles: three 3-bit magnitudes side by side, the fourth split around
+    the sign bits (bit order fixed by the kernel's masks)."""
+    return (
+        (a & 7)
+        | (b & 7) << 3
+        | (c & 7) << 6
+        | (a >> 3) << 9
+        | ((d & 7) >> 1) << 10
+        | (b >> 3) << 12
+        | (d & 1) << 13
+        | (d >> 3) << 14
+        | (c >> 3) << 15
+    )
+
+
+def _unpack_half(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`_pack_half`."""
+    a = (v & 7) | ((v >> 9) & 1) << 3
+    b = ((v >> 3) & 7) | ((v >> 12) & 1) << 3
+    c = ((v >> 6) & 7) | ((v >> 15) & 1) << 3
+    d = ((v >> 10) & 3) << 1 | ((v >> 13) & 1) | ((v >> 14) & 1) << 3
+    return a, b, c, d
+
+
+def _check_interleave_shape(w: torch.Tensor) -> tuple[int, int]:
+    if w.dtype != torch.uint8 or w.dim() < 2:
+        raise ValueError(f"SM90 weight interleave takes [..., n, k/2] uint8, got {list(w.shape)} {w.dtype}")
+    n, kb = w.shape[-2], w.shape[-1]
+    if n % 16 or kb % 32:
+        raise ValueError(f"SM90 weight interleave needs n % 16 == 0 and k % 64 == 0, got n={n}, k={2 * kb}")
+    return n, kb
+
+
+def interleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
+    """``[..., n, k/2]`` packed FP4 -> the same shape in the SM90 mixed-input GEMM order
+    (FlashInfer ``interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")``, per leading index)."""
+    n, kb = _check_interleave_shape(w)
+    lead = w.shape[:-2]
+    # [..., g, s, r8, p, mma, h, j]: row 16g + 8s + r8, byte 32p + 8mma + 4h + j
+    src = w.reshape(*lead, n // 16, 2, 8, kb // 32, 4, 2, 4).to(torch.int32)
+    lo, hi = src & 0xF, src >> 4
+    ra, rb = (slice(None),) * len(lead) + (slice(None), 0), (slice(None),) * len(lead) + (slice(None), 1)
+
+    def nib(t: torch.Tensor, row: tuple, h: int) -> torch.Tensor:
+        return t[row][..., h, :]  # -> [..., g, r8, p, mma, j]
+
+    n0, n1, n2, n3 = nib(lo, ra, 0), nib(hi, ra, 0), nib(lo, rb, 0), nib(hi, rb, 0)
+    n4, n5, n6, n7 = nib(lo, ra, 1), nib(hi, ra, 1), nib(lo, rb, 1), nib(hi, rb, 1)
+    word = _pack_half(n4, n2, n0, n6) | _pack_half(n5, n3, n1, n7) << 16
+    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
+    # [..., g, r8, p, mma=(q, s'), j, b] -> [..., g, s', r8, p, q, j, b]
+    out = out.reshape(*lead, n // 16, 8, kb // 32, 2, 2, 4, 4)
+    d = len(lead)
+    out = out.permute(*range(d), d, d + 4, d + 1, d + 2, d + 3, d + 5, d + 6)
+    return out.reshape(*lead, n, kb)
+
+
+def deinterleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`interleave_weights_sm90`."""
+    n, kb = _check_interleave_shape(w)
+    lead = w.shape[:-2]
+    d = len(lead)
+    t = w.reshape(*lead, n // 16, 2, 8, kb // 32, 2, 4, 4).to(torch.int32)  # g, s', r8, p, q, j, b
+    t = t.permute(*range(d), d, d + 2, d + 3, d + 4, d + 1, d + 5, d + 6)  # g, r8, p, q, s', j, b
+    t = t.reshape(*lead, n // 16, 8, kb // 32, 4, 4, 4)  # g, r8, p, mma, j, b
+    word = t[..., 0] | t[..., 1] << 8 | t[..., 2] << 16 | t[..., 3] << 24
+    n4, n2, n0, n6 = _unpack_half(word & 0xFFFF)
+    n5, n3, n1, n7 = _unpack_half((word >> 16) & 0xFFFF)
+    byte = {  # (s, h) -> source byte
+        (0, 0): n0 | n1 << 4,
+        (1, 0): n2 | n3 << 4,
+        (0, 1): n4 | n5 << 4,
+        (1, 1): n6 | n7 << 4,
+    }
+    per_h = [torch.stack([byte[(s, h)] for h in (0, 1)], dim=-2) for s in (0, 1)]  # g, r8, p, mma, h, j
+    src = torch.stack(per_h, dim=d + 1)  # g, s, r8, p, mma, h, j
+    return src.to(torch.uint8).reshape(*lead, n, kb)
+
+
+# --- scale fold (prepare.py, interleave_moe_scales_for_sm90_mixed_gemm, uint8 / group 32) ---------
+
+
+def _check_fold_shape(s: torch.Tensor) -> tuple[int, int]:
+    if s.dtype != torch.uint8 or s.dim() < 2:
+        raise ValueError(f"SM90 scale fold takes [..., rows, K/32] uint8, got {list(s.shape)} {s.dtype}")
+    rows, groups = s.shape[-2], s.shape[-1]
+    if rows % 64 or groups % 4:
+        raise ValueError(f"SM90 scale fold needs rows % 64 == 0 and K % 128 == 0, got rows={rows}, K/32={groups}")
+    return rows, groups
+
+
+def fold_scales_sm90(s: torch.Tensor) -> torch.Tensor:
+    """``[..., rows, K/32]`` E8M0 -> same shape, each 64-row x 128-K block as one 256-byte chunk of
+    sixteen 16-byte lines: line ``f`` holds rows ``f, f+16, f+32, f+48`` of the block, 4 scales
+    each. ``out.view(..., rows/64, K/128, 16, 16)`` is FlashInfer's helper output."""
+    rows, groups = _check_fold_shape(s)
+    lead = s.shape[:-2]
+    d = len(lead)
+    t = s.reshape(*lead, rows // 64, 4, 16, groups // 4, 4)  # rb, m, f, kb, j
+    t = t.permute(*range(d), d, d + 3, d + 2, d + 1, d + 4)  # rb, kb, f, m, j
+    return t.reshape(*lead, rows, groups)
+
+
+def unfold_scales_sm90(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`fold_scales_sm90`."""
+    rows, groups = _check_fold_shape(s)
+    lead = s.shape[:-2]
+    d = len(lead)
+    t = s.reshape(*lead, rows // 64, groups // 4, 16, 4, 4)  # rb, kb, f, m, j
+    t = t.permute(*range(d), d, d + 3, d + 2, d + 1, d + 4)  # rb, m, f, kb, j
+    return t.reshape(*lead, rows, groups)
+
+
+# --- the layout ------------------------------------------------------------------------------
+
+
+class CutlassSm90Layout:
+    name = "cutlass-sm90"
+    layout_id = "cutlass_sm90_v1"
+    w13_row_order = "up_gate"
+    summary = f"FlashInfer {FLASHINFER_VERSION} SM90 W4A16 CUTLASS MoE: interleaved nibbles, folded scales"
+
+    def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
+        facts = {
+            "engine": "FlashInfer cutlass_fused_moe(use_w4_group_scaling=True) on SM90 (BF16 x MXFP4)",
+            "flashinfer_version": FLASHINFER_VERSION,
+            "flashinfer_layout": "SM90 mixed-input layout of FlashInfer >= 0.6.15 (PR #3738); not <= 0.6.14",
+            "activation_quantization": (
+                "none: bfloat16 activations zero-padded from valid_hidden_size to padded_hidden columns; "
+                "output sliced back to valid_hidden_size"
+            ),
+            "engine_views": {
+                "w3_w1_weight": "uint8 as stored (fc1_expert_weights)",
+                "w2_weight": "uint8 as stored (fc2_expert_weights)",
+                "w3_w1_weight_scale": "int32 view of the bytes, e.g. .view(E, 2*Ip/64, padded_hidden/128, 16, 16)"
+                ".view(torch.int32)",
+                "w2_weight_scale": "int32 view of the bytes, e.g. .view(E, padded_hidden/64, Ip/128, 16, 16)"
+                ".view(torch.int32)",
+            },
+            "quant_scales": "[w3_w1_weight_scale(int32), w2_weight_scale(int32)]",
+            "weights": "SM90 mixed-GEMM nibble interleave per expert (interleave_moe_weights_for_sm90_mixed_gemm, fp4)",
+            "scales": "uint8 E8M0 folded per 64x128 block (interleave_moe_scales_for_sm90_mixed_gemm), "
+            "logical 2-D shape",
+            "engine_fc2_bias": "full, added on tp_rank 0 only (pass tp_size/tp_rank to the MoE call)",
+            "bias_dtype": "bfloat16 (the activation dtype)",
+        }
+        plan = plan_cutlass_rank(dims, spec, _tensor_specs, facts)
+        if plan.padded_hidden % 128 or plan.padded_intermediate % 128:
+            raise LayoutError("the SM90 scale fold needs K % 128 == 0")  # guaranteed by the padding
+        return plan
+
+    def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
+        p = padded_pieces(weights, plan)
+        return {
+            "w3_w1_weight": interleave_weights_sm90(p["w13"]),
+            "w3_w1_weight_scale": fold_scales_sm90(p["w13_scales"]),
+            "w3_w1_bias": p["w13_bias"],
+            "w2_weight": interleave_weights_sm90(p["w2"]),
+            "w2_weight_scale": fold_scales_sm90(p["w2_scales"]),
+            "w2_bias": p["w2_bias"],
+        }
+
+    def invert(self, tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> ExpertWeights:
+        check_tensors(tensors, plan)
+        pieces = {
+            "w13": deinterleave_weights_sm90(tensors["w3_w1_weight"]),
+            "w13_scales": unfold_scales_sm90(tensors["w3_w1_weight_scale"]),
+            "w13_bias": tensors["w3_w1_bias"],
+            "w2": deinterleave_weights_sm90(tensors["w2_weight"]),
+            "w2_scales": unfold_scales_sm90(tensors["w2_weight_scale"]),
+            "w2_bias": tensors["w2_bias"],
+        }
+        return unpadded_pieces(pieces, plan, NAMES)
+
+
+def _tensor_specs(El: int, Ip: int, H2: int) -> dict[str, TensorSpec]:
+    u8, bf16 = torch.uint8, torch.bfloat16
+    return {
+        "w3_w1_weight": TensorSpec((El, 2 * Ip, H2 // 2), u8, ("E", "2*Ip", "H2/2")),
+        "w3_w1_weight_scale": TensorSpec((El, 2 * Ip, H2 // 32), u8, ("E", "2*Ip", "H2/32")),
+        "w3_w1_bias": TensorSpec((El, 2 * Ip), bf16, ("E", "2*Ip")),
+        "w2_weight": TensorSpec((El, H2, Ip // 2), u8, ("E", "H2", "Ip/2")),
+        "w2_weight_scale": TensorSpec((El, H2, Ip // 32), u8, ("E", "H2", "Ip/32")),
+        "w2_bias": TensorSpec((El, H2), bf16, ("E", "H2")),
+    }
+
+
+LAYOUT = CutlassSm90Layout()

@@ -1,0 +1,185 @@
+"""``--layout triton-moe``: the layout of prepkit's own Triton MXFP4 MoE kernel.
+
+Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v1"``) through
+``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
+
+Design, per expert and rank:
+  * weights stay in the checkpoint's row form (output row major, K contiguous, gate/up rows
+    interleaved), so any BLOCK_N x BLOCK_K tile is a strided 2-D load and every tile size the
+    tuner tries reads the same bytes; a BLOCK_N tile of w13 holds whole (gate, up) pairs, which
+    is what lets the SwiGLU run in the GEMM1 epilogue;
+  * E8M0 scales are transposed to ``[K/32, N]`` so a tile's scales are BLOCK_N contiguous bytes
+    per K group instead of a few bytes from each of BLOCK_N rows;
+  * biases are float32 (exact for bf16 sources), the epilogue adds them without a convert;
+  * TP: contiguous 32-aligned slices of the intermediate axis, ``per = roundup(ceil(I/tp), 32)``,
+    rank r holds rows ``[r*per, min((r+1)*per, I))``, zero-padded to ``per`` so every rank has the
+    same shapes; the kernel reads only the valid rows (``valid_intermediate``). The down bias is
+    stored whole on every rank (so ``invert`` recovers it anywhere); only TP rank 0 adds it.
+  * EP: contiguous expert slices (:func:`prepkit.layouts.base.expert_range`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from prepkit.errors import LayoutError
+from prepkit.layouts import ops
+from prepkit.layouts.base import (
+    ExpertWeights,
+    LayoutOptions,
+    ModelDims,
+    RankPlan,
+    RankSpec,
+    TensorSpec,
+    expert_range,
+)
+from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
+
+LAYOUT_ID = "triton_moe_v1"
+SHARDING_RULE = "contiguous-32-aligned"
+TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+
+
+def intermediate_split(intermediate: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
+    """``(lo, hi, per)``: checkpoint intermediate rows ``[lo, hi)`` of TP rank ``tp_rank`` and the
+    padded row count ``per`` every rank stores. Slices start on 32-row boundaries so each E8M0
+    scale group of the down projection stays on one rank.
+
+    Raises:
+        LayoutError: ``tp_size``/``tp_rank`` out of range, or a rank would hold no rows.
+    """
+    if tp_size < 1 or not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"TP rank {tp_rank} of tp={tp_size} does not exist")
+    per = ops.round_up(ops.ceil_div(intermediate, tp_size), BLOCK_ELEMS)
+    lo = min(tp_rank * per, intermediate)
+    hi = min(lo + per, intermediate)
+    if hi <= lo:
+        raise LayoutError(
+            f"tp={tp_size} leaves TP rank {tp_rank} without intermediate rows "
+            f"({intermediate} rows in 32-aligned slices of {per})",
+            hint="use a smaller --tp",
+        )
+    return lo, hi, per
+
+
+class TritonMoeLayout:
+    name = "triton-moe"
+    layout_id = LAYOUT_ID
+    w13_row_order = "interleaved"
+    summary = "prepkit's Triton MXFP4 MoE kernel (any CUDA arch): checkpoint rows, [K/32, N] scales"
+
+    def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
+        E_lo, E_hi = expert_range(dims.num_experts, spec)
+        H, I = dims.hidden, dims.intermediate
+        if H % BLOCK_ELEMS or I % BLOCK_ELEMS:
+            raise LayoutError(f"hidden {H} and intermediate {I} must be multiples of {BLOCK_ELEMS} for MXFP4")
+        lo, hi, Ip = intermediate_split(I, spec.tp_size, spec.tp_rank)
+        El = E_hi - E_lo
+        u8, f32 = torch.uint8, torch.float32
+        tensors = {
+            "w13_blocks": TensorSpec((El, 2 * Ip, H // 2), u8, ("E", "2*Ip", "H/2")),
+            "w13_scales": TensorSpec((El, H // 32, 2 * Ip), u8, ("E", "H/32", "2*Ip")),
+            "w13_bias": TensorSpec((El, 2 * Ip), f32, ("E", "2*Ip")),
+            "w2_blocks": TensorSpec((El, H, Ip // 2), u8, ("E", "H", "Ip/2")),
+            "w2_scales": TensorSpec((El, Ip // 32, H), u8, ("E", "Ip/32", "H")),
+            "w2_bias": TensorSpec((El, H), f32, ("E", "H")),
+        }
+        facts = {
+            "engine": "prepkit Triton MXFP4 MoE kernel (prepkit.kernels.moe_mxfp4)",
+            "valid_hidden_size": H,
+            "valid_intermediate_size": hi - lo,
+            "intermediate_size": Ip,
+            "w13_rows": "interleaved: row 2i gate_i, row 2i+1 up_i",
+            "scales": "uint8 E8M0, transposed to [K/32, N] per expert",
+            "w2_bias": "whole on every rank; added by TP rank 0 only",
+            "w2_bias_tp_rank": 0,
+            "swiglu_alpha": 1.702,
+            "swiglu_limit": 7.0,
+        }
+        return RankPlan(
+            spec=spec,
+            dims=dims,
+            expert_range=(E_lo, E_hi),
+            intermediate_range=(lo, hi),
+            padded_intermediate=Ip,
+            padded_hidden=H,
+            tensors=tensors,
+            sharding_rule=SHARDING_RULE,
+            facts=facts,
+        )
+
+    def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
+        _check_local(weights, plan)
+        piece = weights.intermediate_slice(*plan.intermediate_range)
+        H, Ip, El = plan.dims.hidden, plan.padded_intermediate, weights.num_experts
+        w13_scales = ops.pad_to(piece.gate_up_proj_scales, (El, 2 * Ip, H // 32))
+        w2_scales = ops.pad_to(piece.down_proj_scales, (El, H, Ip // 32))
+        return {
+            "w13_blocks": ops.pad_to(piece.gate_up_proj_blocks.flatten(-2), (El, 2 * Ip, H // 2)),
+            "w13_scales": w13_scales.transpose(1, 2).contiguous(),
+            "w13_bias": ops.pad_to(piece.gate_up_proj_bias.float(), (El, 2 * Ip)),
+            "w2_blocks": ops.pad_to(piece.down_proj_blocks.flatten(-2), (El, H, Ip // 2)),
+            "w2_scales": w2_scales.transpose(1, 2).contiguous(),
+            "w2_bias": piece.down_proj_bias.float().contiguous(),
+        }
+
+    def invert(self, tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> ExpertWeights:
+        El = None
+        for name, spec in plan.tensors.items():
+            t = tensors.get(name)
+            if t is None:
+                raise LayoutError(f"tensor {name!r} is missing")
+            # Like build, accept any run of the rank's experts (same count in every tensor).
+            El = t.shape[0] if El is None else El
+            if tuple(t.shape) != (El, *spec.shape[1:]) or t.dtype != spec.dtype or El > spec.shape[0]:
+                raise LayoutError(
+                    f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}"
+                )
+        assert El is not None
+        H, V = plan.dims.hidden, plan.valid_intermediate
+        gate_up = _unpad_checked(tensors["w13_blocks"], (El, 2 * V, H // 2), "w13_blocks")
+        gate_up_sf = _unpad_checked(tensors["w13_scales"].transpose(1, 2), (El, 2 * V, H // 32), "w13_scales")
+        gate_up_bias = _bf16_exact(_unpad_checked(tensors["w13_bias"], (El, 2 * V), "w13_bias"), "w13_bias")
+        down = _unpad_checked(tensors["w2_blocks"], (El, H, V // 2), "w2_blocks")
+        down_sf = _unpad_checked(tensors["w2_scales"].transpose(1, 2), (El, H, V // 32), "w2_scales")
+        return ExpertWeights(
+            gate_up_proj_blocks=gate_up.unflatten(-1, (-1, BLOCK_BYTES)),
+            gate_up_proj_scales=gate_up_sf,
+            gate_up_proj_bias=gate_up_bias,
+            down_proj_blocks=down.unflatten(-1, (-1, BLOCK_BYTES)),
+            down_proj_scales=down_sf,
+            down_proj_bias=_bf16_exact(tensors["w2_bias"], "w2_bias"),
+        )
+
+
+def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
+    # The pipeline may stream a rank's experts in chunks, so fewer than the rank's count may come.
+    if weights.num_experts > plan.num_local_experts:
+        raise LayoutError(
+            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
+        )
+    if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
+        raise LayoutError(
+            f"expert weights have H={weights.hidden}, I={weights.intermediate}; "
+            f"the plan expects H={plan.dims.hidden}, I={plan.dims.intermediate}"
+        )
+
+
+def _unpad_checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    core, padding_is_zero = ops.unpad(t, shape)
+    if not padding_is_zero:
+        raise LayoutError(f"{name}: padding beyond {list(shape)} holds nonzero bytes")
+    return core
+
+
+def _bf16_exact(t: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 bias -> the checkpoint's bf16, refusing values bf16 cannot hold (a corrupted shard)."""
+    out = t.to(torch.bfloat16)
+    if t.device.type != "meta" and not torch.equal(out.float(), t):
+        raise LayoutError(f"{name}: values are not bf16-exact, so they did not come from the checkpoint")
+    return out
+
+
+LAYOUT = TritonMoeLayout()

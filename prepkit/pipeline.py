@@ -1,0 +1,570 @@
+"""``prepare``: plan first (validated, printable, nothing written), then one streaming pass.
+
+Each layer's experts are read once, in chunks of experts, and every rank's file for that layer
+is filled from the same chunk, so ``--tp 8`` reads the source once and memory stays at a chunk
+plus its outputs whatever the model size. Files are written under temporary names, renamed
+when complete, hashed, and recorded in a journal; the manifest comes last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prepkit import __version__
+from prepkit.checkpoint import Checkpoint, free_bytes
+from prepkit.errors import OutputError
+from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
+from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights
+from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
+from prepkit.recipes import Recipe
+from prepkit.shards import (
+    INDEX_NAME,
+    JOURNAL_NAME,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    MANIFEST_VERSION,
+    Journal,
+    WrittenFile,
+    link_or_copy,
+    safetensors_header,
+    sha256_file,
+    write_json_atomic,
+    write_safetensors,
+)
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]
+SHARED_DIR = "shared"
+CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
+SHARED_FILE_BYTES = 2 * 1024**3  # non-expert tensors are grouped into files of at most this payload
+FETCH_RECORD = "prepkit-fetch.json"
+
+
+def experts_file(rank: int, layer: int) -> str:
+    return f"rank{rank}/experts-{layer:05d}.safetensors"
+
+
+def shared_file(index: int) -> str:
+    return f"{SHARED_DIR}/non-expert-{index:05d}.safetensors"
+
+
+@dataclass
+class PreparePlan:
+    recipe: Recipe
+    checkpoint: Checkpoint
+    layout: Layout
+    options: LayoutOptions
+    tp_size: int
+    ep_size: int
+    out_dir: Path
+    ranks: list[RankPlan]
+    shared_groups: list[list[str]]
+    expert_source_bytes: int
+    shared_bytes: int
+    output_bytes_per_rank: list[int]
+    free_bytes: int
+    fingerprint: str
+    warnings: list[str] = field(default_factory=list)
+    chunk_bytes: int = CHUNK_BYTES
+
+    @property
+    def bytes_to_write(self) -> int:
+        return sum(self.output_bytes_per_rank) + self.shared_bytes
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "model": self.recipe.name,
+            "source": str(self.checkpoint.root),
+            "out": str(self.out_dir),
+            "layout": self.layout.name,
+            "layout_id": self.layout.layout_id,
+            "options": {"trtllm_version": self.options.trtllm_version},
+            "tp_size": self.tp_size,
+            "ep_size": self.ep_size,
+            "num_layers": self.checkpoint.dims.num_layers,
+            "dims": self.checkpoint.dims.__dict__,
+            "ranks": [
+                {
+                    "rank": p.spec.rank,
+                    "tp_rank": p.spec.tp_rank,
+                    "ep_rank": p.spec.ep_rank,
+                    "experts": list(p.expert_range),
+                    "intermediate_rows": list(p.intermediate_range),
+                    "valid_intermediate": p.valid_intermediate,
+                    "padded_intermediate": p.padded_intermediate,
+                    "sharding_rule": p.sharding_rule,
+                    "bytes": self.output_bytes_per_rank[i],
+                    "tensors_per_layer": {n: list(t.shape) for n, t in p.tensors.items()},
+                }
+                for i, p in enumerate(self.ranks)
+            ],
+            "expert_source_bytes": self.expert_source_bytes,
+            "shared_bytes": self.shared_bytes,
+            "bytes_to_write": self.bytes_to_write,
+            "free_bytes": self.free_bytes,
+            "warnings": self.warnings,
+        }
+
+
+def plan_prepare(
+    recipe: Recipe,
+    src: Path,
+    layout: Layout,
+    *,
+    tp_size: int,
+    ep_size: int = 1,
+    out_dir: Path,
+    options: LayoutOptions | None = None,
+    ranks: list[int] | None = None,
+) -> PreparePlan:
+    """Validate the source and the split, and decide every byte's place; writes nothing.
+
+    Raises CheckpointError (bad source), LayoutError (a split that does not fit),
+    OutputError (foreign output folder, not enough disk).
+    """
+    options = options or LayoutOptions()
+    if tp_size < 1 or ep_size < 1:
+        raise OutputError(f"--tp and --ep must be at least 1 (got tp={tp_size}, ep={ep_size})")
+    checkpoint = Checkpoint(src, recipe)
+    checkpoint.validate()
+    dims = checkpoint.dims
+    specs = RankSpec.all_ranks(tp_size, ep_size)
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < len(specs)]
+        if bad:
+            raise OutputError(f"--rank {bad[0]} is out of range for tp={tp_size} x ep={ep_size}",
+                              hint=f"ranks are 0..{len(specs) - 1}")
+        specs = [specs[r] for r in sorted(set(ranks))]
+    rank_plans = [layout.plan_rank(dims, spec, options) for spec in specs]
+
+    warnings = []
+    alternatives = {v: [layout.plan_rank(dims, s, LayoutOptions(trtllm_version=v)) for s in specs]
+                    for v in TRTLLM_VERSIONS if v != options.trtllm_version}
+    for version, plans in alternatives.items():
+        differ = [p.spec.rank for p, q in zip(rank_plans, plans) if p.intermediate_range != q.intermediate_range]
+        if differ:
+            warnings.append(
+                f"at tp={tp_size} the per-rank bytes depend on the TensorRT-LLM version: using "
+                f"--trtllm-version {options.trtllm_version} ({rank_plans[0].sharding_rule}); "
+                f"--trtllm-version {version} would place different rows on ranks {differ}"
+            )
+
+    shared_names = checkpoint.non_expert_names()
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name in shared_names:
+        size = checkpoint.entries[name].nbytes
+        if groups[-1] and used + size > SHARED_FILE_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    groups = [g for g in groups if g]
+    shared_bytes = sum(checkpoint.entries[n].nbytes for n in shared_names)
+    expert_bytes = sum(
+        checkpoint.entries[n].nbytes for layer in range(dims.num_layers) for n in checkpoint.expert_names(layer)
+    )
+    per_rank = [p.layer_nbytes() * dims.num_layers for p in rank_plans]
+    out_dir = Path(out_dir)
+    fingerprint = _fingerprint(checkpoint, layout, options, tp_size, ep_size, [p.spec.rank for p in rank_plans])
+    _check_output_dir(out_dir, fingerprint)
+    plan = PreparePlan(
+        recipe=recipe,
+        checkpoint=checkpoint,
+        layout=layout,
+        options=options,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        out_dir=out_dir,
+        ranks=rank_plans,
+        shared_groups=groups,
+        expert_source_bytes=expert_bytes,
+        shared_bytes=shared_bytes,
+        output_bytes_per_rank=per_rank,
+        free_bytes=free_bytes(out_dir),
+        fingerprint=fingerprint,
+        warnings=warnings,
+    )
+    return plan
+
+
+def _fingerprint(checkpoint: Checkpoint, layout: Layout, options: LayoutOptions, tp: int, ep: int,
+                 ranks: list[int]) -> str:
+    sources = []
+    for path in checkpoint.source_files():
+        st = path.stat()
+        sources.append([path.name, st.st_size, st.st_mtime_ns])
+    payload = {
+        "prepkit": __version__,
+        "layout": layout.layout_id,
+        "options": options.__dict__,
+        "tp": tp,
+        "ep": ep,
+        "ranks": ranks,
+        "sources": sources,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise OutputError(f"--out {out_dir} is a file", hint="choose a folder")
+    entries = [p.name for p in out_dir.iterdir()]
+    if not entries:
+        return
+    if MANIFEST_NAME in entries:
+        try:
+            manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
+        except (OSError, json.JSONDecodeError):
+            manifest = {}
+        if manifest.get("format") == MANIFEST_FORMAT and manifest.get("fingerprint") == fingerprint:
+            return
+        if manifest.get("format") == MANIFEST_FORMAT:
+            raise OutputError(
+                f"{out_dir} holds a different prepared shard set (layout {manifest.get('layout', {}).get('id')}, "
+                f"tp={manifest.get('parallel', {}).get('tp_size')}, ep={manifest.get('parallel', {}).get('ep_size')}, "
+                "or another source)",
+                hint="choose another --out, or delete that folder first",
+            )
+    if JOURNAL_NAME in entries:
+        try:
+            journal = json.loads((out_dir / JOURNAL_NAME).read_text())
+        except (OSError, json.JSONDecodeError):
+            journal = {}
+        if journal.get("fingerprint") == fingerprint:
+            return
+        raise OutputError(
+            f"{out_dir} holds an unfinished run of a different plan",
+            hint="rerun that exact command to finish it, or delete the folder",
+        )
+    foreign = sorted(e for e in entries if not (e.startswith("rank") or e == SHARED_DIR))
+    raise OutputError(
+        f"--out {out_dir} is not empty and is not a prepkit output folder (holds {', '.join((foreign or entries)[:5])})",
+        hint="choose an empty or new folder",
+    )
+
+
+# --- execution ---------------------------------------------------------------------------------
+
+
+@dataclass
+class PrepareResult:
+    out_dir: Path
+    files_written: int
+    files_skipped: int
+    bytes_written: int
+    source_bytes_read: int
+    seconds: float
+    manifest: dict[str, Any]
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out_dir),
+            "manifest": str(self.out_dir / MANIFEST_NAME),
+            "files_written": self.files_written,
+            "files_skipped": self.files_skipped,
+            "bytes_written": self.bytes_written,
+            "source_bytes_read": self.source_bytes_read,
+            "seconds": round(self.seconds, 3),
+            "source_gb_per_s": round(self.source_bytes_read / max(self.seconds, 1e-9) / 1e9, 3),
+        }
+
+
+class _RankFile:
+    """One (rank, layer) safetensors file filled tensor region by region as chunks arrive."""
+
+    def __init__(self, root: Path, rel: str, plan: RankPlan, prefix: str, metadata: dict[str, str]) -> None:
+        self.rel = rel
+        self.final = root / rel
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
+        metas = {prefix + n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in plan.tensors.items()}
+        header, order = safetensors_header(metas, metadata)
+        self.offsets: dict[str, int] = {}
+        self.per_expert: dict[str, int] = {}
+        pos = len(header)
+        for full in order:
+            meta = metas[full]
+            name = full[len(prefix):]
+            self.offsets[name] = pos
+            self.per_expert[name] = meta[0].numel() * meta.element_size() if meta.shape[0] else 0
+            pos += meta.numel() * meta.element_size()
+        self.size = pos
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(self.fd, self.size)
+            os.pwrite(self.fd, header, 0)
+        except OSError:
+            self.abort()
+            raise
+
+    def write_chunk(self, first_local_expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            offset = self.offsets[name] + first_local_expert * self.per_expert[name]
+            written = 0
+            while written < len(data):
+                written += os.pwrite(self.fd, data[written:], offset + written)
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        os.replace(self.tmp, self.final)
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+def _chunks(lo: int, hi: int, per_expert_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    step = max(1, chunk_bytes // max(per_expert_bytes, 1))
+    return [(e, min(e + step, hi)) for e in range(lo, hi, step)]
+
+
+def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> PrepareResult:
+    """Run the plan; resumes from the journal; returns what was done. Raises OutputError on I/O."""
+    started = time.perf_counter()
+    root = plan.out_dir
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob("**/*.tmp-*"):
+        leftover.unlink(missing_ok=True)  # a killed run's partial file: never complete, never kept
+    journal = Journal.load(root, plan.fingerprint)
+    if (root / MANIFEST_NAME).is_file():
+        manifest = json.loads((root / MANIFEST_NAME).read_text())
+        journal.files = {rel: WrittenFile(rel, v["sha256"], v["bytes"]) for rel, v in manifest["files"].items()
+                         if rel.endswith(".safetensors")}
+    ckpt = plan.checkpoint
+    dims = ckpt.dims
+    progress = on_progress or (lambda label, done, total: None)
+    total_source = plan.expert_source_bytes + plan.shared_bytes
+    done_source = 0
+    written = skipped = 0
+    bytes_written = 0
+    source_read = 0
+    files: dict[str, WrittenFile] = {}
+    metadata = {"format": "pt", "producer": f"prepkit {__version__}", "layout": plan.layout.layout_id}
+    hasher = ThreadPoolExecutor(max_workers=1)  # hashing overlaps the next layer's work
+    pending: list[tuple[Future[str], str, int]] = []
+    rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank)}
+    rank_done = dict.fromkeys(rank_total, 0)
+    source_hashes = {p.name: hasher.submit(sha256_file, p) for p in _sources_to_hash(ckpt)}
+
+    def drain(block: bool) -> None:
+        nonlocal pending
+        keep = []
+        for fut, rel, size in pending:
+            if block or fut.done():
+                wf = WrittenFile(rel, fut.result(), size)
+                files[rel] = wf
+                journal.record(wf)
+            else:
+                keep.append((fut, rel, size))
+        pending = keep
+
+    try:
+        # Non-expert tensors: carried through unchanged, written once, shared by every rank.
+        for i, names in enumerate(plan.shared_groups):
+            rel = shared_file(i)
+            group_bytes = sum(ckpt.entries[n].nbytes for n in names)
+            if journal.is_done(rel):
+                files[rel] = journal.files[rel]
+                skipped += 1
+            else:
+                tensors = {n: ckpt.read(n) for n in names}
+                wf = write_safetensors(root, rel, tensors, {"format": "pt", "producer": f"prepkit {__version__}"})
+                source_read += group_bytes
+                files[rel] = wf
+                journal.record(wf)
+                written += 1
+                bytes_written += wf.bytes
+            done_source += group_bytes
+            progress("source", done_source, total_source)
+
+        per_expert_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(0)) // dims.num_experts
+        for layer in range(dims.num_layers):
+            layer_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(layer))
+            todo = [p for p in plan.ranks if not journal.is_done(experts_file(p.spec.rank, layer))]
+            for p in plan.ranks:
+                if p not in todo:
+                    rel = experts_file(p.spec.rank, layer)
+                    files[rel] = journal.files[rel]
+                    skipped += 1
+            if todo:
+                prefix = plan.recipe.output_expert_prefix(layer)
+                outs = {p.spec.rank: _RankFile(root, experts_file(p.spec.rank, layer), p, prefix, metadata) for p in todo}
+                try:
+                    # Chunks never straddle an EP boundary, so each chunk feeds whole ranks.
+                    for e_lo, e_hi in sorted({p.expert_range for p in todo}):
+                        for c_lo, c_hi in _chunks(e_lo, e_hi, per_expert_source, plan.chunk_bytes):
+                            weights = ckpt.read_experts_range(layer, c_lo, c_hi)
+                            source_read += weights.nbytes()
+                            for p in todo:
+                                if p.expert_range != (e_lo, e_hi):
+                                    continue
+                                built = plan.layout.build(weights, p)
+                                outs[p.spec.rank].write_chunk(c_lo - e_lo, built)
+                                del built
+                            del weights
+                            progress("source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source)
+                    for p in todo:
+                        f = outs[p.spec.rank]
+                        f.commit()
+                        written += 1
+                        bytes_written += f.size
+                        path = f.final
+                        pending.append((hasher.submit(sha256_file, path), f.rel, f.size))
+                        rank_done[p.spec.rank] += f.size
+                        progress(f"rank {p.spec.rank}", rank_done[p.spec.rank], rank_total[p.spec.rank])
+                except BaseException:
+                    for f in outs.values():
+                        f.abort()
+                    raise
+            done_source += layer_source
+            progress("source", done_source, total_source)
+            drain(block=False)
+        drain(block=True)
+    except OSError as err:
+        raise OutputError(f"writing {root} failed: {err}",
+                          hint="free disk space or fix permissions, then rerun: finished files are kept") from err
+    finally:
+        hasher.shutdown(wait=True)
+
+    manifest = _finish(plan, files, {name: fut.result() for name, fut in source_hashes.items()})
+    return PrepareResult(root, written, skipped, bytes_written, source_read, time.perf_counter() - started, manifest)
+
+
+def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dict[str, str]) -> dict[str, Any]:
+    """Link shared files into every rank, write rank indexes, then the manifest, last."""
+    root = plan.out_dir
+    ckpt = plan.checkpoint
+    link_method = "none"
+    rank_entries = []
+    for p in plan.ranks:
+        r = p.spec.rank
+        weight_map: dict[str, str] = {}
+        rank_files = []
+        for i, names in enumerate(plan.shared_groups):
+            rel = shared_file(i)
+            local = f"rank{r}/{Path(rel).name}"
+            link_method = link_or_copy(root / rel, root / local)
+            rank_files.append(local)
+            for n in names:
+                weight_map[n] = Path(rel).name
+        for layer in range(ckpt.dims.num_layers):
+            rel = experts_file(r, layer)
+            rank_files.append(rel)
+            prefix = plan.recipe.output_expert_prefix(layer)
+            for n in p.tensors:
+                weight_map[prefix + n] = Path(rel).name
+        total = p.layer_nbytes() * ckpt.dims.num_layers + plan.shared_bytes
+        index = {"metadata": {"total_size": total, "prepkit_layout": plan.layout.layout_id, "rank": r},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        files[f"rank{r}/{INDEX_NAME}"] = write_json_atomic(root, f"rank{r}/{INDEX_NAME}", index)
+        rank_files.append(f"rank{r}/{INDEX_NAME}")
+        rank_entries.append({
+            "rank": r,
+            "tp_rank": p.spec.tp_rank,
+            "ep_rank": p.spec.ep_rank,
+            "expert_range": list(p.expert_range),
+            "intermediate_range": list(p.intermediate_range),
+            "valid_intermediate": p.valid_intermediate,
+            "padded_intermediate": p.padded_intermediate,
+            "padded_hidden": p.padded_hidden,
+            "sharding_rule": p.sharding_rule,
+            "facts": p.facts,
+            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dims": list(t.dims)}
+                        for n, t in p.tensors.items()},
+            "files": sorted(rank_files),
+        })
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "format_version": MANIFEST_VERSION,
+        "prepkit_version": __version__,
+        "fingerprint": plan.fingerprint,
+        "layout": {
+            "name": plan.layout.name,
+            "id": plan.layout.layout_id,
+            "w13_row_order": plan.layout.w13_row_order,
+            "options": {"trtllm_version": plan.options.trtllm_version},
+        },
+        "model": {
+            "recipe": plan.recipe.name,
+            "repo_id": plan.recipe.repo_id,
+            "revision": plan.recipe.revision,
+            "dims": plan.checkpoint.dims.__dict__,
+            "config": ckpt.config,
+            **_provenance(ckpt, source_hashes),
+        },
+        "parallel": {"tp_size": plan.tp_size, "ep_size": plan.ep_size},
+        "expert_tensor_prefix": plan.recipe.expert_prefix,
+        "shared_files": [shared_file(i) for i in range(len(plan.shared_groups))],
+        "shared_file_link": link_method,
+        "ranks": rank_entries,
+        "files": {rel: {"sha256": wf.sha256, "bytes": wf.bytes} for rel, wf in sorted(files.items())},
+    }
+    write_json_atomic(root, MANIFEST_NAME, manifest)
+    Journal(root, plan.fingerprint).remove()
+    return manifest
+
+
+def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
+    """Source files whose sha256 no fetch record vouches for."""
+    known = _fetch_record_files(ckpt)
+    return [p for p in ckpt.source_files() if not (known.get(p.name) or {}).get("sha256")]
+
+
+def _fetch_record_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
+    record = _fetch_record(ckpt)
+    if not record:
+        return {}
+    return {f["path"]: {"sha256": f.get("sha256"), "bytes": f.get("size")} for f in record.get("files", [])
+            if isinstance(f, dict) and "path" in f}
+
+
+def _fetch_record(ckpt: Checkpoint) -> dict[str, Any] | None:
+    path = ckpt.root / FETCH_RECORD
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        log.warning("ignoring unreadable %s", path)
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, Any]:
+    """Source revision and file hashes: from the fetch record when the model came through
+    ``prepkit fetch`` (verified against the hub there), else hashed during the run."""
+    record = _fetch_record(ckpt)
+    known = _fetch_record_files(ckpt)
+    source_files = {}
+    for p in ckpt.source_files():
+        entry = known.get(p.name) or {}
+        source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name),
+                                "bytes": p.stat().st_size}
+    if record:
+        return {
+            "provenance": "prepkit fetch",
+            "source_repo": record.get("repo_id"),
+            "source_revision": record.get("revision"),
+            "source_files": source_files,
+        }
+    return {"provenance": "local folder", "source_files": source_files}

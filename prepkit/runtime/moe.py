@@ -1,0 +1,229 @@
+"""``moe(layer, hidden_states, router_logits)``: one gpt-oss MoE layer with the bundled kernel.
+
+A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v1`` layout on the GPU, plus
+the facts the kernel needs (valid intermediate rows, expert range, whether this TP rank adds the
+down bias). Per call the variant pair comes from the layer's tactic lookup (the tuner's database)
+or, when it has none for the problem, from :func:`default_tactics_for`, with one warning per
+layer. Triton compiles each variant once, on its first use.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prepkit.errors import DeviceError, LayoutError
+from prepkit.kernels.device import DeviceInfo
+from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.variants import MoeProblem, default_tactics
+
+# Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
+# manifest does not import triton.
+WEIGHT_LAYOUT = "triton_moe_v1"
+TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+
+TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
+
+
+def default_tactics_for(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
+    """The built-in variant pair: always valid, not tuned."""
+    return default_tactics(problem, device)
+
+
+@dataclass
+class MoeLayer:
+    """One layer's experts for one rank, ready for :func:`moe`."""
+
+    w13_blocks: torch.Tensor  # [El, 2*Ip, H/2] uint8
+    w13_scales: torch.Tensor  # [El, H/32, 2*Ip] uint8
+    w13_bias: torch.Tensor  # [El, 2*Ip] fp32
+    w2_blocks: torch.Tensor  # [El, H, Ip/2] uint8
+    w2_scales: torch.Tensor  # [El, Ip/32, H] uint8
+    w2_bias: torch.Tensor  # [El, H] fp32
+    num_experts: int  # E over all ranks (router width)
+    expert_range: tuple[int, int]
+    valid_intermediate: int
+    top_k: int = 4
+    apply_down_bias: bool = True  # True on TP rank 0 only, so the all-reduce adds it once
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tactic_lookup: TacticLookup | None = None
+    device_info: DeviceInfo | None = None
+    _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
+    _warned: bool = field(default=False, repr=False)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        layout_id: str,
+        num_experts: int,
+        expert_range: tuple[int, int],
+        valid_intermediate: int,
+        top_k: int = 4,
+        tp_rank: int = 0,
+        device: torch.device | str | None = None,
+        tactic_lookup: TacticLookup | None = None,
+        facts: Mapping[str, Any] | None = None,
+    ) -> MoeLayer:
+        """Build a layer from one rank's tensors of one layer (names may carry a prefix such as
+        ``model.layers.3.mlp.experts.``; the suffix decides).
+
+        Raises:
+            LayoutError: the layout id is not ``triton_moe_v1``, a tensor is missing, or shapes
+                disagree with each other or with ``valid_intermediate``.
+        """
+        if layout_id != WEIGHT_LAYOUT:
+            raise LayoutError(
+                f"shards are in layout {layout_id!r}, the bundled kernel reads {WEIGHT_LAYOUT!r}",
+                hint="prepare them with: prepkit prepare --layout triton-moe",
+            )
+        found: dict[str, torch.Tensor] = {}
+        for suffix in TENSOR_NAMES:
+            hits = [k for k in tensors if k == suffix or k.endswith("." + suffix)]
+            if len(hits) != 1:
+                raise LayoutError(f"expected one tensor named *{suffix}, found {sorted(hits) or 'none'}")
+            found[suffix] = tensors[hits[0]].to(device) if device is not None else tensors[hits[0]]
+        facts = dict(facts or {})
+        layer = cls(
+            **{k: v.contiguous() for k, v in found.items()},
+            num_experts=num_experts,
+            expert_range=(int(expert_range[0]), int(expert_range[1])),
+            valid_intermediate=valid_intermediate,
+            top_k=top_k,
+            apply_down_bias=tp_rank == int(facts.get("w2_bias_tp_rank", 0)),
+            swiglu_alpha=float(facts.get("swiglu_alpha", 1.702)),
+            swiglu_limit=float(facts.get("swiglu_limit", 7.0)),
+            tactic_lookup=tactic_lookup,
+        )
+        layer.validate()
+        return layer
+
+    @property
+    def hidden(self) -> int:
+        return self.w2_blocks.shape[1]
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.w13_blocks.shape[0]
+
+    @property
+    def padded_intermediate(self) -> int:
+        return self.w13_blocks.shape[1] // 2
+
+    def problem(self, num_tokens: int) -> MoeProblem:
+        return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
+
+    def validate(self) -> None:
+        """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v1`` layer."""
+        El, H, Ip = self.num_local_experts, self.hidden, self.padded_intermediate
+        expected = {
+            "w13_blocks": ((El, 2 * Ip, H // 2), torch.uint8),
+            "w13_scales": ((El, H // 32, 2 * Ip), torch.uint8),
+            "w13_bias": ((El, 2 * Ip), torch.float32),
+            "w2_blocks": ((El, H, Ip // 2), torch.uint8),
+            "w2_scales": ((El, Ip // 32, H), torch.uint8),
+            "w2_bias": ((El, H), torch.float32),
+        }
+        problems = []
+        for name, (shape, dtype) in expected.items():
+            t = getattr(self, name)
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                problems.append(f"{name}: {list(t.shape)} {t.dtype}, expected {list(shape)} {dtype}")
+        if not 0 < self.valid_intermediate <= Ip or self.valid_intermediate % 32:
+            problems.append(f"valid_intermediate {self.valid_intermediate} must be a multiple of 32 in (0, {Ip}]")
+        lo, hi = self.expert_range
+        if hi - lo != El or not 0 <= lo < hi <= self.num_experts:
+            problems.append(f"expert_range {self.expert_range} does not hold {El} of {self.num_experts} experts")
+        if problems:
+            raise LayoutError("not a triton_moe_v1 layer: " + "; ".join(problems))
+
+    def tactics(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
+        """The variant pair for ``num_tokens``: the lookup's, else the default (warned once)."""
+        chosen = self._chosen.get(num_tokens)
+        if chosen is not None:
+            return chosen
+        device = self._device_info()
+        problem = self.problem(num_tokens)
+        chosen = self.tactic_lookup(problem, device) if self.tactic_lookup is not None else None
+        if chosen is None:
+            if not self._warned:
+                warnings.warn(
+                    f"no tuned tactic for {problem.key()} on {device.name}; using the built-in default "
+                    "(run `prepkit tune` for faster variants)",
+                    stacklevel=3,
+                )
+                self._warned = True
+            chosen = default_tactics_for(problem, device)
+        self._chosen[num_tokens] = chosen
+        return chosen
+
+    def _device_info(self) -> DeviceInfo:
+        if self.device_info is None:
+            if self.w13_blocks.device.type != "cuda":
+                # CPU tensors run only under the Triton interpreter; describe a Hopper part.
+                from prepkit.kernels.device import H100
+
+                self.device_info = H100
+            else:
+                self.device_info = DeviceInfo.from_torch(self.w13_blocks.device)
+        return self.device_info
+
+
+def moe(
+    layer: MoeLayer,
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    *,
+    tactics: tuple[GemmTactic, GemmTactic] | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """One MoE layer: ``[T, H]`` bf16 activations and ``[T, E]`` router logits -> ``[T, H]``.
+
+    The result is this rank's share (its experts, its intermediate rows); ranks' outputs add up to
+    the layer. ``out_dtype`` defaults to the activations' dtype; ``torch.float32`` returns the
+    kernel's accumulator without a final cast. ``tactics`` pins the (GEMM1, GEMM2) variants.
+
+    Raises:
+        DeviceError: tensors on different devices.
+        ValueError: shapes that do not match the layer.
+    """
+    if hidden_states.device != layer.w13_blocks.device or router_logits.device != hidden_states.device:
+        raise DeviceError(
+            f"hidden_states on {hidden_states.device}, router_logits on {router_logits.device}, "
+            f"weights on {layer.w13_blocks.device}"
+        )
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != layer.hidden:
+        raise ValueError(f"hidden_states {list(hidden_states.shape)}, expected [T, {layer.hidden}]")
+    if tuple(router_logits.shape) != (hidden_states.shape[0], layer.num_experts):
+        raise ValueError(
+            f"router_logits {list(router_logits.shape)}, expected [{hidden_states.shape[0]}, {layer.num_experts}]"
+        )
+    from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
+
+    g1, g2 = tactics if tactics is not None else layer.tactics(hidden_states.shape[0])
+    x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
+    out = fused_moe(
+        x.contiguous(),
+        router_logits.contiguous(),
+        layer.w13_blocks,
+        layer.w13_scales,
+        layer.w13_bias,
+        layer.w2_blocks,
+        layer.w2_scales,
+        layer.w2_bias if layer.apply_down_bias else None,
+        top_k=layer.top_k,
+        expert_lo=layer.expert_range[0],
+        valid_intermediate=layer.valid_intermediate,
+        gemm1=g1,
+        gemm2=g2,
+        swiglu_alpha=layer.swiglu_alpha,
+        swiglu_limit=layer.swiglu_limit,
+    )
+    target = hidden_states.dtype if out_dtype is None else out_dtype
+    return out if target == torch.float32 else out.to(target)

@@ -1,0 +1,219 @@
+"""Crash-safe output files: a streaming safetensors writer, the journal, and the manifest.
+
+Every file is written under ``<name>.tmp-<pid>``, fsynced, then renamed into place, and its
+sha256 is computed from the bytes as they are written (no second read). The manifest is written
+last, so a folder without ``manifest.json`` is never mistaken for a finished one; the journal
+records finished files so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prepkit.errors import OutputError, VerifyError
+
+MANIFEST_NAME = "manifest.json"
+JOURNAL_NAME = ".prepkit-journal.json"
+MANIFEST_FORMAT = "prepkit-shards"
+MANIFEST_VERSION = 1
+INDEX_NAME = "model.safetensors.index.json"
+
+ST_DTYPE = {
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.int64: "I64",
+}
+HASH_CHUNK = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    path: str  # relative to the output root, POSIX separators
+    sha256: str
+    bytes: int
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
+    """Header bytes (length prefix included) and the data order of a safetensors file.
+
+    Larger element types first, then names: every tensor starts aligned to its element size,
+    and the bytes depend on the tensors alone, so reruns are byte-identical.
+    """
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(sorted(metadata.items()))
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in ST_DTYPE:
+            raise OutputError(f"{name}: dtype {t.dtype} cannot be stored")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_DTYPE[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section starts 8-aligned
+    return len(raw).to_bytes(8, "little") + raw, order
+
+
+def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
+    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` through a temp file, fsync, rename."""
+    final = root / rel
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
+    digest = hashlib.sha256()
+    total = 0
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks_fn():
+                f.write(chunk)
+                digest.update(chunk)
+                total += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.errno == errno.ENOSPC:
+            raise OutputError(f"no space left on the device while writing {final}",
+                              hint="free disk space (prepare --dry-run shows the bytes needed) and rerun: "
+                                   "finished files are kept") from err
+        raise OutputError(f"cannot write {final}: {err.strerror}") from err
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return WrittenFile(rel, digest.hexdigest(), total)
+
+
+def write_safetensors(root: Path, rel: str, tensors: Mapping[str, torch.Tensor],
+                      metadata: Mapping[str, str] | None = None) -> WrittenFile:
+    header, order = safetensors_header(tensors, metadata)
+
+    def chunks() -> Any:
+        yield header
+        for name in order:
+            data = _tensor_bytes(tensors[name])
+            for start in range(0, len(data), HASH_CHUNK):
+                yield data[start : start + HASH_CHUNK]
+
+    return write_atomic(root, rel, chunks)
+
+
+def write_json_atomic(root: Path, rel: str, payload: Any) -> WrittenFile:
+    data = (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()
+    return write_atomic(root, rel, lambda: [data])
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Share one file between rank folders: hard link, else relative symlink. Returns the method."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+        return "hardlink"
+    except OSError:
+        os.symlink(os.path.relpath(src, dst.parent), dst)
+        return "symlink"
+
+
+# --- journal ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Journal:
+    """Finished files of an interrupted run, valid only for the same plan fingerprint."""
+
+    root: Path
+    fingerprint: str
+    files: dict[str, WrittenFile] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, root: Path, fingerprint: str) -> Journal:
+        path = root / JOURNAL_NAME
+        journal = cls(root, fingerprint)
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                return journal  # unreadable: start over, every file is rewritten
+            if raw.get("fingerprint") == fingerprint:
+                for rel, info in raw.get("files", {}).items():
+                    journal.files[rel] = WrittenFile(rel, info["sha256"], info["bytes"])
+        return journal
+
+    def is_done(self, rel: str) -> bool:
+        """True when ``rel`` was finished by an earlier run and still has its recorded bytes."""
+        entry = self.files.get(rel)
+        if entry is None:
+            return False
+        path = self.root / rel
+        try:
+            if path.stat().st_size != entry.bytes:
+                return False
+        except OSError:
+            return False
+        return sha256_file(path) == entry.sha256
+
+    def record(self, written: WrittenFile) -> None:
+        self.files[written.path] = written
+        payload = {
+            "fingerprint": self.fingerprint,
+            "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(self.files.items())},
+        }
+        write_json_atomic(self.root, JOURNAL_NAME, payload)
+
+    def remove(self) -> None:
+        (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+
+
+# --- manifest ---------------------------------------------------------------------------------
+
+
+def read_manifest(out_dir: str | Path) -> dict[str, Any]:
+    """The manifest of a finished shard set; raises VerifyError when absent or foreign."""
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.is_file():
+        journal = Path(out_dir) / JOURNAL_NAME
+        hint = ("the run was interrupted; rerun the same prepare command to finish it"
+                if journal.is_file() else "run prepkit prepare first")
+        raise VerifyError(f"{path} is missing: {out_dir} is not a finished prepkit shard set", hint=hint)
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise VerifyError(f"{path} is not valid JSON: {err}") from err
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise VerifyError(f"{path} is not a prepkit manifest (format={manifest.get('format')!r})")
+    if int(manifest.get("format_version", 0)) > MANIFEST_VERSION:
+        raise VerifyError(
+            f"{path} has format_version {manifest['format_version']}, this prepkit reads up to {MANIFEST_VERSION}",
+            hint="upgrade prepkit",
+        )
+    return manifest

@@ -1,0 +1,693 @@
+"""``tactics.db``: the tuner's SQLite store (sqlite-utils), its migrations, merge and export.
+
+Rows are content-addressed: environments, kernels, problems and tactics are keyed by a hash of
+their canonical JSON (see :mod:`prepkit.runtime.tactics`), so two DBs filled on two machines merge
+without renumbering. Writers use WAL mode, a busy timeout and ``BEGIN IMMEDIATE`` transactions, so
+two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows.
+The runtime reads the same tables with the standard library only (``prepkit.runtime.tactics``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqlite_utils import Database
+
+from prepkit.errors import TacticsError
+from prepkit.runtime.tactics import (
+    APPLICATION_ID,
+    SCHEMA_VERSION,
+    Environment,
+    ProblemKey,
+    canonical_json,
+    check_header,
+    digest,
+    tactic_hash,
+    triton_minor,
+)
+
+try:  # sqlite-utils >= 4.0
+    from sqlite_utils.migrations import Migrations
+except ImportError:  # pragma: no cover - exercised only with sqlite-utils 3.x
+    Migrations = None  # type: ignore[assignment,misc]
+
+MIGRATION_SET = "prepkit.tactics"
+MIGRATIONS_TABLE = "_sqlite_migrations"
+BUSY_TIMEOUT_S = 60.0
+
+TABLES = (
+    "env",
+    "kernel",
+    "problem",
+    "tactic",
+    "tuning_run",
+    "measurement",
+    "correctness",
+    "winner",
+    "blocklist",
+)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ------------------------------------------------------------------------------- migrations
+# One function per schema step; a migration that has shipped is never edited, only followed.
+
+
+def _create_v1(db: Database) -> None:
+    db["env"].create(
+        {
+            "env_hash": str, "cc_major": int, "cc_minor": int, "arch": str, "gpu_name": str,
+            "sm_count": int, "l2_bytes": int, "smem_per_block_optin": int, "mem_bytes": int,
+            "driver_version": str, "cuda_version": str, "torch_version": str, "triton_version": str,
+            "triton_minor": str, "package_version": str, "mem_bw_gbps": float, "created_at": str,
+        },
+        pk="env_hash",
+        not_null=["cc_major", "cc_minor", "arch", "gpu_name", "triton_version", "created_at"],
+    )  # fmt: skip
+    db["kernel"].create(
+        {"kernel_hash": str, "name": str, "role": str, "kernel_version": str, "weight_layout": str},
+        pk="kernel_hash",
+        not_null=["name", "role", "kernel_version", "weight_layout"],
+    )
+    db["problem"].create(
+        {
+            "problem_hash": str, "kernel_hash": str, "num_experts": int, "top_k": int, "n": int,
+            "k": int, "act_dtype": str, "w_dtype": str, "out_dtype": str, "activation": str,
+            "tp_size": int, "ep_size": int,
+        },
+        pk="problem_hash",
+        foreign_keys=[("kernel_hash", "kernel", "kernel_hash")],
+        not_null=["kernel_hash", "num_experts", "top_k", "n", "k"],
+    )  # fmt: skip
+    db["tactic"].create({"tactic_hash": str, "params_json": str}, pk="tactic_hash", not_null=["params_json"])
+    db["tuning_run"].create(
+        {
+            "run_id": str, "env_hash": str, "started_at": str, "finished_at": str, "status": str,
+            "timing_method": str, "search_space": str, "token_points": str, "cmdline": str, "notes": str,
+        },
+        pk="run_id",
+        foreign_keys=[("env_hash", "env", "env_hash")],
+        not_null=["env_hash", "started_at", "status"],
+    )  # fmt: skip
+    db["measurement"].create(
+        {
+            "run_id": str, "env_hash": str, "problem_hash": str, "m": int, "tactic_hash": str,
+            "is_default": int, "status": str, "error_text": str, "median_us": float, "p10_us": float,
+            "p90_us": float, "mean_us": float, "n_samples": int, "samples_json": str, "measured_at": str,
+        },
+        pk=("run_id", "problem_hash", "m", "tactic_hash"),
+        foreign_keys=[
+            ("run_id", "tuning_run", "run_id"), ("env_hash", "env", "env_hash"),
+            ("problem_hash", "problem", "problem_hash"), ("tactic_hash", "tactic", "tactic_hash"),
+        ],
+        not_null=["env_hash", "status"],
+    )  # fmt: skip
+    db["measurement"].create_index(["env_hash", "problem_hash", "m"])
+    db["correctness"].create(
+        {
+            "run_id": str, "env_hash": str, "problem_hash": str, "tactic_hash": str, "m_values": str,
+            "reference": str, "max_abs_err": float, "rel_err": float, "nan_inf_count": int,
+            "tolerance": float, "passed": int, "error_text": str, "checked_at": str,
+        },
+        pk=("run_id", "problem_hash", "tactic_hash"),
+        foreign_keys=[
+            ("run_id", "tuning_run", "run_id"), ("env_hash", "env", "env_hash"),
+            ("problem_hash", "problem", "problem_hash"), ("tactic_hash", "tactic", "tactic_hash"),
+        ],
+        not_null=["env_hash", "passed"],
+    )  # fmt: skip
+    db["correctness"].create_index(["env_hash", "problem_hash"])
+    db["winner"].create(
+        {
+            "env_hash": str, "problem_hash": str, "m_lo": int, "m_hi": int, "tactic_hash": str,
+            "extends_up": int, "median_us": float, "default_median_us": float,
+            "speedup_vs_default": float, "runner_up_tactic_hash": str, "runner_up_gap": float,
+            "run_id": str, "source": str,
+        },
+        pk=("env_hash", "problem_hash", "m_lo"),
+        foreign_keys=[
+            ("env_hash", "env", "env_hash"), ("problem_hash", "problem", "problem_hash"),
+            ("tactic_hash", "tactic", "tactic_hash"), ("run_id", "tuning_run", "run_id"),
+        ],
+        not_null=["m_hi", "tactic_hash", "extends_up", "run_id", "source"],
+    )  # fmt: skip
+    db["blocklist"].create(
+        {
+            "cc_major": int, "cc_minor": int, "triton_minor": str, "kernel_hash": str,
+            "tactic_hash": str, "reason": str, "first_seen": str,
+        },
+        pk=("cc_major", "cc_minor", "triton_minor", "kernel_hash", "tactic_hash"),
+        foreign_keys=[("kernel_hash", "kernel", "kernel_hash"), ("tactic_hash", "tactic", "tactic_hash")],
+        not_null=["reason", "first_seen"],
+    )  # fmt: skip
+    db.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+
+
+_STEPS = [("create_v1", _create_v1)]
+assert len(_STEPS) == SCHEMA_VERSION  # bump SCHEMA_VERSION in runtime/tactics.py with each step
+
+
+class _TableMigrations:
+    """The part of sqlite-utils 4's ``Migrations`` this module uses, for sqlite-utils 3.x.
+
+    Records applied steps in the same ``_sqlite_migrations`` table, so either can take over.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._steps: list[tuple[str, Any]] = []
+
+    def __call__(self, *, name: str | None = None) -> Any:
+        def inner(fn: Any) -> Any:
+            self._steps.append((name or fn.__name__, fn))
+            return fn
+
+        return inner
+
+    def _applied(self, db: Database) -> list[str]:
+        if not db[MIGRATIONS_TABLE].exists():
+            return []
+        return [r["name"] for r in db[MIGRATIONS_TABLE].rows_where("migration_set = ?", [self.name])]
+
+    def pending(self, db: Database) -> list[Any]:
+        done = set(self._applied(db))
+        return [s for s in self._steps if s[0] not in done]
+
+    def apply(self, db: Database) -> None:
+        if not db[MIGRATIONS_TABLE].exists():
+            db[MIGRATIONS_TABLE].create(
+                {"id": int, "migration_set": str, "name": str, "applied_at": str}, pk="id"
+            )
+        for name, fn in self.pending(db):
+            fn(db)
+            db[MIGRATIONS_TABLE].insert({"migration_set": self.name, "name": name, "applied_at": _now()})
+
+
+migrations: Any = Migrations(MIGRATION_SET) if Migrations is not None else _TableMigrations(MIGRATION_SET)
+for _name, _fn in _STEPS:
+    migrations(name=_name)(_fn)
+KNOWN_MIGRATIONS = frozenset(name for name, _ in _STEPS)
+
+
+def _applied_names(conn: sqlite3.Connection) -> list[str]:
+    exists = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (MIGRATIONS_TABLE,)
+    ).fetchone()
+    if not exists:
+        return []
+    return [
+        r[0]
+        for r in conn.execute(f"SELECT name FROM {MIGRATIONS_TABLE} WHERE migration_set=?", (MIGRATION_SET,))
+    ]
+
+
+# ------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class WinnerRow:
+    m_lo: int
+    m_hi: int
+    params_json: str
+    extends_up: bool
+    median_us: float | None = None
+    default_median_us: float | None = None
+    speedup_vs_default: float | None = None
+    runner_up_json: str | None = None
+    runner_up_gap: float | None = None
+
+
+def env_record(
+    device: Environment, *, package_version: str, mem_bw_gbps: float | None = None
+) -> dict[str, Any]:
+    """The ``env`` row of a device; the hash covers identity fields, not measured ones."""
+    ident = {
+        "cc_major": device.cc_major, "cc_minor": device.cc_minor, "gpu_name": device.name,
+        "sm_count": device.sm_count, "l2_bytes": device.l2_bytes,
+        "smem_per_block_optin": device.smem_per_block_optin, "mem_bytes": device.mem_bytes,
+        "driver_version": device.driver_version, "cuda_version": device.cuda_version,
+        "torch_version": device.torch_version, "triton_version": device.triton_version,
+        "package_version": package_version,
+    }  # fmt: skip
+    return {
+        "env_hash": digest(ident), **ident, "arch": device.arch,
+        "triton_minor": triton_minor(device.triton_version), "mem_bw_gbps": mem_bw_gbps, "created_at": _now(),
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------- the store
+
+
+class TacticsDB:
+    """A migrated, writable tactics DB. Use :func:`open_db`; close it (or use ``with``)."""
+
+    def __init__(self, db: Database, path: str) -> None:
+        self.db = db
+        self.path = path
+
+    def __enter__(self) -> TacticsDB:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.db.close()
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        return self.db.conn
+
+    @contextmanager
+    def write(self) -> Iterator[Database]:
+        """One write transaction that takes the write lock up front (``BEGIN IMMEDIATE``), so a
+        second writer waits on the busy timeout instead of failing on a lock upgrade."""
+        if self.conn.in_transaction:
+            with self.db.atomic():
+                yield self.db
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    # -- identity rows -----------------------------------------------------------------------
+
+    def put_env(self, env: Mapping[str, Any]) -> str:
+        with self.write() as db:
+            db["env"].insert(dict(env), ignore=True)
+            if env.get("mem_bw_gbps") is not None:
+                db["env"].update(env["env_hash"], {"mem_bw_gbps": env["mem_bw_gbps"]})
+        return str(env["env_hash"])
+
+    def put_problem(self, problem: ProblemKey) -> str:
+        kh, ph = problem.kernel_hash(), problem.problem_hash()
+        with self.write() as db:
+            db["kernel"].insert({"kernel_hash": kh, **problem.kernel_fields()}, ignore=True)
+            db["problem"].insert(
+                {"problem_hash": ph, "kernel_hash": kh, **problem.shape_fields()}, ignore=True
+            )
+        return ph
+
+    def put_tactics(self, params_jsons: Iterable[str]) -> dict[str, str]:
+        """Store tactics (canonical JSON); returns ``{params_json: tactic_hash}``."""
+        out: dict[str, str] = {}
+        rows = []
+        for pj in params_jsons:
+            th = tactic_hash(pj)
+            out[pj] = th
+            rows.append({"tactic_hash": th, "params_json": canonical_json(json.loads(pj))})
+        if rows:
+            with self.write() as db:
+                db["tactic"].insert_all(rows, ignore=True)
+        return out
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def start_run(
+        self,
+        env_hash: str,
+        *,
+        timing_method: Mapping[str, Any],
+        search_space: Mapping[str, Any],
+        token_points: Iterable[int],
+        cmdline: str = "",
+    ) -> str:
+        run_id = uuid.uuid4().hex
+        with self.write() as db:
+            db["tuning_run"].insert(
+                {
+                    "run_id": run_id, "env_hash": env_hash, "started_at": _now(), "finished_at": None,
+                    "status": "running", "timing_method": canonical_json(dict(timing_method)),
+                    "search_space": canonical_json(dict(search_space)),
+                    "token_points": json.dumps(list(token_points)), "cmdline": cmdline, "notes": None,
+                }
+            )  # fmt: skip
+        return run_id
+
+    def finish_run(self, run_id: str, status: str, notes: str | None = None) -> None:
+        with self.write() as db:
+            db["tuning_run"].update(run_id, {"status": status, "finished_at": _now(), "notes": notes})
+
+    def add_measurements(
+        self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]
+    ) -> int:
+        """Rows: ``m, params_json, status, is_default`` and optional timing fields."""
+        rows = list(rows)
+        hashes = self.put_tactics(r["params_json"] for r in rows)
+        recs = []
+        for r in rows:
+            samples = r.get("samples_us")
+            recs.append(
+                {
+                    "run_id": run_id, "env_hash": env_hash, "problem_hash": problem_hash, "m": int(r["m"]),
+                    "tactic_hash": hashes[r["params_json"]], "is_default": int(bool(r.get("is_default"))),
+                    "status": r["status"], "error_text": r.get("error_text"),
+                    "median_us": r.get("median_us"), "p10_us": r.get("p10_us"), "p90_us": r.get("p90_us"),
+                    "mean_us": r.get("mean_us"), "n_samples": r.get("n_samples"),
+                    "samples_json": json.dumps([round(s, 4) for s in samples]) if samples else None,
+                    "measured_at": _now(),
+                }
+            )  # fmt: skip
+        with self.write() as db:
+            db["measurement"].insert_all(recs, replace=True)
+        return len(recs)
+
+    def add_correctness(
+        self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]
+    ) -> None:
+        rows = list(rows)
+        hashes = self.put_tactics(r["params_json"] for r in rows)
+        recs = [
+            {
+                "run_id": run_id, "env_hash": env_hash, "problem_hash": problem_hash,
+                "tactic_hash": hashes[r["params_json"]], "m_values": json.dumps(list(r.get("m_values", ()))),
+                "reference": r.get("reference", ""), "max_abs_err": r.get("max_abs_err"),
+                "rel_err": r.get("rel_err"), "nan_inf_count": r.get("nan_inf_count", 0),
+                "tolerance": r.get("tolerance"), "passed": int(bool(r["passed"])),
+                "error_text": r.get("error_text"), "checked_at": _now(),
+            }
+            for r in rows
+        ]  # fmt: skip
+        with self.write() as db:
+            db["correctness"].insert_all(recs, replace=True)
+
+    def add_blocklist(self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]) -> None:
+        """``rows``: ``(params_json, reason)``. The first reason seen is kept."""
+        rows = list(rows)
+        hashes = self.put_tactics(pj for pj, _ in rows)
+        kh = problem.kernel_hash()
+        self.put_problem(problem)
+        recs = [
+            {
+                "cc_major": device.cc_major, "cc_minor": device.cc_minor,
+                "triton_minor": device.triton_minor, "kernel_hash": kh, "tactic_hash": hashes[pj],
+                "reason": reason[:500], "first_seen": _now(),
+            }
+            for pj, reason in rows
+        ]  # fmt: skip
+        with self.write() as db:
+            db["blocklist"].insert_all(recs, ignore=True)
+
+    def replace_winners(
+        self,
+        env_hash: str,
+        problem_hash: str,
+        run_id: str,
+        winners: Iterable[WinnerRow],
+        *,
+        source: str = "user",
+    ) -> int:
+        """Swap the whole range set of (env, problem): ranges from two runs are never mixed."""
+        winners = list(winners)
+        hashes = self.put_tactics(
+            [w.params_json for w in winners] + [w.runner_up_json for w in winners if w.runner_up_json]
+        )
+        with self.write() as db:
+            db.execute("DELETE FROM winner WHERE env_hash = ? AND problem_hash = ?", [env_hash, problem_hash])
+            db["winner"].insert_all(
+                [
+                    {
+                        "env_hash": env_hash, "problem_hash": problem_hash, "m_lo": w.m_lo, "m_hi": w.m_hi,
+                        "tactic_hash": hashes[w.params_json], "extends_up": int(w.extends_up),
+                        "median_us": w.median_us, "default_median_us": w.default_median_us,
+                        "speedup_vs_default": w.speedup_vs_default,
+                        "runner_up_tactic_hash": hashes.get(w.runner_up_json) if w.runner_up_json else None,
+                        "runner_up_gap": w.runner_up_gap, "run_id": run_id, "source": source,
+                    }
+                    for w in winners
+                ]
+            )  # fmt: skip
+        return len(winners)
+
+    # -- reads for resume ------------------------------------------------------------------------
+
+    def measured(self, env_hash: str, problem_hash: str) -> dict[tuple[int, str], dict[str, Any]]:
+        """Latest measurement per (m, tactic JSON) in this environment: what a rerun skips."""
+        out: dict[tuple[int, str], dict[str, Any]] = {}
+        for r in self.db.query(
+            """
+            SELECT m.*, t.params_json FROM measurement m JOIN tactic t USING (tactic_hash)
+            WHERE m.env_hash = ? AND m.problem_hash = ? ORDER BY m.measured_at
+            """,
+            [env_hash, problem_hash],
+        ):
+            out[(int(r["m"]), r["params_json"])] = r
+        return out
+
+    def checked(self, env_hash: str, problem_hash: str) -> dict[str, dict[str, Any]]:
+        """Latest correctness result per tactic JSON in this environment."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.db.query(
+            """
+            SELECT c.*, t.params_json FROM correctness c JOIN tactic t USING (tactic_hash)
+            WHERE c.env_hash = ? AND c.problem_hash = ? ORDER BY c.checked_at
+            """,
+            [env_hash, problem_hash],
+        ):
+            out[r["params_json"]] = r
+        return out
+
+    def blocked(self, device: Environment, problem: ProblemKey) -> set[str]:
+        """Tactic JSONs blocklisted for this compute capability, Triton minor and kernel."""
+        return {
+            r["params_json"]
+            for r in self.db.query(
+                """
+                SELECT t.params_json FROM blocklist b JOIN tactic t USING (tactic_hash)
+                WHERE b.cc_major = ? AND b.cc_minor = ? AND b.triton_minor = ? AND b.kernel_hash = ?
+                """,
+                [device.cc_major, device.cc_minor, device.triton_minor, problem.kernel_hash()],
+            )
+        }
+
+    # -- views -------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        return {t: self.db[t].count for t in TABLES}
+
+    def winners(self) -> list[dict[str, Any]]:
+        """Winner ranges joined with their environment, problem and tactic, for show/plot."""
+        return list(
+            self.db.query(
+                """
+                SELECT e.arch, e.gpu_name, e.triton_version, k.name AS kernel, k.kernel_version,
+                       k.weight_layout, k.role, p.num_experts, p.top_k, p.n, p.k, p.tp_size, p.ep_size,
+                       p.act_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.median_us,
+                       w.default_median_us, w.speedup_vs_default, w.env_hash, w.problem_hash, w.run_id,
+                       w.source, e.mem_bw_gbps
+                FROM winner w
+                JOIN env e USING (env_hash)
+                JOIN problem p USING (problem_hash)
+                JOIN kernel k ON k.kernel_hash = p.kernel_hash
+                JOIN tactic t ON t.tactic_hash = w.tactic_hash
+                ORDER BY e.arch, e.gpu_name, k.role, p.n, p.k, p.tp_size, w.m_lo
+                """
+            )
+        )
+
+    def point_timings(self, env_hash: str, problem_hash: str) -> list[dict[str, Any]]:
+        """Per token point: default median and best measured median (for plots)."""
+        return list(
+            self.db.query(
+                """
+                SELECT m, MIN(CASE WHEN is_default = 1 THEN median_us END) AS default_us,
+                       MIN(median_us) AS best_us
+                FROM measurement
+                WHERE env_hash = ? AND problem_hash = ? AND status = 'ok'
+                GROUP BY m ORDER BY m
+                """,
+                [env_hash, problem_hash],
+            )
+        )
+
+    def export(self) -> dict[str, Any]:
+        """Every row of every table, for ``prepkit tactics export --json`` (sharing, review)."""
+        return {
+            "format": "prepkit-tactics",
+            "schema_version": SCHEMA_VERSION,
+            "tables": {t: list(self.db[t].rows) for t in TABLES},
+        }
+
+    # -- merge -------------------------------------------------------------------------------
+
+    def merge_from(self, other: str | os.PathLike[str]) -> dict[str, int]:
+        """Copy every row of ``other`` that this DB lacks; returns rows added per table.
+
+        Identity rows, runs, measurements and the blocklist are unions (content hashes make equal
+        rows collide). Winner range sets are per (env, problem): the set from the newer run wins,
+        whole, so ranges of two runs never interleave.
+
+        Raises:
+            TacticsError: ``other`` is missing, corrupt, foreign or of a newer schema.
+        """
+        src_path = Path(other)
+        if src_path.resolve() == Path(self.path).resolve():
+            raise TacticsError(f"cannot merge {src_path} into itself")
+        # Migrate a private copy so the source file is never written.
+        with tempfile.TemporaryDirectory() as tmp:
+            copy = Path(tmp) / "src.db"
+            _snapshot(src_path, copy)
+            open_db(copy).close()
+            before = self.counts()
+            # ATTACH cannot run inside a transaction; the merge itself is one transaction.
+            self.conn.execute("ATTACH DATABASE ? AS src", (str(copy),))
+            try:
+                with self.write() as db:
+                    for t in TABLES:
+                        if t == "winner":
+                            continue
+                        cols = ", ".join(c.name for c in db[t].columns)
+                        db.conn.execute(f"INSERT OR IGNORE INTO main.{t} ({cols}) SELECT {cols} FROM src.{t}")
+                    self._merge_winners()
+            finally:
+                self.conn.execute("DETACH DATABASE src")
+        after = self.counts()
+        return {t: after[t] - before[t] for t in TABLES}
+
+    def _merge_winners(self) -> None:
+        cols = ", ".join(c.name for c in self.db["winner"].columns)
+        pairs = self.conn.execute(
+            """
+            SELECT DISTINCT w.env_hash, w.problem_hash, MAX(r.finished_at), MAX(r.started_at)
+            FROM src.winner w LEFT JOIN src.tuning_run r ON r.run_id = w.run_id
+            GROUP BY w.env_hash, w.problem_hash
+            """
+        ).fetchall()
+        for env_hash, problem_hash, src_done, src_start in pairs:
+            mine = self.conn.execute(
+                """
+                SELECT MAX(r.finished_at), MAX(r.started_at), COUNT(*)
+                FROM main.winner w LEFT JOIN main.tuning_run r ON r.run_id = w.run_id
+                WHERE w.env_hash = ? AND w.problem_hash = ?
+                """,
+                (env_hash, problem_hash),
+            ).fetchone()
+            if mine[2] and (mine[0] or mine[1] or "") >= (src_done or src_start or ""):
+                continue
+            self.conn.execute(
+                "DELETE FROM main.winner WHERE env_hash = ? AND problem_hash = ?", (env_hash, problem_hash)
+            )
+            self.conn.execute(
+                f"INSERT INTO main.winner ({cols}) SELECT {cols} FROM src.winner "
+                "WHERE env_hash = ? AND problem_hash = ?",
+                (env_hash, problem_hash),
+            )
+
+    def vacuum_into(self, dest: str | os.PathLike[str]) -> None:
+        """Write a compact single-file copy (rollback journal, not WAL): for shipping read-only."""
+        dest = Path(dest)
+        if dest.exists():
+            dest.unlink()
+        self.conn.execute("VACUUM INTO ?", (str(dest),))
+        conn = sqlite3.connect(str(dest))
+        try:
+            conn.execute("PRAGMA journal_mode=DELETE")
+        finally:
+            conn.close()
+
+
+def _snapshot(src: Path, dest: Path) -> None:
+    """Consistent copy of a possibly-live DB (WAL included) via the backup API."""
+    if not src.is_file():
+        raise TacticsError(f"{src}: no such tactics DB", hint="check the path")
+    s = sqlite3.connect(f"{src.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+    try:
+        check_header(s, str(src))
+        d = sqlite3.connect(str(dest))
+        try:
+            s.backup(d)
+        finally:
+            d.close()
+    except sqlite3.DatabaseError as err:
+        raise TacticsError(f"{src}: not a readable SQLite database ({err})") from err
+    finally:
+        s.close()
+
+
+def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = True) -> TacticsDB:
+    """Open (and create or migrate) a tactics DB for writing.
+
+    ``path=":memory:"`` gives a private in-memory DB (tests).
+
+    Raises:
+        TacticsError: missing (with ``create=False``), corrupt, foreign, or newer-schema file.
+    """
+    spath = str(path)
+    memory = spath == ":memory:"
+    if not memory:
+        p = Path(spath)
+        if not p.exists() and not create:
+            raise TacticsError(f"{p}: no such tactics DB", hint="run `prepkit tune --db` to create it")
+        if p.is_dir():
+            raise TacticsError(f"{p}: is a directory, expected a tactics DB file")
+        p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        conn = sqlite3.connect(spath, timeout=BUSY_TIMEOUT_S)
+    except sqlite3.Error as err:
+        raise TacticsError(f"{spath}: cannot open ({err})") from err
+    try:
+        check_header(conn, spath)
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        if wal and not memory:
+            conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        db = Database(conn)
+        _migrate(db, spath)
+    except sqlite3.DatabaseError as err:
+        conn.close()
+        raise TacticsError(
+            f"{spath}: not a readable SQLite database ({err})",
+            hint=f"move it away; `prepkit tune --db {spath}` then starts a new one",
+        ) from err
+    except BaseException:
+        conn.close()
+        raise
+    return TacticsDB(db, spath)
+
+
+def _migrate(db: Database, path: str) -> None:
+    conn = db.conn
+    # Check and apply under the write lock: two processes opening a new file must not both migrate.
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        check_header(conn, path)  # again, now that no one else can be writing
+        unknown = [n for n in _applied_names(conn) if n not in KNOWN_MIGRATIONS]
+        if unknown:
+            raise TacticsError(
+                f"{path}: written by a newer prepkit (schema steps {unknown} unknown here)",
+                hint="upgrade prepkit, or use a DB written by this version",
+            )
+        if migrations.pending(db):
+            migrations.apply(db)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def copy_db(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
+    """Plain file copy, refusing to overwrite (used by ``tactics merge --out``)."""
+    if Path(dest).exists():
+        raise TacticsError(f"{dest}: exists already", hint="pick another --out or remove it")
+    shutil.copyfile(src, dest)

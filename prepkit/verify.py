@@ -1,0 +1,145 @@
+"""``verify``: every output file against the manifest's sha256, and optionally every (or a sample
+of) expert inverted through its layout and compared with the source checkpoint's bytes."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from prepkit.checkpoint import Checkpoint
+from prepkit.errors import LayoutError, VerifyError
+from prepkit.layouts import LayoutOptions, RankSpec, get_layout
+from prepkit.recipes import load_recipe
+from prepkit.shards import read_manifest, sha256_file
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass
+class VerifyReport:
+    out_dir: Path
+    files_checked: int = 0
+    experts_checked: int = 0
+    shared_tensors_checked: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "out": str(self.out_dir),
+            "ok": not self.problems,
+            "files_checked": self.files_checked,
+            "experts_checked": self.experts_checked,
+            "shared_tensors_checked": self.shared_tensors_checked,
+            "problems": self.problems,
+        }
+
+
+def verify(out_dir: str | Path, *, src: str | Path | None = None, sample: int | None = None, seed: int = 0,
+           on_progress: ProgressFn | None = None) -> VerifyReport:
+    """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor)."""
+    root = Path(out_dir)
+    manifest = read_manifest(root)
+    report = VerifyReport(root)
+    progress = on_progress or (lambda label, done, total: None)
+    files = manifest["files"]
+    total = sum(v["bytes"] for v in files.values())
+    done = 0
+    for rel, info in sorted(files.items()):
+        path = root / rel
+        if not path.is_file():
+            report.problems.append(f"{rel}: missing")
+        elif path.stat().st_size != info["bytes"]:
+            report.problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {info['bytes']}")
+        elif sha256_file(path) != info["sha256"]:
+            report.problems.append(f"{rel}: sha256 differs from the manifest")
+        report.files_checked += 1
+        done += info["bytes"]
+        progress("hashes", done, total)
+    for rank in manifest["ranks"]:
+        for rel in rank["files"]:
+            if not (root / rel).is_file():
+                report.problems.append(f"rank {rank['rank']}: {rel} is missing")
+    if src is not None and not report.problems:
+        _verify_against_source(root, manifest, Path(src), sample, seed, report, progress)
+    if report.problems:
+        shown = report.problems[:25]
+        more = f"\n  ... and {len(report.problems) - 25} more" if len(report.problems) > 25 else ""
+        raise VerifyError(
+            f"{root}: {len(report.problems)} problem(s):\n  " + "\n  ".join(shown) + more,
+            hint="rerun prepkit prepare into a fresh folder (or delete the bad files and rerun to resume)",
+        )
+    return report
+
+
+def _verify_against_source(root: Path, manifest: dict[str, Any], src: Path, sample: int | None, seed: int,
+                           report: VerifyReport, progress: ProgressFn) -> None:
+    recipe = load_recipe(manifest["model"]["recipe"])
+    ckpt = Checkpoint(src, recipe)
+    ckpt.validate()
+    layout = get_layout(manifest["layout"]["id"])
+    options = LayoutOptions(**manifest["layout"].get("options", {}))
+    dims = ckpt.dims
+    if dims.__dict__ != manifest["model"]["dims"]:
+        raise VerifyError(f"--src {src} has dims {dims.__dict__}, the shards were made from {manifest['model']['dims']}")
+    tp, ep = manifest["parallel"]["tp_size"], manifest["parallel"]["ep_size"]
+    rng = random.Random(seed)
+    steps = len(manifest["ranks"]) * dims.num_layers
+    step = 0
+    for entry in manifest["ranks"]:
+        spec = RankSpec(tp_size=tp, tp_rank=entry["tp_rank"], ep_size=ep, ep_rank=entry["ep_rank"])
+        plan = layout.plan_rank(dims, spec, options)
+        r = spec.rank
+        if list(plan.intermediate_range) != entry["intermediate_range"]:
+            report.problems.append(
+                f"rank {r}: manifest says intermediate rows {entry['intermediate_range']}, "
+                f"the layout gives {list(plan.intermediate_range)}"
+            )
+            continue
+        e_lo, e_hi = plan.expert_range
+        for layer in range(dims.num_layers):
+            experts = list(range(e_lo, e_hi))
+            if sample is not None and sample < len(experts):
+                experts = sorted(rng.sample(experts, sample))
+            prefix = recipe.output_expert_prefix(layer)
+            rel = f"rank{r}/experts-{layer:05d}.safetensors"
+            with safe_open(str(root / rel), framework="pt") as f:
+                for e in experts:
+                    local = e - e_lo
+                    tensors = {n: f.get_slice(prefix + n)[local : local + 1] for n in plan.tensors}
+                    where = f"rank {r}, layer {layer}, expert {e}"
+                    try:
+                        got = layout.invert(tensors, plan)
+                    except LayoutError as err:
+                        report.problems.append(f"{where}: {err}")
+                        continue
+                    want = ckpt.read_experts_range(layer, e, e + 1).intermediate_slice(*plan.intermediate_range)
+                    for role, t in want.as_dict().items():
+                        if not torch.equal(got.as_dict()[role], t):
+                            report.problems.append(f"{where}: {role} differs from the source after inversion")
+                    report.experts_checked += 1
+            step += 1
+            progress("experts", step, steps)
+    first = manifest["ranks"][0]
+    shared = [n for n in ckpt.non_expert_names()]
+    shared_rel = {Path(p).name for p in manifest["shared_files"]}
+    index_files = {}
+    for rel in first["files"]:
+        if Path(rel).name in shared_rel:
+            index_files[Path(rel).name] = root / rel
+    for fname, path in index_files.items():
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
+                if name not in shared:
+                    report.problems.append(f"{fname}: unexpected tensor {name}")
+                    continue
+                if not torch.equal(f.get_tensor(name), ckpt.read(name)):
+                    report.problems.append(f"{fname}: {name} differs from the source")
+                report.shared_tensors_checked += 1
+    if report.shared_tensors_checked != len(shared):
+        report.problems.append(f"shared files hold {report.shared_tensors_checked} of {len(shared)} non-expert tensors")
