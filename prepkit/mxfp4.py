@@ -106,4 +106,4 @@ def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     idx = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
     codes = (idx + 8 * (scaled < 0).to(idx.dtype)).to(torch.uint8)
     scales = (exponent.to(torch.int32) + E8M0_BIAS).to(torch.uint8)
-    return pack_nibbles(codes).unflatten(-1, (-1, BLOCK_BYTES)), scales
+    return pack_nibbles(codes), scales

@@ -60,7 +60,7 @@ TABLES = (
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds")
 
 
 # ------------------------------------------------------------------------------- migrations
@@ -390,7 +390,9 @@ class TacticsDB:
         with self.write() as db:
             db["correctness"].insert_all(recs, replace=True)
 
-    def add_blocklist(self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]) -> None:
+    def add_blocklist(
+        self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]
+    ) -> None:
         """``rows``: ``(params_json, reason)``. The first reason seen is kept."""
         rows = list(rows)
         hashes = self.put_tactics(pj for pj, _ in rows)
@@ -518,6 +520,32 @@ class TacticsDB:
                 [env_hash, problem_hash],
             )
         )
+
+    def curves(self, env_hash: str, problem_hash: str) -> list[dict[str, Any]]:
+        """Per measured token count: the default's median and the chosen tactic's median."""
+        ranges = list(
+            self.db.query(
+                "SELECT m_lo, m_hi, tactic_hash FROM winner WHERE env_hash = ? AND problem_hash = ?",
+                [env_hash, problem_hash],
+            )
+        )
+        rows: dict[int, dict[str, Any]] = {}
+        for r in self.db.query(
+            """
+            SELECT m, tactic_hash, is_default, median_us FROM measurement
+            WHERE env_hash = ? AND problem_hash = ? AND status = 'ok' ORDER BY measured_at
+            """,
+            [env_hash, problem_hash],
+        ):
+            rows.setdefault(r["m"], {})[(r["tactic_hash"], r["is_default"])] = r["median_us"]
+        out = []
+        for m in sorted(rows):
+            chosen = next((g["tactic_hash"] for g in ranges if g["m_lo"] <= m <= g["m_hi"]), None)
+            d = next((v for (_, is_def), v in rows[m].items() if is_def), None)
+            t = next((v for (th, _), v in rows[m].items() if th == chosen), None)
+            if d is not None and t is not None:
+                out.append({"m": m, "default_us": d, "tuned_us": t})
+        return out
 
     def export(self) -> dict[str, Any]:
         """Every row of every table, for ``prepkit tactics export --json`` (sharing, review)."""
@@ -691,3 +719,54 @@ def copy_db(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
     if Path(dest).exists():
         raise TacticsError(f"{dest}: exists already", hint="pick another --out or remove it")
     shutil.copyfile(src, dest)
+
+
+class RunRecorder:
+    """Stores what a sweep reports, one transaction per batch (a killed tune keeps whole points).
+
+    Takes the sweep's records by shape (``.row()``, ``.blocked``, winner ranges), so this module
+    needs nothing from the tuner or the kernels.
+    """
+
+    def __init__(self, tdb: TacticsDB, run_id: str, env_hash: str, device: Environment) -> None:
+        self.tdb = tdb
+        self.run_id = run_id
+        self.env_hash = env_hash
+        self.device = device
+
+    def batch(self, problem: ProblemKey, batch: Any) -> None:
+        ph = self.tdb.put_problem(problem)
+        with self.tdb.write():
+            if batch.correctness:
+                self.tdb.add_correctness(self.run_id, self.env_hash, ph, [c.row() for c in batch.correctness])
+            if batch.measurements:
+                self.tdb.add_measurements(
+                    self.run_id, self.env_hash, ph, [x.row() for x in batch.measurements]
+                )
+            if batch.blocked:
+                self.tdb.add_blocklist(self.device, problem, batch.blocked)
+
+    def result(self, result: Any, *, source: str = "user") -> int:
+        """Replace the winner ranges of the result's problem (only if it produced any)."""
+        if not result.winners:
+            return 0
+        ph = self.tdb.put_problem(result.problem)
+        rows = [
+            WinnerRow(
+                m_lo=w.m_lo, m_hi=w.m_hi, params_json=w.tactic, extends_up=w.extends_up,
+                median_us=w.median_us, default_median_us=w.default_median_us,
+                speedup_vs_default=w.speedup_vs_default, runner_up_json=w.runner_up,
+                runner_up_gap=w.runner_up_gap,
+            )
+            for w in result.winners
+        ]  # fmt: skip
+        return self.tdb.replace_winners(self.env_hash, ph, self.run_id, rows, source=source)
+
+    def previous(self, problem: ProblemKey) -> tuple[dict[Any, Any], dict[str, Any], set[str]]:
+        """What a rerun skips: measurements and checks of this environment, and the blocklist."""
+        ph = problem.problem_hash()
+        return (
+            self.tdb.measured(self.env_hash, ph),
+            self.tdb.checked(self.env_hash, ph),
+            self.tdb.blocked(self.device, problem),
+        )

@@ -67,7 +67,10 @@ def cli(debug: bool) -> None:
 
 def main() -> None:
     try:
-        cli.main(standalone_mode=False, prog_name="prepkit")
+        # standalone_mode=False returns the exit code of ctx.exit() instead of raising it
+        rv = cli.main(standalone_mode=False, prog_name="prepkit")
+        if isinstance(rv, int):
+            sys.exit(rv)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:

@@ -10,6 +10,7 @@ from rich.table import Table
 from prepkit import console
 from prepkit import fetch as fetching
 from prepkit.cli._app import cli
+from prepkit.cli._options import json_option, model_option, quiet_option
 
 _STATUS = {
     "verified": "[green]verified[/]",
@@ -20,8 +21,7 @@ _STATUS = {
 
 
 @cli.command("fetch")
-@click.option("--model", default="gpt-oss-120b", show_default=True,
-              help="gpt-oss-120b, gpt-oss-20b, a recipe file, or any ORG/NAME on the hub.")
+@model_option
 @click.option("--revision",
               help="Branch, tag or commit sha. Default: the recipe's pinned commit (main for ORG/NAME).")
 @click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
@@ -34,14 +34,17 @@ _STATUS = {
               help="Hub URL. Default: $HF_ENDPOINT or the Hugging Face hub.")
 @click.option("--workers", type=click.IntRange(1, 16), default=4, show_default=True,
               help="Files downloaded at the same time.")
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")
+@json_option
+@quiet_option
 def fetch_command(model: str, revision: str | None, dest: Path | None, include_original: bool, dry_run: bool,
-                  offline: bool, endpoint: str | None, workers: int, as_json: bool) -> None:
+                  offline: bool, endpoint: str | None, workers: int, as_json: bool, quiet: bool) -> None:
     """Download the files `prepare` needs, check each against the hub's sha256, and record them.
 
     Never fetches metal/; fetches original/ only with --include-original. A rerun skips files
     already verified and removes partial files of an interrupted run. Set HF_TOKEN for gated
     or private repos.
+
+    Any ORG/NAME on the hub works too (at main, with the gpt-oss file set).
 
     \b
     Example:
@@ -57,7 +60,8 @@ def fetch_command(model: str, revision: str | None, dest: Path | None, include_o
         if as_json:
             console.emit_json({"dry_run": True, **plan.to_json()})
         return
-    with console.progress() as on_progress:
+    # Bars only on a terminal: in a log, a final frame of one bar per file is noise.
+    with console.progress(enabled=not quiet and console.err_console.is_terminal) as on_progress:
         result = fetching.fetch(plan, max_workers=workers, on_progress=on_progress)
     _show_result(result)
     if as_json:
@@ -78,12 +82,10 @@ def _show_plan(plan: fetching.FetchPlan) -> None:
     for f in plan.files:
         table.add_row(f.path, human(f.remote.size), _STATUS.get(f.status, f.status))
     console.err_console.print(table)
-    console.info(
-        f"{len(plan.files)} files, {human(plan.total_bytes)}: {plan.count('verified')} verified, "
-        f"{plan.count('unverified')} to verify, {human(plan.download_bytes)} to download; "
-        f"{human(plan.free_bytes)} free" + (f" (+{human(plan.orphan_bytes)} of partial files to remove)"
-                                           if plan.orphan_bytes else "")
-    )
+    console.info(f"{len(plan.files)} files, {human(plan.total_bytes)}: {plan.count('verified')} verified, "
+                 f"{plan.count('unverified')} to verify, {human(plan.download_bytes)} to download")
+    orphans = f" + {human(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
+    console.info(f"free disk: {human(plan.free_bytes)}{orphans}")
     if not plan.fits:
         needed = f"{human(plan.need_bytes)} + {human(plan.margin_bytes)} margin"
         console.warn(f"not enough disk space: {needed} needed; the download would be refused")
@@ -96,4 +98,5 @@ def _show_result(result: fetching.FetchResult) -> None:
         parts.append(f"{len(result.retried)} fetched twice after a sha256 mismatch: {names}")
     if result.orphans_removed:
         parts.append(f"{result.orphans_removed} partial file(s) of an interrupted run removed")
-    console.info(f"[green]Done:[/] {'; '.join(parts)}. Record: {result.record.path}")
+    console.info(f"[green]Done:[/] {'; '.join(parts)}.")
+    console.info(f"record: {result.record.path}")

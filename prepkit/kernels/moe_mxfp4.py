@@ -26,6 +26,7 @@ Weights are in the ``triton_moe_v1`` layout (docs/triton-moe-layout.md): per exp
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -176,7 +177,7 @@ def _mxfp4_mainloop(
             sc = tl.load(s_base + ks[:, None] * stride_sk + offs_n[None, :],
                          mask=(ks < K // 32)[:, None] & n_mask[None, :], other=0)
             b = _upcast_mxfp4(wq, sc, BLOCK_N, BLOCK_K)
-            if DOT_FP32:
+            if DOT_FP32:  # noqa: SIM108 (a constexpr branch; one of them is never compiled)
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
             else:
                 acc = tl.dot(a, b, acc)
@@ -296,6 +297,124 @@ def _check_tactic(t: GemmTactic, name: str) -> None:
         raise ValueError(f"{name}: tile {t.key()} needs block_k % 32 == 0 and block_m, block_n >= 16")
 
 
+@dataclass
+class Routing:
+    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``."""
+
+    num_tokens: int
+    top_k: int
+    num_local_experts: int
+    counts: torch.Tensor  # [E_local] int32 rows per local expert
+    sorted_picks: torch.Tensor  # [T*k] int32 pick index (token*k + slot), grouped by expert
+    topk_ids: torch.Tensor  # [T, k] int32 global expert ids, largest logit first
+    topk_weights: torch.Tensor  # [T, k] fp32 softmax over the k picks
+    out: torch.Tensor  # [T, H] fp32
+
+    @property
+    def num_picks(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+def route(
+    router_logits: torch.Tensor, *, top_k: int, expert_lo: int, num_local_experts: int, hidden: int,
+    out: torch.Tensor | None = None,
+) -> Routing:
+    """Launch routing (top-k, softmax, counters, output zeroing) and grouping."""
+    T, E_total = router_logits.shape
+    device = router_logits.device
+    if router_logits.stride(1) != 1:
+        raise ValueError("router_logits must be contiguous in its last dim")
+    TK = T * top_k
+    if out is None:
+        out = torch.empty((T, hidden), dtype=torch.float32, device=device)
+    counts = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
+    rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
+    routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out)
+    if T == 0:
+        return routing
+    e_pad_all = max(16, _next_pow2(E_total))
+    block_t = max(1, min(32, 4096 // e_pad_all))
+    _route_kernel[(triton.cdiv(T, block_t),)](
+        router_logits, topk_ids, topk_w, rank, counts, out,
+        T, E_total, hidden, router_logits.stride(0), out.stride(0), expert_lo, num_local_experts,
+        TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad_all, BLOCK_H=128,
+    )
+    scatter_block = 128
+    _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
+        topk_ids, rank, counts, sorted_picks, TK, expert_lo, num_local_experts,
+        E_PAD=max(16, _next_pow2(num_local_experts)), BLOCK=scatter_block,
+    )
+    return routing
+
+
+def gemm1_swiglu(
+    routing: Routing, hidden_states: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor, *, valid_intermediate: int, tactic: GemmTactic,
+    swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+) -> torch.Tensor:
+    """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order."""
+    _check_tactic(tactic, "gemm1")
+    if tactic.split_k != 1:
+        raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
+    T, H = hidden_states.shape
+    if w13_blocks.shape[2] * 2 != H:
+        raise ValueError(f"w13 is for hidden {w13_blocks.shape[2] * 2}, activations have {H}")
+    if hidden_states.stride(1) != 1:
+        raise ValueError("hidden_states must be contiguous in its last dim")
+    TK = routing.num_picks
+    h1 = torch.empty((max(TK, 1), valid_intermediate), dtype=torch.bfloat16, device=hidden_states.device)
+    if TK == 0:
+        return h1
+    E_local = routing.num_local_experts
+    n1 = 2 * valid_intermediate
+    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    _gemm1_swiglu_kernel[grid](
+        hidden_states, w13_blocks, w13_scales, w13_bias, routing.counts, routing.sorted_picks, h1,
+        n1, H, E_local,
+        hidden_states.stride(0), w13_blocks.stride(0), w13_blocks.stride(1),
+        w13_scales.stride(0), w13_scales.stride(1), w13_bias.stride(0), h1.stride(0),
+        swiglu_alpha, swiglu_limit,
+        TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k,
+        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(),
+        num_warps=tactic.num_warps, num_stages=tactic.num_stages,
+    )
+    return h1
+
+
+def gemm2_combine(
+    routing: Routing, h1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None, *, tactic: GemmTactic,
+) -> torch.Tensor:
+    """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``."""
+    _check_tactic(tactic, "gemm2")
+    out = routing.out
+    TK = routing.num_picks
+    if TK == 0:
+        return out
+    H = out.shape[1]
+    if w2_blocks.shape[1] != H:
+        raise ValueError(f"w2 is for hidden {w2_blocks.shape[1]}, the output has {H}")
+    E_local = routing.num_local_experts
+    has_bias = w2_bias is not None
+    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
+    _gemm2_combine_kernel[grid](
+        h1, w2_blocks, w2_scales, w2_bias if has_bias else out, routing.counts, routing.sorted_picks,
+        routing.topk_weights, out,
+        H, h1.shape[1], E_local,
+        h1.stride(0), w2_blocks.stride(0), w2_blocks.stride(1),
+        w2_scales.stride(0), w2_scales.stride(1), w2_bias.stride(0) if has_bias else 0, out.stride(0),
+        TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
+        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), HAS_BIAS=has_bias,
+        num_warps=tactic.num_warps, num_stages=tactic.num_stages,
+    )
+    return out
+
+
 def fused_moe(
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor,
@@ -319,70 +438,12 @@ def fused_moe(
     that live on this rank (``out`` if given). ``w2_bias=None`` skips the down bias (TP ranks but
     one). Shapes as in the module docstring; ``router_logits`` is ``[T, E_total]`` over all experts.
     """
-    _check_tactic(gemm1, "gemm1")
-    _check_tactic(gemm2, "gemm2")
-    if gemm1.split_k != 1:
-        raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
     T, H = hidden_states.shape
-    E_total = router_logits.shape[1]
-    E_local = w13_blocks.shape[0]
     if router_logits.shape[0] != T:
         raise ValueError(f"router_logits has {router_logits.shape[0]} rows, hidden_states {T}")
-    if w13_blocks.shape[2] * 2 != H or w2_blocks.shape[1] != H:
-        raise ValueError(f"weights are for hidden {w13_blocks.shape[2] * 2}, activations have {H}")
-    if hidden_states.stride(1) != 1 or router_logits.stride(1) != 1:
-        raise ValueError("hidden_states and router_logits must be contiguous in their last dim")
-    device = hidden_states.device
-    I_v = valid_intermediate
-    TK = T * top_k
-    if out is None:
-        out = torch.empty((T, H), dtype=torch.float32, device=device)
-    counts = torch.zeros(E_local, dtype=torch.int32, device=device)
-    topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
-    rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
-    h1 = torch.empty((max(TK, 1), I_v), dtype=torch.bfloat16, device=device)
-    if T == 0:
-        return out
-
-    e_pad_all = max(16, _next_pow2(E_total))
-    e_pad = max(16, _next_pow2(E_local))
-    block_t = max(1, min(32, 4096 // e_pad_all))
-    _route_kernel[(triton.cdiv(T, block_t),)](
-        router_logits, topk_ids, topk_w, rank, counts, out,
-        T, E_total, H, router_logits.stride(0), out.stride(0), expert_lo, E_local,
-        TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad_all, BLOCK_H=128,
-    )
-    scatter_block = 128
-    _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
-        topk_ids, rank, counts, sorted_picks, TK, expert_lo, E_local,
-        E_PAD=e_pad, BLOCK=scatter_block,
-    )
-    dot_fp32 = _interpreting()
-    n1 = 2 * I_v
-    grid1 = (max_row_blocks(TK, E_local, gemm1.block_m), triton.cdiv(n1, gemm1.block_n))
-    _gemm1_swiglu_kernel[grid1](
-        hidden_states, w13_blocks, w13_scales, w13_bias, counts, sorted_picks, h1,
-        n1, H, E_local,
-        hidden_states.stride(0), w13_blocks.stride(0), w13_blocks.stride(1),
-        w13_scales.stride(0), w13_scales.stride(1), w13_bias.stride(0), h1.stride(0),
-        swiglu_alpha, swiglu_limit,
-        TOP_K=top_k, E_PAD=e_pad,
-        BLOCK_M=gemm1.block_m, BLOCK_N=gemm1.block_n, BLOCK_K=gemm1.block_k,
-        UPCAST=_UPCAST_IDS[gemm1.upcast], DOT_FP32=dot_fp32,
-        num_warps=gemm1.num_warps, num_stages=gemm1.num_stages,
-    )
-    has_bias = w2_bias is not None
-    grid2 = (max_row_blocks(TK, E_local, gemm2.block_m), triton.cdiv(H, gemm2.block_n), gemm2.split_k)
-    _gemm2_combine_kernel[grid2](
-        h1, w2_blocks, w2_scales, w2_bias if has_bias else w13_bias, counts, sorted_picks, topk_w, out,
-        H, I_v, E_local,
-        h1.stride(0), w2_blocks.stride(0), w2_blocks.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), w2_bias.stride(0) if has_bias else 0, out.stride(0),
-        TOP_K=top_k, E_PAD=e_pad,
-        BLOCK_M=gemm2.block_m, BLOCK_N=gemm2.block_n, BLOCK_K=gemm2.block_k, SPLIT_K=gemm2.split_k,
-        UPCAST=_UPCAST_IDS[gemm2.upcast], DOT_FP32=dot_fp32, HAS_BIAS=has_bias,
-        num_warps=gemm2.num_warps, num_stages=gemm2.num_stages,
-    )
-    return out
+    routing = route(router_logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=w13_blocks.shape[0],
+                    hidden=H, out=out)
+    h1 = gemm1_swiglu(routing, hidden_states, w13_blocks, w13_scales, w13_bias,
+                      valid_intermediate=valid_intermediate, tactic=gemm1,
+                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    return gemm2_combine(routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2)

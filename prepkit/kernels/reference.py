@@ -23,7 +23,9 @@ def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.
     return ids, torch.softmax(values, dim=-1)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = SWIGLU_ALPHA, limit: float = SWIGLU_LIMIT
+) -> torch.Tensor:
     """gpt-oss SwiGLU: gate clamped above at ``limit``, up to ``[-limit, limit]``, and ``up + 1``."""
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
@@ -65,7 +67,8 @@ def moe_reference(
         b13 = experts["gate_up_proj_bias"][e].to(dtype)
         y = x[tok] @ w13.T + b13  # [n, 2I], columns alternate gate/up
         act = swiglu(y[:, 0::2], y[:, 1::2])[:, i_lo:i_hi]
-        w2 = dequantize(experts["down_proj_blocks"][e], experts["down_proj_scales"][e]).to(dtype)[:, i_lo:i_hi]
+        w2 = dequantize(experts["down_proj_blocks"][e], experts["down_proj_scales"][e]).to(dtype)
+        w2 = w2[:, i_lo:i_hi]
         z = act @ w2.T
         if apply_down_bias:
             z = z + experts["down_proj_bias"][e].to(dtype)

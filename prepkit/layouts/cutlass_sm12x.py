@@ -52,9 +52,7 @@ SWIGLU = {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0}
 # --- shared by the two CUTLASS layouts -----------------------------------------------------------
 
 
-def plan_cutlass_rank(
-    dims: ModelDims, spec: RankSpec, tensors_for: Any, facts: dict[str, Any]
-) -> RankPlan:
+def plan_cutlass_rank(dims: ModelDims, spec: RankSpec, tensors_for: Any, facts: dict[str, Any]) -> RankPlan:
     """Ranges and padded sizes of one rank under TensorRT-LLM's CUTLASS MXFP4 split.
 
     ``tensors_for(E_local, Ip, H2)`` returns the layout's tensor specs.
@@ -117,7 +115,9 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> None:
         if t is None:
             raise LayoutError(f"tensor {name!r} is missing")
         if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-            raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
+            raise LayoutError(
+                f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}"
+            )
 
 
 def stack_up_gate(interleaved: torch.Tensor, half_rows: int, cols: int) -> torch.Tensor:
@@ -163,7 +163,9 @@ def padded_pieces(weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Ten
     }
 
 
-def unpadded_pieces(pieces: Mapping[str, torch.Tensor], plan: RankPlan, names: Mapping[str, str]) -> ExpertWeights:
+def unpadded_pieces(
+    pieces: Mapping[str, torch.Tensor], plan: RankPlan, names: Mapping[str, str]
+) -> ExpertWeights:
     """Inverse of :func:`padded_pieces`; ``names`` maps each piece to the output tensor it came
     from, for error messages."""
     H, V = plan.dims.hidden, plan.valid_intermediate
@@ -196,13 +198,14 @@ class CutlassSm12xLayout:
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         facts = {
             "engine": (
-                "TensorRT-LLM CUTLASS MoE (W4A8MXFP4MXFP8CutlassFusedMoEMethod, SM100/SM103/SM110/SM120/SM121); "
-                "FlashInfer cutlass_fused_moe(use_mxfp8_act_scaling=True)"
+                "TensorRT-LLM CUTLASS MoE (W4A8MXFP4MXFP8CutlassFusedMoEMethod, "
+                "SM100/SM103/SM110/SM120/SM121); FlashInfer cutlass_fused_moe(use_mxfp8_act_scaling=True)"
             ),
             "matches": "TensorRT-LLM quantization.py @02320c35; FlashInfer 0.7.2.post1",
             "activation_quantization": (
-                "MXFP8: mxfp8_quantize(x, is_sf_swizzled_layout=True, alignment=128) -> e4m3 [T, padded_hidden] "
-                "+ 128x4-swizzled UE8M0 scales (input_sf); pass unpadded_hidden_size=valid_hidden_size"
+                "MXFP8: mxfp8_quantize(x, is_sf_swizzled_layout=True, alignment=128) -> "
+                "e4m3 [T, padded_hidden] + 128x4-swizzled UE8M0 scales (input_sf); "
+                "pass unpadded_hidden_size=valid_hidden_size"
             ),
             "engine_views": {
                 "w3_w1_weight": "int64 [E, 2*Ip, padded_hidden/16]",

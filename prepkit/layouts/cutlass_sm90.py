@@ -27,7 +27,13 @@ import torch
 
 from prepkit.errors import LayoutError
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec, TensorSpec
-from prepkit.layouts.cutlass_sm12x import NAMES, check_tensors, padded_pieces, plan_cutlass_rank, unpadded_pieces
+from prepkit.layouts.cutlass_sm12x import (
+    NAMES,
+    check_tensors,
+    padded_pieces,
+    plan_cutlass_rank,
+    unpadded_pieces,
+)
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the layout of FlashInfer >= 0.6.15 (PR #3738), read in this release
 
@@ -41,7 +47,7 @@ FLASHINFER_VERSION = "0.7.2.post1"  # the layout of FlashInfer >= 0.6.15 (PR #37
 # in row 16g + r8 + 8*(mma % 2), bytes 16*(mma // 2) + 4*j .. +3 of the group.
 
 
-def _pack_half(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+def _pack_half(a: int, b: int, c: int, d: int) -> int:
     """16 bits from four nibbles: three 3-bit magnitudes side by side, the fourth split around
     the sign bits (bit order fixed by the kernel's masks)."""
     return (
@@ -57,13 +63,35 @@ def _pack_half(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tenso
     )
 
 
-def _unpack_half(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`_pack_half`."""
-    a = (v & 7) | ((v >> 9) & 1) << 3
-    b = ((v >> 3) & 7) | ((v >> 12) & 1) << 3
-    c = ((v >> 6) & 7) | ((v >> 15) & 1) << 3
-    d = ((v >> 10) & 3) << 1 | ((v >> 13) & 1) | ((v >> 14) & 1) << 3
-    return a, b, c, d
+def _repack_word(raw: int) -> int:
+    """The kernel's 32-bit word from its four source bytes ``raw`` (byte 0 = (ra, c), 1 = (rb, c),
+    2 = (ra, c+4), 3 = (rb, c+4), little-endian)."""
+    n = [(raw >> (4 * i)) & 0xF for i in range(8)]
+    return _pack_half(n[4], n[2], n[0], n[6]) | _pack_half(n[5], n[3], n[1], n[7]) << 16
+
+
+def _shift_groups(dest: list[int]) -> list[tuple[int, int]]:
+    """``(mask, shift)`` pairs moving input bit ``p`` to ``dest[p]``, one pair per distance."""
+    groups: dict[int, int] = {}
+    for p, q in enumerate(dest):
+        groups[q - p] = groups.get(q - p, 0) | 1 << p
+    return [(mask, shift) for shift, mask in sorted(groups.items())]
+
+
+_DEST = [_repack_word(1 << p).bit_length() - 1 for p in range(32)]  # input bit p -> word bit
+assert sorted(_DEST) == list(range(32)), "the repack must be a bit permutation"
+_FORWARD = _shift_groups(_DEST)
+_BACKWARD = _shift_groups([_DEST.index(q) for q in range(32)])
+
+
+def _move_bits(words: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Apply a bit permutation to ``[..., 4]`` uint8 little-endian words, all at once. Works on
+    int32: a right shift masks after shifting, so sign extension never leaks in."""
+    x = words.contiguous().view(torch.int32)
+    out = torch.zeros_like(x)
+    for mask, shift in groups:
+        out |= (x & mask) << shift if shift >= 0 else (x >> -shift) & (mask >> -shift)
+    return out.view(torch.uint8)
 
 
 def _check_interleave_shape(w: torch.Tensor) -> tuple[int, int]:
@@ -80,21 +108,14 @@ def interleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
     (FlashInfer ``interleave_moe_weights_for_sm90_mixed_gemm(w, "fp4")``, per leading index)."""
     n, kb = _check_interleave_shape(w)
     lead = w.shape[:-2]
-    # [..., g, s, r8, p, mma, h, j]: row 16g + 8s + r8, byte 32p + 8mma + 4h + j
-    src = w.reshape(*lead, n // 16, 2, 8, kb // 32, 4, 2, 4).to(torch.int32)
-    lo, hi = src & 0xF, src >> 4
-    ra, rb = (slice(None),) * len(lead) + (slice(None), 0), (slice(None),) * len(lead) + (slice(None), 1)
-
-    def nib(t: torch.Tensor, row: tuple, h: int) -> torch.Tensor:
-        return t[row][..., h, :]  # -> [..., g, r8, p, mma, j]
-
-    n0, n1, n2, n3 = nib(lo, ra, 0), nib(hi, ra, 0), nib(lo, rb, 0), nib(hi, rb, 0)
-    n4, n5, n6, n7 = nib(lo, ra, 1), nib(hi, ra, 1), nib(lo, rb, 1), nib(hi, rb, 1)
-    word = _pack_half(n4, n2, n0, n6) | _pack_half(n5, n3, n1, n7) << 16
-    out = torch.stack([(word >> (8 * b)) & 0xFF for b in range(4)], dim=-1).to(torch.uint8)
-    # [..., g, r8, p, mma=(q, s'), j, b] -> [..., g, s', r8, p, q, j, b]
-    out = out.reshape(*lead, n // 16, 8, kb // 32, 2, 2, 4, 4)
     d = len(lead)
+    # [..., g, s, r8, p, mma, h, j]: row 16g + 8s + r8, byte 32p + 8mma + 4h + j
+    src = w.reshape(*lead, n // 16, 2, 8, kb // 32, 4, 2, 4)
+    # word bytes (ra, c), (rb, c), (ra, c+4), (rb, c+4): order (h, s) last -> [..., g, r8, p, mma, j, 4]
+    words = src.permute(*range(d), d, d + 2, d + 3, d + 4, d + 6, d + 5, d + 1).flatten(-2)
+    out = _move_bits(words, _FORWARD)
+    # mma = 2q + s': the word goes to row 16g + 8s' + r8, bytes 32p + 16q + 4j + b
+    out = out.reshape(*lead, n // 16, 8, kb // 32, 2, 2, 4, 4)  # g, r8, p, q, s', j, b
     out = out.permute(*range(d), d, d + 4, d + 1, d + 2, d + 3, d + 5, d + 6)
     return out.reshape(*lead, n, kb)
 
@@ -104,21 +125,12 @@ def deinterleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
     n, kb = _check_interleave_shape(w)
     lead = w.shape[:-2]
     d = len(lead)
-    t = w.reshape(*lead, n // 16, 2, 8, kb // 32, 2, 4, 4).to(torch.int32)  # g, s', r8, p, q, j, b
+    t = w.reshape(*lead, n // 16, 2, 8, kb // 32, 2, 4, 4)  # g, s', r8, p, q, j, b
     t = t.permute(*range(d), d, d + 2, d + 3, d + 4, d + 1, d + 5, d + 6)  # g, r8, p, q, s', j, b
     t = t.reshape(*lead, n // 16, 8, kb // 32, 4, 4, 4)  # g, r8, p, mma, j, b
-    word = t[..., 0] | t[..., 1] << 8 | t[..., 2] << 16 | t[..., 3] << 24
-    n4, n2, n0, n6 = _unpack_half(word & 0xFFFF)
-    n5, n3, n1, n7 = _unpack_half((word >> 16) & 0xFFFF)
-    byte = {  # (s, h) -> source byte
-        (0, 0): n0 | n1 << 4,
-        (1, 0): n2 | n3 << 4,
-        (0, 1): n4 | n5 << 4,
-        (1, 1): n6 | n7 << 4,
-    }
-    per_h = [torch.stack([byte[(s, h)] for h in (0, 1)], dim=-2) for s in (0, 1)]  # g, r8, p, mma, h, j
-    src = torch.stack(per_h, dim=d + 1)  # g, s, r8, p, mma, h, j
-    return src.to(torch.uint8).reshape(*lead, n, kb)
+    raw = _move_bits(t, _BACKWARD).unflatten(-1, (2, 2))  # g, r8, p, mma, j, h, s
+    raw = raw.permute(*range(d), d, d + 6, d + 1, d + 2, d + 3, d + 5, d + 4)  # g, s, r8, p, mma, h, j
+    return raw.reshape(*lead, n, kb)
 
 
 # --- scale fold (prepare.py, interleave_moe_scales_for_sm90_mixed_gemm, uint8 / group 32) ---------
@@ -129,7 +141,9 @@ def _check_fold_shape(s: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"SM90 scale fold takes [..., rows, K/32] uint8, got {list(s.shape)} {s.dtype}")
     rows, groups = s.shape[-2], s.shape[-1]
     if rows % 64 or groups % 4:
-        raise ValueError(f"SM90 scale fold needs rows % 64 == 0 and K % 128 == 0, got rows={rows}, K/32={groups}")
+        raise ValueError(
+            f"SM90 scale fold needs rows % 64 == 0 and K % 128 == 0, got rows={rows}, K/32={groups}"
+        )
     return rows, groups
 
 
@@ -176,13 +190,18 @@ class CutlassSm90Layout:
             "engine_views": {
                 "w3_w1_weight": "uint8 as stored (fc1_expert_weights)",
                 "w2_weight": "uint8 as stored (fc2_expert_weights)",
-                "w3_w1_weight_scale": "int32 view of the bytes, e.g. .view(E, 2*Ip/64, padded_hidden/128, 16, 16)"
-                ".view(torch.int32)",
-                "w2_weight_scale": "int32 view of the bytes, e.g. .view(E, padded_hidden/64, Ip/128, 16, 16)"
-                ".view(torch.int32)",
+                "w3_w1_weight_scale": (
+                    "int32 view of the bytes: .view(E, 2*Ip/64, padded_hidden/128, 16, 16).view(torch.int32)"
+                ),
+                "w2_weight_scale": (
+                    "int32 view of the bytes: .view(E, padded_hidden/64, Ip/128, 16, 16).view(torch.int32)"
+                ),
             },
             "quant_scales": "[w3_w1_weight_scale(int32), w2_weight_scale(int32)]",
-            "weights": "SM90 mixed-GEMM nibble interleave per expert (interleave_moe_weights_for_sm90_mixed_gemm, fp4)",
+            "weights": (
+                "SM90 mixed-GEMM nibble interleave per expert "
+                "(interleave_moe_weights_for_sm90_mixed_gemm, quant_type fp4)"
+            ),
             "scales": "uint8 E8M0 folded per 64x128 block (interleave_moe_scales_for_sm90_mixed_gemm), "
             "logical 2-D shape",
             "engine_fc2_bias": "full, added on tp_rank 0 only (pass tp_size/tp_rank to the MoE call)",

@@ -11,9 +11,9 @@ Design, per expert and rank:
   * E8M0 scales are transposed to ``[K/32, N]`` so a tile's scales are BLOCK_N contiguous bytes
     per K group instead of a few bytes from each of BLOCK_N rows;
   * biases are float32 (exact for bf16 sources), the epilogue adds them without a convert;
-  * TP: contiguous 32-aligned slices of the intermediate axis, ``per = roundup(ceil(I/tp), 32)``,
-    rank r holds rows ``[r*per, min((r+1)*per, I))``, zero-padded to ``per`` so every rank has the
-    same shapes; the kernel reads only the valid rows (``valid_intermediate``). The down bias is
+  * TP: contiguous, balanced slices of whole 32-row groups of the intermediate axis
+    (:func:`intermediate_split`), zero-padded to the largest slice so every rank has the same
+    shapes; the kernel reads only the valid rows (``valid_intermediate``). The down bias is
     stored whole on every rank (so ``invert`` recovers it anywhere); only TP rank 0 adds it.
   * EP: contiguous expert slices (:func:`prepkit.layouts.base.expert_range`).
 """
@@ -38,30 +38,35 @@ from prepkit.layouts.base import (
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
 
 LAYOUT_ID = "triton_moe_v1"
-SHARDING_RULE = "contiguous-32-aligned"
+SHARDING_RULE = "balanced-32-groups"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
 
 def intermediate_split(intermediate: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
     """``(lo, hi, per)``: checkpoint intermediate rows ``[lo, hi)`` of TP rank ``tp_rank`` and the
-    padded row count ``per`` every rank stores. Slices start on 32-row boundaries so each E8M0
-    scale group of the down projection stays on one rank.
+    padded row count ``per`` every rank stores.
+
+    The axis is cut in whole 32-row groups (so each E8M0 scale group of the down projection stays
+    on one rank), balanced: with ``G = I/32`` groups, rank ``r`` holds groups
+    ``[floor(r*G/tp), floor((r+1)*G/tp))``, i.e. ``floor(G/tp)`` or ``ceil(G/tp)`` of them, and
+    ``per = ceil(G/tp) * 32``. gpt-oss (I = 2880, G = 90): tp 2 -> 1440 each; tp 4 -> 704, 736,
+    704, 736; tp 8 -> 352 or 384.
 
     Raises:
-        LayoutError: ``tp_size``/``tp_rank`` out of range, or a rank would hold no rows.
+        LayoutError: ``tp_size``/``tp_rank`` out of range, or fewer 32-row groups than ranks.
     """
     if tp_size < 1 or not 0 <= tp_rank < tp_size:
         raise LayoutError(f"TP rank {tp_rank} of tp={tp_size} does not exist")
-    per = ops.round_up(ops.ceil_div(intermediate, tp_size), BLOCK_ELEMS)
-    lo = min(tp_rank * per, intermediate)
-    hi = min(lo + per, intermediate)
-    if hi <= lo:
+    groups = intermediate // BLOCK_ELEMS
+    if groups < tp_size:
         raise LayoutError(
-            f"tp={tp_size} leaves TP rank {tp_rank} without intermediate rows "
-            f"({intermediate} rows in 32-aligned slices of {per})",
-            hint="use a smaller --tp",
+            f"tp={tp_size} leaves TP ranks without intermediate rows ({intermediate} rows are "
+            f"{groups} groups of {BLOCK_ELEMS})",
+            hint=f"use --tp {groups} or less",
         )
-    return lo, hi, per
+    lo = tp_rank * groups // tp_size * BLOCK_ELEMS
+    hi = (tp_rank + 1) * groups // tp_size * BLOCK_ELEMS
+    return lo, hi, ops.ceil_div(groups, tp_size) * BLOCK_ELEMS
 
 
 class TritonMoeLayout:
@@ -158,7 +163,8 @@ def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
     # The pipeline may stream a rank's experts in chunks, so fewer than the rank's count may come.
     if weights.num_experts > plan.num_local_experts:
         raise LayoutError(
-            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
+            f"got {weights.num_experts} experts for rank {plan.spec.rank}, "
+            f"which holds {plan.num_local_experts}"
         )
     if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
         raise LayoutError(

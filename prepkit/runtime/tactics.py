@@ -63,6 +63,8 @@ SCHEMA_VERSION = 1
 MIN_READABLE_SCHEMA = 1
 
 ROLES = ("gemm1", "gemm2")
+KERNEL_NAME = "moe_mxfp4"  # prepkit.kernels.moe_mxfp4
+WEIGHT_LAYOUT = "triton_moe_v1"
 
 
 def _series() -> tuple[int, ...]:
@@ -109,8 +111,9 @@ class ProblemKey:
     """Everything that changes the math or the best variant of one GEMM, except the token count.
 
     ``n``/``k`` are per-rank sizes as the checkpoint has them (before the layout pads them); the
-    layout id covers the padding. The kernel fields are part of the key: a new kernel version or
-    layout never matches rows measured for an old one.
+    layout id covers the padding. ``tp_size``/``ep_size`` are stored for people, not matched. The
+    kernel fields are part of the key: a new kernel version or layout never matches rows measured
+    for an old one.
     """
 
     kernel: str
@@ -146,7 +149,10 @@ class ProblemKey:
         return d
 
     def problem_hash(self) -> str:
-        return digest({"kernel": self.kernel_hash(), **self.shape_fields()})
+        # tp/ep are recorded but not hashed: the kernel sees only per-rank sizes (n, k, local
+        # experts), and the runtime knows nothing else about the rank.
+        fields = {k: v for k, v in self.shape_fields().items() if k not in ("tp_size", "ep_size")}
+        return digest({"kernel": self.kernel_hash(), **fields})
 
     def describe(self) -> str:
         return (
@@ -574,8 +580,8 @@ def _read_rows(path: Path, problem: ProblemKey, device: Environment) -> list[_En
     envs: dict[str, _EnvRows] = {}
     for env_hash, gpu, tv, created, m_lo, m_hi, up, params, th in rows:
         env = envs.setdefault(env_hash, _EnvRows(env_hash, gpu, tv, created, [], []))
-        if (triton_minor(tv), th) in blocked:
-            env.notes.append(f"tactic {params} for M {m_lo}-{m_hi} is blocklisted on Triton {tv}")
+        if (device.triton_minor, th) in blocked:  # failing with the Triton that would run it
+            env.notes.append(f"tactic {params} for M {m_lo}-{m_hi} is blocklisted on Triton {device.triton_minor}")
             continue
         env.ranges.append(Range(int(m_lo), int(m_hi), params, bool(up)))
     # Same GPU model first, then the newest measurement.
@@ -742,3 +748,51 @@ def point_for(num_tokens: int, points: Sequence[int] = TOKEN_POINTS) -> int | No
     """The tuned point that serves ``num_tokens`` under ceil semantics (None above the last)."""
     i = bisect_left(points, num_tokens)
     return points[i] if i < len(points) else None
+
+
+def make_tactic_lookup(
+    *,
+    resolver: TacticResolver | None = None,
+    kernel: str = KERNEL_NAME,
+    kernel_version: str | int | None = None,
+    weight_layout: str = WEIGHT_LAYOUT,
+    tp_size: int = 1,
+) -> Callable[[Any, Any], tuple[Any, Any] | None]:
+    """A ``prepkit.runtime.moe.TacticLookup`` backed by the tactic DBs.
+
+    Called with a ``MoeProblem`` (tokens, local experts, hidden, valid intermediate, top_k) and
+    the kernels' ``DeviceInfo``, it returns ``(gemm1, gemm2)`` tactics. A GEMM without a tuned
+    row gets the built-in default for its slot (warned once, naming the tune command); when
+    neither GEMM has one it returns ``None`` and the layer's own default applies.
+    ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use.
+    """
+    res = resolver or default_resolver()
+    version: list[str] = [] if kernel_version is None else [str(kernel_version)]
+    problems: dict[tuple[int, int, int, int], dict[str, ProblemKey]] = {}
+
+    def lookup(problem: Any, device: Any) -> tuple[Any, Any] | None:
+        if not version:
+            from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+
+            version.append(str(KERNEL_VERSION))
+        dims = (problem.num_experts, problem.hidden, problem.intermediate, problem.top_k)
+        keys = problems.get(dims)
+        if keys is None:
+            keys = gpt_oss_problems(
+                kernel=kernel, kernel_version=version[0], weight_layout=weight_layout,
+                num_experts=problem.num_experts, hidden=problem.hidden,
+                intermediate=problem.intermediate * tp_size, top_k=problem.top_k, tp_size=tp_size,
+            )  # fmt: skip
+            problems[dims] = keys
+        g1 = lookup_tactic(keys["gemm1"], problem.num_tokens, device, resolver=res)
+        g2 = lookup_tactic(keys["gemm2"], problem.num_tokens, device, resolver=res)
+        if g1 is None and g2 is None:
+            return None
+        if g1 is None or g2 is None:
+            from prepkit.kernels.variants import default_tactics
+
+            d1, d2 = default_tactics(problem, device)
+            g1, g2 = g1 or d1, g2 or d2
+        return g1, g2
+
+    return lookup

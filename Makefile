@@ -1,0 +1,45 @@
+# Everything runs inside .venv, created on first use from the project's own files.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := .demo
+
+.PHONY: install demo test test-gpu lint bench-prepare bench-kernel clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: any other spec may pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on an embedded default: a synthetic gpt-oss checkpoint (real 2880 dims),
+# prepared for trtllm-gen at TP 4, then verified byte for byte against the source.
+demo: $(STAMP)
+	rm -rf $(DEMO)
+	$(BIN)/prepkit synth $(DEMO)/model --layers 2 --experts 4 --shards 3
+	$(BIN)/prepkit prepare --src $(DEMO)/model --layout trtllm-gen --tp 4 --out $(DEMO)/trtllm-gen-tp4
+	$(BIN)/prepkit verify $(DEMO)/trtllm-gen-tp4 --src $(DEMO)/model
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not gpu"
+
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check prepkit tests benchmarks
+
+bench-prepare: $(STAMP)
+	$(BIN)/python benchmarks/bench_prepare.py
+
+clean:
+	rm -rf $(VENV) $(DEMO) .pytest_cache .ruff_cache
+
+# On a GPU machine (uses the python that has torch + triton there).
+bench-kernel:
+	$(PYTHON) benchmarks/bench_kernel.py

@@ -1,0 +1,3 @@
+from prepkit.cli import main
+
+main()

@@ -1,0 +1,229 @@
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from prepkit.cli import cli
+from prepkit.shards import JOURNAL_NAME, MANIFEST_NAME
+
+
+def run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(cli, list(args))
+    return result.exit_code, result.stdout, result.stderr
+
+
+def hashes(out: Path) -> dict[str, str]:
+    return {k: v["sha256"] for k, v in json.loads((out / MANIFEST_NAME).read_text())["files"].items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_prepare_then_verify_against_source(synthetic_ckpt: Path, tmp_path: Path, tp: int) -> None:
+    out = tmp_path / "out"
+    code, stdout, stderr = run("prepare", "--src", str(synthetic_ckpt), "--tp", str(tp), "--out", str(out),
+                               "--json", "-q")
+    assert code == 0, stderr
+    summary = json.loads(stdout)
+    assert summary["files_written"] == tp * 2 + 1
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["layout"]["id"] == "trtllm_gen_v1"
+    assert [r["rank"] for r in manifest["ranks"]] == list(range(tp))
+    assert manifest["model"]["provenance"] == "local folder"
+    assert all(v["sha256"] for v in manifest["model"]["source_files"].values())
+    assert not (out / JOURNAL_NAME).exists()
+    # each rank folder is self-contained: its index resolves every tensor to a file beside it
+    for r in range(tp):
+        index = json.loads((out / f"rank{r}" / "model.safetensors.index.json").read_text())
+        for name, file in index["weight_map"].items():
+            assert (out / f"rank{r}" / file).is_file(), name
+        with safe_open(str(out / f"rank{r}" / "experts-00001.safetensors"), framework="pt") as f:
+            assert "model.layers.1.mlp.experts.w3_w1_weight" in set(f.keys())
+    code, stdout, stderr = run("verify", str(out), "--src", str(synthetic_ckpt), "--json", "-q")
+    assert code == 0, stderr
+    report = json.loads(stdout)
+    assert report["experts_checked"] == tp * 2 * 3 and report["ok"]
+
+
+def test_non_expert_tensors_are_stored_once(synthetic_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(synthetic_ckpt), "--tp", "4", "--out", str(out), "-q")[0] == 0
+    shared = out / "shared" / "non-expert-00000.safetensors"
+    inodes = {(out / f"rank{r}" / shared.name).stat().st_ino for r in range(4)}
+    assert inodes == {shared.stat().st_ino}
+
+
+def test_dry_run_writes_nothing_and_prints_the_plan(synthetic_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, stdout, stderr = run("prepare", "--src", str(synthetic_ckpt), "--tp", "2", "--out", str(out),
+                               "--dry-run", "--json")
+    assert code == 0, stderr
+    plan = json.loads(stdout)["plan"]
+    assert [r["valid_intermediate"] for r in plan["ranks"]] == [1440, 1440]
+    assert plan["warnings"] and "1.2" in plan["warnings"][0]
+    assert not out.exists()
+    code, stdout, _ = run("prepare", "--src", str(synthetic_ckpt), "--tp", "2", "--out", str(out), "--dry-run",
+                          "--json", "--trtllm-version", "1.2")
+    assert [r["valid_intermediate"] for r in json.loads(stdout)["plan"]["ranks"]] == [1536, 1344]
+
+
+def test_ep_and_rank_selection(ep_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    code, stdout, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--ep", "2", "--rank", "3",
+                               "--out", str(out), "--json", "-q")
+    assert code == 0, stderr
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert [(r["rank"], r["expert_range"]) for r in manifest["ranks"]] == [(3, [2, 4])]
+    assert run("verify", str(out), "--src", str(ep_ckpt), "-q")[0] == 0
+
+
+def test_rerun_is_a_no_op_with_identical_bytes(ep_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")[0] == 0
+    before = hashes(out)
+    code, stdout, _ = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q", "--json")
+    assert code == 0 and json.loads(stdout)["files_written"] == 0
+    assert hashes(out) == before
+
+
+def _kill_mid_run(src: Path, out: Path, when: str) -> None:
+    cmd = [sys.executable, "-m", "prepkit", "prepare", "--src", str(src), "--tp", "2", "--out", str(out), "-q"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if when == "tmp" and list(out.glob("rank*/*.tmp-*")):
+                break
+            if when == "file" and list(out.glob("rank*/experts-*.safetensors")):
+                break
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.mark.parametrize("when", ["tmp", "file"])
+def test_kill_9_then_rerun_gives_identical_bytes(tmp_path: Path, when: str) -> None:
+    from prepkit.synth import write_synthetic_checkpoint
+
+    src = write_synthetic_checkpoint(tmp_path / "src", num_layers=6, num_experts=3, num_shards=2, seed=7)
+    clean = tmp_path / "clean"
+    assert run("prepare", "--src", str(src), "--tp", "2", "--out", str(clean), "-q")[0] == 0
+    out = tmp_path / "killed"
+    _kill_mid_run(src, out, when)
+    if (out / MANIFEST_NAME).exists():
+        pytest.skip("the run finished before it could be killed")
+    # nothing left looks complete: no manifest, and verify refuses the folder
+    code, _, stderr = run("verify", str(out))
+    assert code == 6 and "interrupted" in stderr
+    code, stdout, stderr = run("prepare", "--src", str(src), "--tp", "2", "--out", str(out), "-q", "--json")
+    assert code == 0, stderr
+    assert hashes(out) == hashes(clean)
+    assert not list(out.glob("**/*.tmp-*"))
+
+
+def test_foreign_output_folder_is_refused(ep_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--out", str(out), "-q")
+    assert code == 3 and "not a prepkit output folder" in stderr and "Traceback" not in stderr
+
+
+def test_output_of_another_plan_is_refused(ep_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")[0] == 0
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "4", "--out", str(out), "-q")
+    assert code == 3 and "different prepared shard set" in stderr
+
+
+def test_split_that_does_not_fit(ep_ckpt: Path, tmp_path: Path) -> None:
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--ep", "3", "--out", str(tmp_path / "o"), "-q")
+    assert code == 3 and "split evenly over ep=3" in stderr
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "16", "--out", str(tmp_path / "o"), "-q")
+    assert code == 3 and "without intermediate rows" in stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_source_is_reported_without_traceback(ep_ckpt: Path, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    shutil.copytree(ep_ckpt, src)
+    victim = sorted(src.glob("model-*.safetensors"))[0]
+    victim.write_bytes(victim.read_bytes()[:1000])
+    code, _, stderr = run("prepare", "--src", str(src), "--out", str(tmp_path / "o"), "-q")
+    assert code == 3 and victim.name in stderr and "Traceback" not in stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_not_enough_disk_is_refused_before_writing(ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import prepkit.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "free_bytes", lambda path: 1000)
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--out", str(tmp_path / "o"), "-q")
+    assert code == 3 and "free" in stderr
+    assert not (tmp_path / "o" / MANIFEST_NAME).exists()
+
+
+def test_disk_full_mid_run_leaves_nothing_complete(ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = {"n": 0}
+    real_pwrite = os.pwrite
+
+    def failing_pwrite(fd: int, data: bytes, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] > 20:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", failing_pwrite)
+    out = tmp_path / "o"
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")
+    assert code == 3 and "No space left" in stderr or "no space" in stderr.lower()
+    assert not (out / MANIFEST_NAME).exists()
+    assert not list(out.glob("**/*.tmp-*"))
+    monkeypatch.setattr(os, "pwrite", real_pwrite)
+    assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")[0] == 0
+
+
+def test_verify_names_the_corrupted_file_and_expert(ep_ckpt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")[0] == 0
+    victim = out / "rank1" / "experts-00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # inside the last tensor's bytes
+    victim.write_bytes(bytes(data))
+    code, _, stderr = run("verify", str(out))
+    assert code == 6 and "rank1/experts-00001.safetensors: sha256 differs" in stderr
+    # same corruption with the manifest hash updated: only the inverse against the source finds it
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    from prepkit.shards import sha256_file
+
+    manifest["files"]["rank1/experts-00001.safetensors"]["sha256"] = sha256_file(victim)
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    assert run("verify", str(out))[0] == 0
+    code, _, stderr = run("verify", str(out), "--src", str(ep_ckpt))
+    assert code == 6 and "rank 1, layer 1, expert 3" in stderr
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    for name, command in cli.commands.items():
+        code, stdout, _ = run(name, "--help")
+        assert code == 0, name
+        if not hasattr(command, "commands"):
+            assert "Example:" in stdout, name
+
+
+def test_main_entry_point_exit_codes(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "prepkit", "verify", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 6 and "Error:" in proc.stderr and "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "prepkit", "prepare", "--tp", "0"], capture_output=True, text=True)
+    assert proc.returncode == 2
