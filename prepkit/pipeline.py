@@ -320,11 +320,18 @@ class _RankFile:
             while written < len(data):
                 written += os.pwrite(self.fd, data[written:], offset + written)
 
-    def commit(self) -> None:
-        os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
-        os.replace(self.tmp, self.final)
+    def commit_and_hash(self) -> str:
+        """fsync, rename into place, then hash: runs on a worker thread, so the disk flush and
+        the hash overlap the next layer's reading and shuffling."""
+        try:
+            os.fsync(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+            os.replace(self.tmp, self.final)
+        except BaseException:
+            self.abort()
+            raise
+        return sha256_file(self.final)
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -360,7 +367,7 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
     source_read = 0
     files: dict[str, WrittenFile] = {}
     metadata = {"format": "pt", "producer": f"prepkit {__version__}", "layout": plan.layout.layout_id}
-    hasher = ThreadPoolExecutor(max_workers=1)  # hashing overlaps the next layer's work
+    hasher = ThreadPoolExecutor(max_workers=2)  # fsync + hash overlap the next layer's work
     pending: list[tuple[Future[str], str, int]] = []
     rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank)}
     rank_done = dict.fromkeys(rank_total, 0)
@@ -425,20 +432,19 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
                             progress("source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source)
                     for p in todo:
                         f = outs[p.spec.rank]
-                        f.commit()
+                        pending.append((hasher.submit(f.commit_and_hash), f.rel, f.size))
                         written += 1
                         bytes_written += f.size
-                        path = f.final
-                        pending.append((hasher.submit(sha256_file, path), f.rel, f.size))
                         rank_done[p.spec.rank] += f.size
                         progress(f"rank {p.spec.rank}", rank_done[p.spec.rank], rank_total[p.spec.rank])
                 except BaseException:
                     for f in outs.values():
-                        f.abort()
+                        if not any(rel == f.rel for _, rel, _ in pending):
+                            f.abort()
                     raise
             done_source += layer_source
             progress("source", done_source, total_source)
-            drain(block=False)
+            drain(block=len(pending) > 2 * len(plan.ranks))  # at most ~2 layers in flight
         drain(block=True)
     except OSError as err:
         raise OutputError(f"writing {root} failed: {err}",
@@ -565,6 +571,9 @@ def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, An
             "provenance": "prepkit fetch",
             "source_repo": record.get("repo_id"),
             "source_revision": record.get("revision"),
+            "source_commit": record.get("commit"),
+            "fetched_at": record.get("fetched_at"),
+            "fetch_record": FETCH_RECORD,
             "source_files": source_files,
         }
     return {"provenance": "local folder", "source_files": source_files}

@@ -1,0 +1,95 @@
+"""Throughput and memory of ``prepkit prepare`` against a plain copy of the same bytes.
+
+Writes a synthetic gpt-oss checkpoint (real 120b expert dims, 128 experts, enough layers for at
+least 4 GB), then times, each in a fresh process on the same disk:
+  * ``cp`` of the source shard files followed by ``sync`` (the I/O floor: read + write once);
+  * ``prepkit prepare --tp 1`` and ``--tp 8`` (trtllm-gen), which also fsync every file.
+Reports source GB/s, the ratio to the copy, and each process's peak RSS against two layers.
+
+    python benchmarks/bench_prepare.py [--layers 3] [--workdir .bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAYER_BYTES_120B = 1_748_118_784  # expert bytes of one gpt-oss-120b layer
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}")
+    return elapsed, usage.ru_maxrss * 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path(".bench"))
+    args = ap.parse_args()
+
+    work = args.workdir
+    src = work / "src"
+    if not (src / "config.json").is_file():
+        shutil.rmtree(src, ignore_errors=True)
+        print(f"writing a synthetic checkpoint: {args.layers} layers x {args.experts} experts ...", flush=True)
+        subprocess.run([sys.executable, "-m", "prepkit", "synth", str(src), "--layers", str(args.layers),
+                        "--experts", str(args.experts), "--vocab", "8192", "-q"], check=True,
+                       stdout=subprocess.DEVNULL)
+    shards = sorted(src.glob("model-*.safetensors"))
+    source_bytes = sum(p.stat().st_size for p in shards)
+    layer_bytes = LAYER_BYTES_120B * args.experts // 128
+    # warm the page cache once so every contender reads the same way
+    for p in shards:
+        with open(p, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+    rows = []
+    copy_times = []
+    for _ in range(args.repeats):
+        dst = work / "copy"
+        shutil.rmtree(dst, ignore_errors=True)
+        dst.mkdir(parents=True)
+        t, rss = timed(["sh", "-c", f"cp {' '.join(str(p) for p in shards)} {dst}/ && sync"])
+        copy_times.append(t)
+    copy_t = statistics.median(copy_times)
+    rows.append(("cp + sync", copy_t, source_bytes / copy_t / 1e9, 1.0, None))
+    for tp in (1, 8):
+        times, peaks = [], []
+        for _ in range(args.repeats):
+            out = work / f"tp{tp}"
+            shutil.rmtree(out, ignore_errors=True)
+            t, rss = timed([sys.executable, "-m", "prepkit", "prepare", "--src", str(src), "--tp", str(tp),
+                            "--out", str(out), "-q"])
+            times.append(t)
+            peaks.append(rss)
+        t = statistics.median(times)
+        rows.append((f"prepare --tp {tp}", t, source_bytes / t / 1e9, copy_t / t, max(peaks)))
+    shutil.rmtree(work / "copy", ignore_errors=True)
+
+    print(f"\nsource: {source_bytes / 1e9:.2f} GB in {len(shards)} shards; one layer = {layer_bytes / 1e9:.2f} GB; "
+          f"{os.cpu_count()} CPUs; median of {args.repeats}")
+    print(f"{'run':<18}{'seconds':>9}{'GB/s':>8}{'x copy':>8}{'peak RSS':>11}{'/ 2 layers':>12}")
+    for name, t, gbps, ratio, rss in rows:
+        rss_s = f"{rss / 1e9:.2f} GB" if rss else "-"
+        frac = f"{rss / (2 * layer_bytes):.2f}" if rss else "-"
+        print(f"{name:<18}{t:>9.2f}{gbps:>8.2f}{ratio:>8.2f}{rss_s:>11}{frac:>12}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""``load_shards``: one rank's prepared tensors plus the manifest's facts, for any layout.
+
+An engine integration can take these tensors as they are and skip its own weight preparation;
+the bundled kernel's runtime loads its layout through the same function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from prepkit.errors import LayoutError, VerifyError
+from prepkit.shards import read_manifest, sha256_file
+
+_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32,
+           "int64": torch.int64, "float16": torch.float16}
+
+
+@dataclass
+class LoadedShards:
+    """A rank's expert tensors by layer (names without the layer prefix) and its facts."""
+
+    out_dir: Path
+    rank: int
+    device: torch.device
+    manifest: dict[str, Any]
+    rank_entry: dict[str, Any]
+    layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def layout_id(self) -> str:
+        return str(self.manifest["layout"]["id"])
+
+    @property
+    def layout_name(self) -> str:
+        return str(self.manifest["layout"]["name"])
+
+    @property
+    def w13_row_order(self) -> str:
+        return str(self.manifest["layout"]["w13_row_order"])
+
+    @property
+    def tp_size(self) -> int:
+        return int(self.manifest["parallel"]["tp_size"])
+
+    @property
+    def ep_size(self) -> int:
+        return int(self.manifest["parallel"]["ep_size"])
+
+    @property
+    def tp_rank(self) -> int:
+        return int(self.rank_entry["tp_rank"])
+
+    @property
+    def ep_rank(self) -> int:
+        return int(self.rank_entry["ep_rank"])
+
+    @property
+    def expert_range(self) -> tuple[int, int]:
+        lo, hi = self.rank_entry["expert_range"]
+        return int(lo), int(hi)
+
+    @property
+    def intermediate_range(self) -> tuple[int, int]:
+        lo, hi = self.rank_entry["intermediate_range"]
+        return int(lo), int(hi)
+
+    @property
+    def valid_intermediate(self) -> int:
+        return int(self.rank_entry["valid_intermediate"])
+
+    @property
+    def padded_intermediate(self) -> int:
+        return int(self.rank_entry["padded_intermediate"])
+
+    @property
+    def padded_hidden(self) -> int:
+        return int(self.rank_entry["padded_hidden"])
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        return dict(self.rank_entry.get("facts", {}))
+
+    @property
+    def dims(self) -> dict[str, int]:
+        return dict(self.manifest["model"]["dims"])
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return dict(self.manifest["model"].get("config", {}))
+
+    def layer(self, index: int) -> dict[str, torch.Tensor]:
+        try:
+            return self.layers[index]
+        except KeyError:
+            raise LayoutError(f"layer {index} was not loaded (have {sorted(self.layers)})") from None
+
+
+def load_shards(
+    out_dir: str | Path,
+    rank: int = 0,
+    device: str | torch.device = "cpu",
+    *,
+    expect_layout: str | None = None,
+    layers: list[int] | None = None,
+    check_hashes: bool = False,
+) -> LoadedShards:
+    """Load rank ``rank`` of a prepared shard set onto ``device``.
+
+    ``expect_layout`` (a layout id like ``trtllm_gen_v1`` or a CLI name) is checked against the
+    manifest; a mismatch raises ``LayoutError`` naming both. ``check_hashes`` re-hashes the files
+    first (slow on big models; ``prepkit verify`` does the same offline).
+    """
+    root = Path(out_dir)
+    manifest = read_manifest(root)
+    layout = manifest["layout"]
+    if expect_layout is not None and expect_layout not in (layout["id"], layout["name"]):
+        raise LayoutError(
+            f"{root} holds layout {layout['id']!r} ({layout['name']}), expected {expect_layout!r}",
+            hint=f"prepare it for that layout: prepkit prepare --layout ... --out {root}-other",
+        )
+    by_rank = {int(r["rank"]): r for r in manifest["ranks"]}
+    if rank not in by_rank:
+        raise LayoutError(f"{root} holds ranks {sorted(by_rank)}, not rank {rank}",
+                          hint="pass one of those ranks or prepare the missing one with --rank")
+    entry = by_rank[rank]
+    dims = manifest["model"]["dims"]
+    wanted = list(range(int(dims["num_layers"]))) if layers is None else layers
+    shards = LoadedShards(root, rank, torch.device(device), manifest, entry)
+    prefix_template = manifest["expert_tensor_prefix"]
+    for layer in wanted:
+        rel = f"rank{rank}/experts-{layer:05d}.safetensors"
+        path = root / rel
+        if not path.is_file():
+            raise VerifyError(f"{path} is missing", hint=f"run: prepkit verify {root}")
+        if check_hashes and sha256_file(path) != manifest["files"][rel]["sha256"]:
+            raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=f"run: prepkit verify {root}")
+        prefix = prefix_template.format(layer=layer)
+        raw = load_file(str(path), device=str(shards.device))
+        tensors: dict[str, torch.Tensor] = {}
+        for name, spec in entry["tensors"].items():
+            t = raw.get(prefix + name)
+            if t is None:
+                raise VerifyError(f"{rel}: tensor {prefix + name} is missing")
+            if list(t.shape) != spec["shape"] or t.dtype != _DTYPES.get(spec["dtype"]):
+                raise VerifyError(f"{rel}: {prefix + name} is {list(t.shape)} {t.dtype}, the manifest says "
+                                  f"{spec['shape']} {spec['dtype']}")
+            tensors[name] = t
+        shards.layers[layer] = tensors
+    return shards
