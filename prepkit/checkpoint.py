@@ -207,7 +207,7 @@ class Checkpoint:
         """All experts of one layer in checkpoint form (about 1.75 GB for gpt-oss-120b)."""
         return ExpertWeights(**{role: self.read(self.recipe.expert_name(layer, role)) for role in SOURCE_ROLES})
 
-    def read_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+    def read_rows(self, name: str, lo: int, hi: int, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``[lo, hi)`` of dim 0 of a validated tensor with one ``pread``.
 
         Plain reads instead of mmap: the bytes land in memory we own and free, so resident memory
@@ -218,7 +218,12 @@ class Checkpoint:
             raise CheckpointError(f"{name}: cannot read rows of an unvalidated tensor")
         row_bytes = entry.nbytes // max(entry.shape[0], 1)
         count = (hi - lo) * row_bytes
-        out = torch.empty(count, dtype=torch.uint8)
+        # A caller streaming many chunks passes a reused buffer: fresh memory costs a page fault
+        # per 4 KiB on first touch, which is slower than the read itself.
+        if buffer is not None and buffer.numel() >= count and buffer.dtype == torch.uint8:
+            out = buffer[:count]
+        else:
+            out = torch.empty(count, dtype=torch.uint8)
         fd = self._fds.get(entry.file)
         if fd is None:
             fd = self._fds[entry.file] = os.open(self.root / entry.file, os.O_RDONLY)
@@ -231,14 +236,16 @@ class Checkpoint:
             done += n
         return out.view(entry.dtype).reshape((hi - lo, *entry.shape[1:]))
 
-    def read_experts_range(self, layer: int, lo: int, hi: int) -> ExpertWeights:
-        """Experts ``[lo, hi)`` of one layer, reading only their bytes."""
+    def read_experts_range(self, layer: int, lo: int, hi: int,
+                           buffers: dict[str, torch.Tensor] | None = None) -> ExpertWeights:
+        """Experts ``[lo, hi)`` of one layer, reading only their bytes (into ``buffers[role]``
+        when given: the result then aliases them and is only valid until the next read)."""
         tensors = {}
         for role in SOURCE_ROLES:
             name = self.recipe.expert_name(layer, role)
             try:
                 if name in self.entries:
-                    tensors[role] = self.read_rows(name, lo, hi)
+                    tensors[role] = self.read_rows(name, lo, hi, (buffers or {}).get(role))
                     continue
                 tensors[role] = self._handle(self.weight_map[name]).get_slice(name)[lo:hi]
             except OSError as err:

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from prepkit import __version__
 from prepkit.checkpoint import Checkpoint, free_bytes
 from prepkit.errors import OutputError
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
-from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights
+from prepkit.layouts.base import SOURCE_ROLES
 from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
 from prepkit.recipes import Recipe
 from prepkit.shards import (
@@ -340,9 +340,36 @@ class _RankFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def _chunks(lo: int, hi: int, per_expert_bytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    step = max(1, chunk_bytes // max(per_expert_bytes, 1))
+OUTPUT_TENSOR_BYTES = 24 * 1024 * 1024  # below glibc's largest mmap threshold (32 MiB), see below
+
+
+def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
     return [(e, min(e + step, hi)) for e in range(lo, hi, step)]
+
+
+def _experts_per_chunk(plan: PreparePlan, per_expert_source: int) -> int:
+    """Experts per step: bounded by the source bytes read per step, and small enough that every
+    output tensor of one rank stays under the allocator's mmap threshold (reused, not faulted)."""
+    largest = max(t.nbytes // max(t.shape[0], 1) for p in plan.ranks for t in p.tensors.values())
+    return max(1, min(plan.chunk_bytes // max(per_expert_source, 1), OUTPUT_TENSOR_BYTES // max(largest, 1)))
+
+
+def _keep_freed_memory() -> None:
+    """Ask glibc to keep freed blocks of up to 32 MiB in the heap instead of unmapping them.
+
+    Every chunk allocates the same tensor sizes again; served from the heap they cost nothing,
+    served from fresh mmaps every page is faulted in and zeroed by the kernel first, which made
+    page faults the largest cost of a run. Best effort: other C libraries are left alone.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
+        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
+    except (OSError, AttributeError):
+        pass
 
 
 def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> PrepareResult:
@@ -368,6 +395,8 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
     files: dict[str, WrittenFile] = {}
     metadata = {"format": "pt", "producer": f"prepkit {__version__}", "layout": plan.layout.layout_id}
     hasher = ThreadPoolExecutor(max_workers=2)  # fsync + hash overlap the next layer's work
+    writer = ThreadPoolExecutor(max_workers=1)
+    in_flight: list[Future[None]] = []
     pending: list[tuple[Future[str], str, int]] = []
     rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank)}
     rank_done = dict.fromkeys(rank_total, 0)
@@ -405,6 +434,10 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
             progress("source", done_source, total_source)
 
         per_expert_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(0)) // dims.num_experts
+        step = _experts_per_chunk(plan, per_expert_source)
+        _keep_freed_memory()
+        buffers = {role: torch.empty(step * ckpt.entries[ckpt.recipe.expert_name(0, role)].nbytes // dims.num_experts,
+                                     dtype=torch.uint8) for role in SOURCE_ROLES}
         for layer in range(dims.num_layers):
             layer_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(layer))
             todo = [p for p in plan.ranks if not journal.is_done(experts_file(p.spec.rank, layer))]
@@ -419,17 +452,23 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
                 try:
                     # Chunks never straddle an EP boundary, so each chunk feeds whole ranks.
                     for e_lo, e_hi in sorted({p.expert_range for p in todo}):
-                        for c_lo, c_hi in _chunks(e_lo, e_hi, per_expert_source, plan.chunk_bytes):
-                            weights = ckpt.read_experts_range(layer, c_lo, c_hi)
+                        for c_lo, c_hi in _chunks(e_lo, e_hi, step):
+                            weights = ckpt.read_experts_range(layer, c_lo, c_hi, buffers)
                             source_read += weights.nbytes()
                             for p in todo:
                                 if p.expert_range != (e_lo, e_hi):
                                     continue
                                 built = plan.layout.build(weights, p)
-                                outs[p.spec.rank].write_chunk(c_lo - e_lo, built)
+                                # The writer thread copies into the page cache (and blocks on a
+                                # slow disk) while this thread shuffles the next chunk.
+                                while len(in_flight) >= 2:
+                                    in_flight.pop(0).result()
+                                in_flight.append(writer.submit(outs[p.spec.rank].write_chunk, c_lo - e_lo, built))
                                 del built
                             del weights
                             progress("source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source)
+                    while in_flight:
+                        in_flight.pop(0).result()
                     for p in todo:
                         f = outs[p.spec.rank]
                         pending.append((hasher.submit(f.commit_and_hash), f.rel, f.size))
@@ -438,6 +477,10 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
                         rank_done[p.spec.rank] += f.size
                         progress(f"rank {p.spec.rank}", rank_done[p.spec.rank], rank_total[p.spec.rank])
                 except BaseException:
+                    for fut in in_flight:
+                        fut.cancel()
+                    wait(in_flight)
+                    in_flight.clear()
                     for f in outs.values():
                         if not any(rel == f.rel for _, rel, _ in pending):
                             f.abort()
@@ -450,6 +493,7 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
         raise OutputError(f"writing {root} failed: {err}",
                           hint="free disk space or fix permissions, then rerun: finished files are kept") from err
     finally:
+        writer.shutdown(wait=True)
         hasher.shutdown(wait=True)
 
     manifest = _finish(plan, files, {name: fut.result() for name, fut in source_hashes.items()})
@@ -540,8 +584,15 @@ def _fetch_record_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
     record = _fetch_record(ckpt)
     if not record:
         return {}
-    return {f["path"]: {"sha256": f.get("sha256"), "bytes": f.get("size")} for f in record.get("files", [])
-            if isinstance(f, dict) and "path" in f}
+    known = {}
+    for f in record.get("files", []):
+        if not isinstance(f, dict) or "path" not in f:
+            continue
+        path = ckpt.root / f["path"]
+        # A file changed since the fetch (other size) is hashed again rather than trusted.
+        if path.is_file() and path.stat().st_size == f.get("size"):
+            known[f["path"]] = {"sha256": f.get("sha256"), "bytes": f.get("size")}
+    return known
 
 
 def _fetch_record(ckpt: Checkpoint) -> dict[str, Any] | None:

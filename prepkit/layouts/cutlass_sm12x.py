@@ -25,7 +25,7 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,7 +52,12 @@ SWIGLU = {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0}
 # --- shared by the two CUTLASS layouts -----------------------------------------------------------
 
 
-def plan_cutlass_rank(dims: ModelDims, spec: RankSpec, tensors_for: Any, facts: dict[str, Any]) -> RankPlan:
+def plan_cutlass_rank(
+    dims: ModelDims,
+    spec: RankSpec,
+    tensors_for: Callable[[int, int, int], dict[str, TensorSpec]],
+    facts: dict[str, Any],
+) -> RankPlan:
     """Ranges and padded sizes of one rank under TensorRT-LLM's CUTLASS MXFP4 split.
 
     ``tensors_for(E_local, Ip, H2)`` returns the layout's tensor specs.

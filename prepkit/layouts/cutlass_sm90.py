@@ -25,7 +25,6 @@ from collections.abc import Mapping
 
 import torch
 
-from prepkit.errors import LayoutError
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec, TensorSpec
 from prepkit.layouts.cutlass_sm12x import (
     NAMES,
@@ -207,10 +206,9 @@ class CutlassSm90Layout:
             "engine_fc2_bias": "full, added on tp_rank 0 only (pass tp_size/tp_rank to the MoE call)",
             "bias_dtype": "bfloat16 (the activation dtype)",
         }
-        plan = plan_cutlass_rank(dims, spec, _tensor_specs, facts)
-        if plan.padded_hidden % 128 or plan.padded_intermediate % 128:
-            raise LayoutError("the SM90 scale fold needs K % 128 == 0")  # guaranteed by the padding
-        return plan
+        # Ip and H2 are multiples of 128, which the interleave (n % 16, K % 64) and the fold
+        # (rows % 64, K % 128) need.
+        return plan_cutlass_rank(dims, spec, _tensor_specs, facts)
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)

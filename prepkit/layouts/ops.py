@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -31,8 +32,13 @@ def pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         return t
     if any(s < d for s, d in zip(shape, t.shape)):
         raise ValueError(f"pad_to cannot shrink {list(t.shape)} to {list(shape)}")
-    out = torch.zeros(tuple(shape), dtype=t.dtype, device=t.device)
+    # Zero only what lies outside ``t``: a full zero fill first would touch every byte twice.
+    out = torch.empty(tuple(shape), dtype=t.dtype, device=t.device)
     out[tuple(slice(0, d) for d in t.shape)] = t
+    for dim, (have, want) in enumerate(zip(t.shape, shape)):
+        if want > have:
+            index = [slice(0, d) for d in t.shape[:dim]] + [slice(have, want)]
+            out[tuple(index)] = 0
     return out
 
 
@@ -70,6 +76,7 @@ def shuffle_block_size(epilogue_tile_m: int) -> int:
     return 32 if epilogue_tile_m % 128 == 0 else 16
 
 
+@lru_cache(maxsize=64)  # pure in (m, tile); the result is never written to
 def shuffle_row_indices(m: int, epilogue_tile_m: int = 128) -> torch.Tensor:
     """The trtllm-gen "shuffle matrix A" row gather for ``m`` rows.
 
@@ -85,6 +92,7 @@ def shuffle_row_indices(m: int, epilogue_tile_m: int = 128) -> torch.Tensor:
     return (j - t) + (t % 8) * (blk // 8) + t // 8
 
 
+@lru_cache(maxsize=64)  # pure in (m, tile); the result is never written to
 def gated_reorder_indices(m: int) -> torch.Tensor:
     """Interleave the two halves of ``m`` rows: output ``[r0, r_{m/2}, r1, r_{m/2+1}, ...]``."""
     if m % 2:
@@ -93,6 +101,7 @@ def gated_reorder_indices(m: int) -> torch.Tensor:
     return torch.where(j % 2 == 0, j // 2, m // 2 + (j - 1) // 2)
 
 
+@lru_cache(maxsize=64)  # pure in (m, tile); the result is never written to
 def w13_row_indices(m: int, epilogue_tile_m: int = 128) -> torch.Tensor:
     """Gated reorder first, then the row shuffle: ``out = in[gated][shuffle]``."""
     return gated_reorder_indices(m)[shuffle_row_indices(m, epilogue_tile_m)]

@@ -4,10 +4,12 @@ Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v1"``) th
 ``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
 
 Design, per expert and rank:
-  * weights stay in the checkpoint's row form (output row major, K contiguous, gate/up rows
+  * weights keep the checkpoint's row form (output row major, K contiguous, gate/up rows
     interleaved), so any BLOCK_N x BLOCK_K tile is a strided 2-D load and every tile size the
     tuner tries reads the same bytes; a BLOCK_N tile of w13 holds whole (gate, up) pairs, which
     is what lets the SwiGLU run in the GEMM1 epilogue;
+  * inside each 32-element group the nibbles are reordered (:func:`shuffle_nibbles`: byte j
+    holds elements j and j+16), so the upcast is elementwise;
   * E8M0 scales are transposed to ``[K/32, N]`` so a tile's scales are BLOCK_N contiguous bytes
     per K group instead of a few bytes from each of BLOCK_N rows;
   * biases are float32 (exact for bf16 sources), the epilogue adds them without a convert;
@@ -35,7 +37,7 @@ from prepkit.layouts.base import (
     TensorSpec,
     expert_range,
 )
-from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
+from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, pack_nibbles, unpack_nibbles
 
 LAYOUT_ID = "triton_moe_v1"
 SHARDING_RULE = "balanced-32-groups"
@@ -67,6 +69,24 @@ def intermediate_split(intermediate: int, tp_size: int, tp_rank: int) -> tuple[i
     lo = tp_rank * groups // tp_size * BLOCK_ELEMS
     hi = (tp_rank + 1) * groups // tp_size * BLOCK_ELEMS
     return lo, hi, ops.ceil_div(groups, tp_size) * BLOCK_ELEMS
+
+
+def shuffle_nibbles(blocks: torch.Tensor) -> torch.Tensor:
+    """Checkpoint nibble order -> triton_moe_v1 order, per 32-element group (``[..., G, 16]``).
+
+    Checkpoint byte j holds elements 2j (low nibble) and 2j+1 (high); here byte j holds element
+    j (low) and element j+16 (high). The kernel then upcasts low and high nibbles into two
+    separate tiles with elementwise bit operations only, each paired with a contiguous half of
+    the group's activations, instead of interleaving values across registers.
+    """
+    codes = unpack_nibbles(blocks)  # [..., G, 32] in element order
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def unshuffle_nibbles(blocks: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`shuffle_nibbles`."""
+    codes = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1)
+    return pack_nibbles(codes)
 
 
 class TritonMoeLayout:
@@ -121,11 +141,13 @@ class TritonMoeLayout:
         H, Ip, El = plan.dims.hidden, plan.padded_intermediate, weights.num_experts
         w13_scales = ops.pad_to(piece.gate_up_proj_scales, (El, 2 * Ip, H // 32))
         w2_scales = ops.pad_to(piece.down_proj_scales, (El, H, Ip // 32))
+        w13_blocks = shuffle_nibbles(piece.gate_up_proj_blocks).flatten(-2)
+        w2_blocks = shuffle_nibbles(piece.down_proj_blocks).flatten(-2)
         return {
-            "w13_blocks": ops.pad_to(piece.gate_up_proj_blocks.flatten(-2), (El, 2 * Ip, H // 2)),
+            "w13_blocks": ops.pad_to(w13_blocks, (El, 2 * Ip, H // 2)),
             "w13_scales": w13_scales.transpose(1, 2).contiguous(),
             "w13_bias": ops.pad_to(piece.gate_up_proj_bias.float(), (El, 2 * Ip)),
-            "w2_blocks": ops.pad_to(piece.down_proj_blocks.flatten(-2), (El, H, Ip // 2)),
+            "w2_blocks": ops.pad_to(w2_blocks, (El, H, Ip // 2)),
             "w2_scales": w2_scales.transpose(1, 2).contiguous(),
             "w2_bias": piece.down_proj_bias.float().contiguous(),
         }
@@ -150,10 +172,10 @@ class TritonMoeLayout:
         down = _unpad_checked(tensors["w2_blocks"], (El, H, V // 2), "w2_blocks")
         down_sf = _unpad_checked(tensors["w2_scales"].transpose(1, 2), (El, H, V // 32), "w2_scales")
         return ExpertWeights(
-            gate_up_proj_blocks=gate_up.unflatten(-1, (-1, BLOCK_BYTES)),
+            gate_up_proj_blocks=unshuffle_nibbles(gate_up.unflatten(-1, (-1, BLOCK_BYTES))),
             gate_up_proj_scales=gate_up_sf,
             gate_up_proj_bias=gate_up_bias,
-            down_proj_blocks=down.unflatten(-1, (-1, BLOCK_BYTES)),
+            down_proj_blocks=unshuffle_nibbles(down.unflatten(-1, (-1, BLOCK_BYTES))),
             down_proj_scales=down_sf,
             down_proj_bias=_bf16_exact(tensors["w2_bias"], "w2_bias"),
         )

@@ -252,9 +252,12 @@ def _up_gate_padded(interleaved: torch.Tensor, half_rows: int, cols: int) -> tor
     zero-padded at its own end (per-half padding keeps the gate/up boundary at ``half_rows``)."""
     gate, up = ops.deinterleave_rows(interleaved, dim=1)
     E, V, C = gate.shape
-    out = torch.zeros((E, 2 * half_rows, cols), dtype=interleaved.dtype, device=interleaved.device)
-    out[:, :V, :C] = up
-    out[:, half_rows : half_rows + V, :C] = gate
+    # Zero only the padding: every other byte is written once (this runs on the whole model).
+    out = torch.empty((E, 2 * half_rows, cols), dtype=interleaved.dtype, device=interleaved.device)
+    for start, half in ((0, up), (half_rows, gate)):
+        out[:, start : start + V, :C] = half
+        out[:, start : start + V, C:] = 0
+        out[:, start + V : start + half_rows] = 0
     return out
 
 
