@@ -268,7 +268,7 @@ def plan_fetch(
             raise FetchError(
                 f"{source.repo_id} at {commit[:12]} has no {', '.join(missing)}: it is not a "
                 "transformers-format gpt-oss checkpoint",
-                hint=f"check --revision (the recipe pins {source.revision})",
+                hint="check --model and --revision",
             )
     state = _State.load(dest)
     files = tuple(_local_status(dest, f, state) for f in selected)
@@ -685,8 +685,11 @@ def fetch(
             )
         state = _State.load(dest)
         if state is None or state.commit != plan.commit or state.repo_id != plan.source.repo_id:
+            # A new commit: keep the hashes of files still planned; the plan compared them already.
+            planned = {f.path for f in plan.files}
+            kept = {p: v for p, v in state.verified.items() if p in planned} if state else {}
             state = _State(dest, plan.source.repo_id, plan.source.revision, plan.commit,
-                           plan.include_original, [f.remote for f in plan.files])
+                           plan.include_original, [f.remote for f in plan.files], kept)
         else:
             state.revision = plan.source.revision
             known = {f.path for f in state.files}
@@ -697,6 +700,8 @@ def fetch(
         if any(f.status != "verified" for f in plan.files):
             # The folder is about to change: until every file is verified again it must not look complete.
             (dest / RECORD_NAME).unlink(missing_ok=True)
+        if plan.offline:
+            _refuse_incomplete_offline(plan)
         progress = _Progress(on_progress, plan)
         worker = _Worker(plan, state, progress, token=token)
         results = _run_parallel([f for f in plan.files if f.status != "verified"], worker.run, max_workers)
@@ -705,6 +710,13 @@ def fetch(
         others = [err for err in errors if not isinstance(err, _HashMismatch)]
         if others:
             raise others[0]
+        if mismatched and plan.offline:
+            names = ", ".join(sorted(err.path for err in mismatched))
+            raise FetchError(
+                f"--offline: {len(mismatched)} file(s) in {dest} do not match the hub's hashes and were "
+                f"deleted: {names}",
+                hint="run the same command without --offline to fetch them again",
+            )
         if mismatched:
             names = ", ".join(sorted(err.path for err in mismatched))
             raise FetchError(
@@ -723,6 +735,17 @@ def fetch(
         orphans_removed=removed,
         record=record,
     )
+
+
+def _refuse_incomplete_offline(plan: FetchPlan) -> None:
+    absent = [f.path for f in plan.files if f.status in ("missing", "wrong-size")]
+    if absent:
+        listed = ", ".join(absent[:10]) + (f" and {len(absent) - 10} more" if len(absent) > 10 else "")
+        raise FetchError(
+            f"--offline: the snapshot in {plan.dest} is incomplete: {len(absent)} file(s) missing or of "
+            f"the wrong size: {listed}",
+            hint="run the same command without --offline to complete it",
+        )
 
 
 def _remove_orphans(dest: Path) -> int:
@@ -758,11 +781,7 @@ class _Worker:
         elif planned.status == "wrong-size":
             target.unlink(missing_ok=True)
         if self.plan.offline:
-            state = "missing" if planned.status == "missing" else "not the planned file"
-            raise FetchError(
-                f"--offline: {remote.path} is {state}, so the snapshot in {self.plan.dest} is incomplete",
-                hint="run the same command without --offline to complete it",
-            )
+            raise _HashMismatch(remote.path, remote.sha256 or remote.git_blob or "?", "a different hash")
         for attempt in (1, 2):
             self._download(remote, force=attempt > 1)
             if self._verify(remote, target):
@@ -1005,15 +1024,15 @@ def _hub_errors(
         raise FetchError(
             f"repository {repo} not found at {endpoint}", hint=f"check --model; {token_hint}"
         ) from err
-    except hf.EntryNotFoundError as err:
+    except hf.LocalEntryNotFoundError as err:  # before RemoteEntryNotFoundError's base: it shares it
+        raise FetchError(f"cannot reach {endpoint} for {what}", hint=_network_hint()) from err
+    except hf.RemoteEntryNotFoundError as err:
         if stage == "listing":
             # The tree of an unknown commit: the hub says RevisionNotFound, olah says EntryNotFound.
             raise FetchError(
                 f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
             ) from err
         raise FetchError(f"{what} is missing at {source.revision}", hint="check --revision") from err
-    except hf.LocalEntryNotFoundError as err:
-        raise FetchError(f"cannot reach {endpoint} for {what}", hint=_network_hint()) from err
     except hf.HfHubHTTPError as err:
         status = err.response.status_code if err.response is not None else None
         if status in (401, 403):

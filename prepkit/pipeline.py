@@ -90,7 +90,7 @@ class PreparePlan:
             "out": str(self.out_dir),
             "layout": self.layout.name,
             "layout_id": self.layout.layout_id,
-            "options": {"trtllm_version": self.options.trtllm_version},
+            "options": _used_options(self),
             "tp_size": self.tp_size,
             "ep_size": self.ep_size,
             "num_layers": self.checkpoint.dims.num_layers,
@@ -116,6 +116,10 @@ class PreparePlan:
             "free_bytes": self.free_bytes,
             "warnings": self.warnings,
         }
+
+
+def _used_options(plan: PreparePlan) -> dict[str, Any]:
+    return {name: getattr(plan.options, name) for name in getattr(plan.layout, "uses_options", ())}
 
 
 def plan_prepare(
@@ -552,7 +556,7 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
             "name": plan.layout.name,
             "id": plan.layout.layout_id,
             "w13_row_order": plan.layout.w13_row_order,
-            "options": {"trtllm_version": plan.options.trtllm_version},
+            "options": _used_options(plan),
         },
         "model": {
             "recipe": plan.recipe.name,

@@ -27,8 +27,13 @@ _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def find_olah_cli() -> str | None:
-    """``$PREPKIT_OLAH_CLI``, then the repo's ``.venv-olah`` (olah pins its own server stack), then PATH."""
-    candidates = [os.environ.get("PREPKIT_OLAH_CLI"), str(_REPO_ROOT / ".venv-olah" / "bin" / "olah-cli")]
+    """``$PREPKIT_OLAH_CLI``, then next to this interpreter (a venv run without activating it), then a
+    separate ``.venv-olah`` in the repo (where olah's pins clash with the test env), then PATH."""
+    candidates = [
+        os.environ.get("PREPKIT_OLAH_CLI"),
+        str(Path(sys.executable).parent / "olah-cli"),
+        str(_REPO_ROOT / ".venv-olah" / "bin" / "olah-cli"),
+    ]
     for candidate in candidates:
         if candidate and os.access(candidate, os.X_OK):
             return candidate
@@ -89,6 +94,16 @@ def build_mirror_repo(src: Path, mirrors: Path, repo_id: str, *, branch: str = "
     _git(repo, "add", "-A")
     _git(repo, "commit", "-q", "-m", "synthetic gpt-oss checkpoint")
     return MirrorRepo(repo_id=repo_id, commit=_git(repo, "rev-parse", "HEAD"), path=repo)
+
+
+def commit_file(repo: MirrorRepo, path: str, data: bytes, message: str = "update") -> MirrorRepo:
+    """Commit one more (non-LFS) file version on top of ``repo``; returns the repo at the new commit."""
+    target = repo.path / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(data)
+    _git(repo.path, "add", path)
+    _git(repo.path, "commit", "-q", "-m", message)
+    return MirrorRepo(repo_id=repo.repo_id, commit=_git(repo.path, "rev-parse", "HEAD"), path=repo.path)
 
 
 def free_port() -> int:

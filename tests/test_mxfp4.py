@@ -7,6 +7,7 @@ import torch
 
 from prepkit import mxfp4
 
+
 # E2M1 magnitudes derived from the format itself (sign, 2 exponent bits, 1 mantissa bit, bias 1),
 # not copied from the module under test.
 def _e2m1(code: int) -> float:

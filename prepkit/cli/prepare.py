@@ -96,7 +96,7 @@ def prepare(model: str, layout_name: str, tp_size: int, ep_size: int, ranks: tup
         click.echo(str(result.out_dir / "manifest.json"))
 
 
-def _show_plan(plan: "pipeline.PreparePlan") -> None:  # type: ignore[name-defined]  # noqa: F821
+def _show_plan(plan: pipeline.PreparePlan) -> None:  # type: ignore[name-defined]  # noqa: F821
     from rich.table import Table
 
     s = plan.summary()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from prepkit.errors import LayoutError
-from prepkit.layouts import triton_moe, trtllm_gen
+from prepkit.layouts import cutlass_sm12x, cutlass_sm90, triton_moe, trtllm_gen
 from prepkit.layouts.base import (
     ExpertWeights,
     Layout,
@@ -14,7 +14,8 @@ from prepkit.layouts.base import (
     TensorSpec,
 )
 
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (trtllm_gen.LAYOUT, triton_moe.LAYOUT)}
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (trtllm_gen.LAYOUT, triton_moe.LAYOUT, cutlass_sm12x.LAYOUT, cutlass_sm90.LAYOUT)
+}
 
 
 def get_layout(name: str) -> Layout:

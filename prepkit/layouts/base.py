@@ -211,6 +211,8 @@ class Layout(Protocol):
     layout_id: str  # stored in manifests and tactics.db, e.g. "trtllm_gen_v1"; bump on any byte change
     w13_row_order: str  # "interleaved" | "gate_up" | "up_gate"
     summary: str
+    # LayoutOptions fields this layout reads (recorded in manifests); others are ignored.
+    uses_options: tuple[str, ...]
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         """Shapes, ranges and facts of one rank; raises ``LayoutError`` for splits that do not fit."""

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from functools import lru_cache
+
 import torch
 
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec, TensorSpec
@@ -83,14 +85,30 @@ _FORWARD = _shift_groups(_DEST)
 _BACKWARD = _shift_groups([_DEST.index(q) for q in range(32)])
 
 
-def _move_bits(words: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
-    """Apply a bit permutation to ``[..., 4]`` uint8 little-endian words, all at once. Works on
-    int32: a right shift masks after shifting, so sign extension never leaks in."""
-    x = words.contiguous().view(torch.int32)
+def _move_bits_by_shifts(x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Apply a bit permutation to int32 words with one mask-and-shift per shift distance. A right
+    shift masks after shifting, so sign extension never leaks in."""
     out = torch.zeros_like(x)
     for mask, shift in groups:
         out |= (x & mask) << shift if shift >= 0 else (x >> -shift) & (mask >> -shift)
-    return out.view(torch.uint8)
+    return out
+
+
+@lru_cache(maxsize=2)
+def _byte_tables(groups: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """``[4, 256]`` int32: where the bits of byte ``b`` of a word land. A bit permutation is
+    linear under OR, so a word maps to the OR of its four bytes' entries."""
+    values = torch.arange(256, dtype=torch.int32)
+    return torch.stack([_move_bits_by_shifts(values << (8 * b), list(groups)) for b in range(4)])
+
+
+def _move_bits(words: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+    """Apply a bit permutation to ``[..., 4]`` uint8 little-endian words, all at once: four
+    table lookups per word instead of a pass per shift distance."""
+    tables = _byte_tables(tuple(groups)).to(words.device)
+    b = words.contiguous().long()
+    out = tables[0][b[..., 0]] | tables[1][b[..., 1]] | tables[2][b[..., 2]] | tables[3][b[..., 3]]
+    return out.unsqueeze(-1).view(torch.uint8)
 
 
 def _check_interleave_shape(w: torch.Tensor) -> tuple[int, int]:
@@ -112,11 +130,11 @@ def interleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
     src = w.reshape(*lead, n // 16, 2, 8, kb // 32, 4, 2, 4)
     # word bytes (ra, c), (rb, c), (ra, c+4), (rb, c+4): order (h, s) last -> [..., g, r8, p, mma, j, 4]
     words = src.permute(*range(d), d, d + 2, d + 3, d + 4, d + 6, d + 5, d + 1).flatten(-2)
-    out = _move_bits(words, _FORWARD)
+    out = _move_bits(words, _FORWARD).view(torch.int32).squeeze(-1)  # whole words from here on
     # mma = 2q + s': the word goes to row 16g + 8s' + r8, bytes 32p + 16q + 4j + b
-    out = out.reshape(*lead, n // 16, 8, kb // 32, 2, 2, 4, 4)  # g, r8, p, q, s', j, b
-    out = out.permute(*range(d), d, d + 4, d + 1, d + 2, d + 3, d + 5, d + 6)
-    return out.reshape(*lead, n, kb)
+    out = out.reshape(*lead, n // 16, 8, kb // 32, 2, 2, 4)  # g, r8, p, q, s', j
+    out = out.permute(*range(d), d, d + 4, d + 1, d + 2, d + 3, d + 5).contiguous()
+    return out.view(torch.uint8).reshape(*lead, n, kb)
 
 
 def deinterleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
@@ -124,9 +142,9 @@ def deinterleave_weights_sm90(w: torch.Tensor) -> torch.Tensor:
     n, kb = _check_interleave_shape(w)
     lead = w.shape[:-2]
     d = len(lead)
-    t = w.reshape(*lead, n // 16, 2, 8, kb // 32, 2, 4, 4)  # g, s', r8, p, q, j, b
-    t = t.permute(*range(d), d, d + 2, d + 3, d + 4, d + 1, d + 5, d + 6)  # g, r8, p, q, s', j, b
-    t = t.reshape(*lead, n // 16, 8, kb // 32, 4, 4, 4)  # g, r8, p, mma, j, b
+    t = w.contiguous().view(torch.int32).reshape(*lead, n // 16, 2, 8, kb // 32, 2, 4)  # g, s', r8, p, q, j
+    t = t.permute(*range(d), d, d + 2, d + 3, d + 4, d + 1, d + 5).contiguous()  # g, r8, p, q, s', j
+    t = t.view(torch.uint8).reshape(*lead, n // 16, 8, kb // 32, 4, 4, 4)  # g, r8, p, mma, j, b
     raw = _move_bits(t, _BACKWARD).unflatten(-1, (2, 2))  # g, r8, p, mma, j, h, s
     raw = raw.permute(*range(d), d, d + 6, d + 1, d + 2, d + 3, d + 5, d + 4)  # g, s, r8, p, mma, h, j
     return raw.reshape(*lead, n, kb)
@@ -140,9 +158,7 @@ def _check_fold_shape(s: torch.Tensor) -> tuple[int, int]:
         raise ValueError(f"SM90 scale fold takes [..., rows, K/32] uint8, got {list(s.shape)} {s.dtype}")
     rows, groups = s.shape[-2], s.shape[-1]
     if rows % 64 or groups % 4:
-        raise ValueError(
-            f"SM90 scale fold needs rows % 64 == 0 and K % 128 == 0, got rows={rows}, K/32={groups}"
-        )
+        raise ValueError(f"SM90 scale fold needs rows % 64 == 0 and K % 128 == 0, got rows={rows}, K/32={groups}")
     return rows, groups
 
 
@@ -176,6 +192,7 @@ class CutlassSm90Layout:
     layout_id = "cutlass_sm90_v1"
     w13_row_order = "up_gate"
     summary = f"FlashInfer {FLASHINFER_VERSION} SM90 W4A16 CUTLASS MoE: interleaved nibbles, folded scales"
+    uses_options: tuple[str, ...] = ()
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         facts = {

@@ -94,6 +94,7 @@ class TritonMoeLayout:
     layout_id = LAYOUT_ID
     w13_row_order = "interleaved"
     summary = "prepkit's Triton MXFP4 MoE kernel (any CUDA arch): checkpoint rows, [K/32, N] scales"
+    uses_options: tuple[str, ...] = ()
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         E_lo, E_hi = expert_range(dims.num_experts, spec)

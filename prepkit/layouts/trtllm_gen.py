@@ -105,6 +105,7 @@ class TrtllmGenLayout:
     layout_id = "trtllm_gen_v1"
     w13_row_order = "up_gate"
     summary = "TensorRT-LLM trtllm-gen MXFP4 MoE (SM100 family): shuffled rows, 128x4 scales"
+    uses_options = ("trtllm_version",)
 
     # --- planning -------------------------------------------------------------------------
 

@@ -5,8 +5,7 @@ import torch
 
 from prepkit import mxfp4
 from prepkit.errors import LayoutError
-from prepkit.layouts import LayoutOptions, ModelDims, RankSpec, get_layout
-from prepkit.layouts import ops
+from prepkit.layouts import LayoutOptions, ModelDims, RankSpec, get_layout, ops
 from prepkit.layouts.base import ExpertWeights
 from tests.conftest import random_experts
 

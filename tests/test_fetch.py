@@ -1,0 +1,323 @@
+"""``prepkit fetch`` paths a real server cannot produce (gated repo, hub-style RevisionNotFound, 5xx,
+a transfer breaking off, disk full), plus the pure parts (sources, folders, the record).
+
+The fake hub here is two monkeypatches: the tree listing comes from a local folder, and
+``hf_hub_download`` copies from it. Everything else runs for real.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import huggingface_hub
+import pytest
+from click.testing import CliRunner, Result
+from huggingface_hub import errors as hf_errors
+
+from prepkit import fetch as fetching
+from prepkit.errors import FetchError, RecipeError
+
+COMMIT = "c0ffee" + "0" * 34
+DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
+    from prepkit.cli import cli
+
+    return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
+
+
+def _response(status: int) -> httpx2.Response:
+    return httpx2.Response(status, request=httpx2.Request("GET", f"{DEAD_ENDPOINT}/api/models/x"))
+
+
+@pytest.fixture()
+def src(tmp_path: Path) -> Path:
+    """A tiny repo: config, an index naming two shards, the two shards, and a tokenizer."""
+    root = tmp_path / "hub"
+    root.mkdir()
+    (root / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    shards = ["model-00000-of-00001.safetensors", "model-00001-of-00001.safetensors"]
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 2}, "weight_map": {"a": shards[0], "b": shards[1]}})
+    )
+    for i, name in enumerate(shards):
+        (root / name).write_bytes(bytes([i + 1]) * (1000 + i))
+    (root / "tokenizer.json").write_text("{}")
+    return root
+
+
+def _remote(src: Path) -> list[fetching.RemoteFile]:
+    files = []
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        name = path.relative_to(src).as_posix()
+        if name.endswith(".safetensors"):
+            files.append(fetching.RemoteFile(name, len(data), hashlib.sha256(data).hexdigest(), None))
+        else:
+            blob = hashlib.sha1(f"blob {len(data)}\0".encode() + data).hexdigest()
+            files.append(fetching.RemoteFile(name, len(data), None, blob))
+    return files
+
+
+Downloader = Callable[..., str]
+
+
+@dataclass
+class FakeHub:
+    """The listing comes from ``src``; downloads go through ``download`` (default: ``copy``)."""
+
+    src: Path
+    calls: list[str] = field(default_factory=list)
+    download: Downloader | None = None
+
+    def copy(self, repo_id: str, filename: str, *, local_dir: Path, tqdm_class: Any = None, **_: Any) -> str:
+        data = (self.src / filename).read_bytes()
+        bar = tqdm_class(total=len(data), initial=0) if tqdm_class else None
+        target = Path(local_dir) / filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        if bar:  # in two steps, like a streamed body
+            bar.update(len(data) // 2)
+            bar.update(len(data) - len(data) // 2)
+        return str(target)
+
+    def __call__(self, repo_id: str, filename: str, **kwargs: Any) -> str:
+        self.calls.append(filename)
+        return (self.download or self.copy)(repo_id, filename, **kwargs)
+
+
+@pytest.fixture()
+def fake_hub(src: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
+    hub = FakeHub(src)
+
+    def listing(source: fetching.Source, **_: Any) -> tuple[str, list[fetching.RemoteFile]]:
+        return COMMIT, _remote(src)
+
+    monkeypatch.setattr(fetching, "_plan_online", listing)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub)
+    return hub
+
+
+def _plan(dest: Path, repo: str = "someorg/model") -> fetching.FetchPlan:
+    return fetching.plan_fetch(fetching.Source(repo, COMMIT), dest, endpoint=DEAD_ENDPOINT)
+
+
+# ------------------------------------------------------------------------ sources and folders
+
+
+def test_recipe_names_pin_the_recipe_revision() -> None:
+    for name in ("gpt-oss-120b", "openai/gpt-oss-120b"):
+        source = fetching.resolve_source(name)
+        assert source.repo_id == "openai/gpt-oss-120b"
+        assert source.revision == "b5c939de8f754692c1647ca79fbf85e8c1e70f8a"
+        assert source.recipe == "gpt-oss-120b"
+    assert fetching.resolve_source("gpt-oss-20b").revision == "6cee5e81ee83917806bbde320786a8fb61efebee"
+    assert fetching.resolve_source("gpt-oss-20b", revision="main").revision == "main"
+
+
+def test_other_repos_default_to_main_and_bad_names_are_refused() -> None:
+    source = fetching.resolve_source("someorg/some-model")
+    assert (source.repo_id, source.revision, source.recipe) == ("someorg/some-model", "main", None)
+    for bad in ("not-a-model", "a/b/c", "/x", "missing.json"):
+        with pytest.raises(RecipeError):
+            fetching.resolve_source(bad)
+
+
+def test_default_patterns_skip_original_and_metal() -> None:
+    paths = ["config.json", "model-00000-of-00001.safetensors", "original/model--00001-of-00007.safetensors",
+             "original/config.json", "metal/model.bin", "README.md", "chat_template.jinja"]
+    remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
+    source = fetching.resolve_source("gpt-oss-120b")
+    pick = lambda original: sorted(f.path for f in fetching._select(remote, *source.patterns(original)))  # noqa: E731
+    assert pick(False) == ["chat_template.jinja", "config.json", "model-00000-of-00001.safetensors"]
+    assert pick(True) == pick(False) + ["original/config.json", "original/model--00001-of-00007.safetensors"]
+    assert not any(p.startswith("metal/") for p in pick(True))
+
+
+def test_default_model_dir_follows_prepkit_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from prepkit.recipes import load_recipe
+
+    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path))
+    recipe = load_recipe("gpt-oss-120b")
+    assert fetching.default_model_dir(recipe) == (
+        tmp_path / "models" / "openai--gpt-oss-120b" / "b5c939de8f754692c1647ca79fbf85e8c1e70f8a"
+    )
+    assert fetching.model_dir_for("a/b", "refs/pr/1") == tmp_path / "models" / "a--b" / "refs--pr--1"
+
+
+def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
+    assert fetching.read_fetch_record(tmp_path) is None
+    (tmp_path / fetching.RECORD_NAME).write_text("{not json")
+    with pytest.raises(FetchError, match="unreadable"):
+        fetching.read_fetch_record(tmp_path)
+    (tmp_path / fetching.RECORD_NAME).write_text(json.dumps({"format": "something-else/9"}))
+    with pytest.raises(FetchError, match="not a prepkit fetch record"):
+        fetching.read_fetch_record(tmp_path)
+
+
+# ------------------------------------------------------------------ download with the fake hub
+
+
+def test_fetch_verifies_records_and_reports_progress(fake_hub: FakeHub, src: Path, tmp_path: Path) -> None:
+    seen: dict[str, tuple[int, int]] = {}
+    result = fetching.fetch(_plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.update(
+        {label: (done, total)}))
+    sizes = {p.name: p.stat().st_size for p in src.iterdir()}
+    assert set(result.downloaded) == set(sizes)
+    assert seen[fetching.TOTAL_LABEL] == (sum(sizes.values()), sum(sizes.values()))
+    per_file = {k: v for k, v in seen.items() if k != fetching.TOTAL_LABEL}
+    assert per_file == {n: (s, s) for n, s in sizes.items()}
+    record = fetching.read_fetch_record(tmp_path / "m")
+    assert record is not None and record.commit == COMMIT
+    assert {e.path: e.sha256 for e in record.entries} == {
+        n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in sizes
+    }
+
+
+def test_a_small_file_is_checked_against_its_git_blob_id(fake_hub: FakeHub, tmp_path: Path) -> None:
+    def wrong_config(repo_id: str, filename: str, *, local_dir: Path, **kwargs: Any) -> str:
+        path = fake_hub.copy(repo_id, filename, local_dir=local_dir, **kwargs)
+        if filename == "config.json":  # same size, one byte off
+            Path(path).write_text(json.dumps({"model_type": "gpt_osx"}))
+        return path
+
+    fake_hub.download = wrong_config
+    with pytest.raises(FetchError, match=r"failed sha256 verification twice.*config\.json"):
+        fetching.fetch(_plan(tmp_path / "m"))
+    assert fake_hub.calls.count("config.json") == 2
+    assert not (tmp_path / "m" / "config.json").exists()
+
+
+def test_index_naming_a_shard_the_repo_lacks_is_refused(
+    fake_hub: FakeHub, src: Path, tmp_path: Path
+) -> None:
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    index["weight_map"]["c"] = "model-00002-of-00002.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FetchError, match="model-00002-of-00002.safetensors"):
+        fetching.fetch(_plan(tmp_path / "m"))
+    assert fetching.read_fetch_record(tmp_path / "m") is None
+
+
+def fetch_cli(dest: Path, *extra: str) -> Result:
+    return run_cli("fetch", "--model", "someorg/model", "--revision", COMMIT, "--dir", str(dest),
+                   "--endpoint", DEAD_ENDPOINT, *extra)
+
+
+def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    dest = tmp_path / "m"
+    shard = "model-00001-of-00001.safetensors"
+
+    def broken(repo_id: str, filename: str, *, local_dir: Path, **kwargs: Any) -> str:
+        if filename != shard:
+            return fake_hub.copy(repo_id, filename, local_dir=local_dir, **kwargs)
+        # huggingface_hub streams into a uniquely named partial file; a killed process leaves it.
+        partial = Path(local_dir) / ".cache/huggingface/download" / f"{shard}.0badc0de.incomplete"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(b"\1" * 500)
+        raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
+
+    fake_hub.download = broken
+    result = fetch_cli(dest, "--workers", "1")
+    assert result.exit_code == FetchError.exit_code
+    assert "broke off" in result.stderr and shard in result.stderr and "again" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (dest / shard).exists()
+    assert not (dest / fetching.RECORD_NAME).exists()
+
+    fake_hub.download = None
+    fake_hub.calls.clear()
+    result = fetch_cli(dest, "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["orphans_removed"] == 1
+    assert shard in summary["downloaded"]
+    assert set(fake_hub.calls) == set(summary["downloaded"])  # finished files were not fetched again
+    assert not list(dest.rglob("*.incomplete"))
+
+
+def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    shard = "model-00000-of-00001.safetensors"
+
+    def full(repo_id: str, filename: str, **kwargs: Any) -> str:
+        if filename == shard:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fake_hub.copy(repo_id, filename, **kwargs)
+
+    fake_hub.download = full
+    result = fetch_cli(dest, "--workers", "1")
+    assert result.exit_code == FetchError.exit_code
+    assert f"disk full while writing {shard}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (dest / shard).exists()
+    assert not (dest / fetching.RECORD_NAME).exists()
+
+
+def test_server_error_on_a_file(fake_hub: FakeHub, tmp_path: Path) -> None:
+    def unavailable(repo_id: str, filename: str, **kwargs: Any) -> str:
+        raise hf_errors.HfHubHTTPError("503 Service Unavailable", response=_response(503))
+
+    fake_hub.download = unavailable
+    result = fetch_cli(tmp_path / "m")
+    assert result.exit_code == FetchError.exit_code
+    assert "HTTP 503" in result.stderr and "again" in result.stderr
+    assert len(fake_hub.calls) == 1  # the first failure stops the rest from starting (1 worker busy)
+
+
+def test_a_second_fetch_into_the_same_folder_is_refused(fake_hub: FakeHub, tmp_path: Path) -> None:
+    import fcntl
+
+    dest = tmp_path / "m"
+    lock = dest / fetching.LOCK_PATH
+    lock.parent.mkdir(parents=True)
+    with lock.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(FetchError, match="another prepkit fetch is running"):
+            fetching.fetch(_plan(dest))
+    assert fake_hub.calls == []
+
+
+# ------------------------------------------------------------------------- listing errors
+
+
+def _hub_api_raising(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    def raise_it(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    for name in ("repo_info", "list_repo_tree", "list_repo_refs"):
+        monkeypatch.setattr(huggingface_hub.HfApi, name, raise_it)
+
+
+@pytest.mark.parametrize(
+    ("error", "message", "hint"),
+    [
+        (hf_errors.GatedRepoError("gated", response=_response(403)), "is gated", "HF_TOKEN"),
+        (hf_errors.RevisionNotFoundError("nope", response=_response(404)), "revision 'main' not found",
+         "--revision"),
+        (hf_errors.RepositoryNotFoundError("nope", response=_response(401)), "not found at", "HF_TOKEN"),
+        (hf_errors.HfHubHTTPError("boom", response=_response(500)), "HTTP 500", "again"),
+        (httpx2.ConnectError("connection refused"), "cannot reach", "--offline"),
+    ],
+)
+def test_listing_errors_are_one_clear_message(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: Exception, message: str, hint: str
+) -> None:
+    _hub_api_raising(monkeypatch, error)
+    dest = tmp_path / "m"
+    result = run_cli("fetch", "--model", "someorg/model", "--dir", str(dest), "--endpoint", DEAD_ENDPOINT)
+    assert result.exit_code == FetchError.exit_code
+    assert message in result.stderr
+    assert hint in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not dest.exists()
