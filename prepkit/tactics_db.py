@@ -15,6 +15,7 @@ import os
 import shutil
 import sqlite3
 import tempfile
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -189,9 +190,7 @@ class _TableMigrations:
 
     def apply(self, db: Database) -> None:
         if not db[MIGRATIONS_TABLE].exists():
-            db[MIGRATIONS_TABLE].create(
-                {"id": int, "migration_set": str, "name": str, "applied_at": str}, pk="id"
-            )
+            db[MIGRATIONS_TABLE].create({"id": int, "migration_set": str, "name": str, "applied_at": str}, pk="id")
         for name, fn in self.pending(db):
             fn(db)
             db[MIGRATIONS_TABLE].insert({"migration_set": self.name, "name": name, "applied_at": _now()})
@@ -204,15 +203,10 @@ KNOWN_MIGRATIONS = frozenset(name for name, _ in _STEPS)
 
 
 def _applied_names(conn: sqlite3.Connection) -> list[str]:
-    exists = conn.execute(
-        "SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (MIGRATIONS_TABLE,)
-    ).fetchone()
+    exists = conn.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name=?", (MIGRATIONS_TABLE,)).fetchone()
     if not exists:
         return []
-    return [
-        r[0]
-        for r in conn.execute(f"SELECT name FROM {MIGRATIONS_TABLE} WHERE migration_set=?", (MIGRATION_SET,))
-    ]
+    return [r[0] for r in conn.execute(f"SELECT name FROM {MIGRATIONS_TABLE} WHERE migration_set=?", (MIGRATION_SET,))]
 
 
 # ------------------------------------------------------------------------------- records
@@ -231,9 +225,7 @@ class WinnerRow:
     runner_up_gap: float | None = None
 
 
-def env_record(
-    device: Environment, *, package_version: str, mem_bw_gbps: float | None = None
-) -> dict[str, Any]:
+def env_record(device: Environment, *, package_version: str, mem_bw_gbps: float | None = None) -> dict[str, Any]:
     """The ``env`` row of a device; the hash covers identity fields, not measured ones."""
     ident = {
         "cc_major": device.cc_major, "cc_minor": device.cc_minor, "gpu_name": device.name,
@@ -302,9 +294,7 @@ class TacticsDB:
         kh, ph = problem.kernel_hash(), problem.problem_hash()
         with self.write() as db:
             db["kernel"].insert({"kernel_hash": kh, **problem.kernel_fields()}, ignore=True)
-            db["problem"].insert(
-                {"problem_hash": ph, "kernel_hash": kh, **problem.shape_fields()}, ignore=True
-            )
+            db["problem"].insert({"problem_hash": ph, "kernel_hash": kh, **problem.shape_fields()}, ignore=True)
         return ph
 
     def put_tactics(self, params_jsons: Iterable[str]) -> dict[str, str]:
@@ -347,9 +337,7 @@ class TacticsDB:
         with self.write() as db:
             db["tuning_run"].update(run_id, {"status": status, "finished_at": _now(), "notes": notes})
 
-    def add_measurements(
-        self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]
-    ) -> int:
+    def add_measurements(self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]) -> int:
         """Rows: ``m, params_json, status, is_default`` and optional timing fields."""
         rows = list(rows)
         hashes = self.put_tactics(r["params_json"] for r in rows)
@@ -371,9 +359,7 @@ class TacticsDB:
             db["measurement"].insert_all(recs, replace=True)
         return len(recs)
 
-    def add_correctness(
-        self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]
-    ) -> None:
+    def add_correctness(self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]) -> None:
         rows = list(rows)
         hashes = self.put_tactics(r["params_json"] for r in rows)
         recs = [
@@ -390,9 +376,7 @@ class TacticsDB:
         with self.write() as db:
             db["correctness"].insert_all(recs, replace=True)
 
-    def add_blocklist(
-        self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]
-    ) -> None:
+    def add_blocklist(self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]) -> None:
         """``rows``: ``(params_json, reason)``. The first reason seen is kept."""
         rows = list(rows)
         hashes = self.put_tactics(pj for pj, _ in rows)
@@ -547,6 +531,15 @@ class TacticsDB:
                 out.append({"m": m, "default_us": d, "tuned_us": t})
         return out
 
+    def timing_scope(self, run_id: str) -> str:
+        """What a run's timings cover: ``'gemm'`` (the swept GEMM alone) or ``'layer'``."""
+        row = self.db.execute("SELECT timing_method FROM tuning_run WHERE run_id = ?", [run_id]).fetchone()
+        try:
+            scope = json.loads(row[0]).get("scope") if row and row[0] else None
+        except (ValueError, AttributeError):
+            scope = None
+        return "gemm" if scope == "gemm" else "layer"
+
     def export(self) -> dict[str, Any]:
         """Every row of every table, for ``prepkit tactics export --json`` (sharing, review)."""
         return {
@@ -673,13 +666,15 @@ def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = Tr
     except sqlite3.Error as err:
         raise TacticsError(f"{spath}: cannot open ({err})") from err
     try:
-        check_header(conn, spath)
-        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        if wal and not memory:
-            conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA foreign_keys=ON")
-        db = Database(conn)
-        _migrate(db, spath)
+        db = _prepare(conn, spath, wal=wal and not memory)
+    except sqlite3.OperationalError as err:
+        conn.close()
+        if _is_busy(err):
+            raise TacticsError(
+                f"{spath}: locked by another process for more than {BUSY_TIMEOUT_S:.0f} s ({err})",
+                hint="wait for the other tune to finish, or use another --db and merge later",
+            ) from err
+        raise TacticsError(f"{spath}: not a readable SQLite database ({err})") from err
     except sqlite3.DatabaseError as err:
         conn.close()
         raise TacticsError(
@@ -690,6 +685,75 @@ def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = Tr
         conn.close()
         raise
     return TacticsDB(db, spath)
+
+
+@contextmanager
+def open_db_readonly(path: str | os.PathLike[str]) -> Iterator[TacticsDB]:
+    """Read a tactics DB without writing to it (``show``, ``export``, ``plot`` of a shipped file).
+
+    A DB of the current schema is opened ``mode=ro``; an older one is read through a migrated
+    private copy, so the file itself never changes.
+
+    Raises:
+        TacticsError: missing, corrupt, foreign or newer-schema file.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise TacticsError(f"{p}: no such tactics DB", hint="check the path, or run `prepkit tune --db`")
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+    except sqlite3.Error as err:
+        raise TacticsError(f"{p}: cannot open ({err})") from err
+    try:
+        version = check_header(conn, str(p))
+    except sqlite3.OperationalError as err:
+        conn.close()
+        raise TacticsError(f"{p}: busy, another process holds it ({err})") from err
+    except BaseException:
+        conn.close()
+        raise
+    if version == SCHEMA_VERSION:
+        tdb = TacticsDB(Database(conn), str(p))
+        try:
+            yield tdb
+        finally:
+            tdb.close()
+        return
+    conn.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / p.name
+        _snapshot(p, copy)
+        with open_db(copy, wal=False) as tdb:
+            yield tdb
+
+
+def _is_busy(err: sqlite3.OperationalError) -> bool:
+    text = str(err).lower()
+    return "locked" in text or "busy" in text
+
+
+def _prepare(conn: sqlite3.Connection, path: str, *, wal: bool) -> Database:
+    """Header check, pragmas and migrations. Switching to WAL can fail at once with "locked"
+    (SQLite does not wait on the busy handler there) while a second process sets up the same
+    new file, so the whole step is retried until the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_S
+    while True:
+        try:
+            check_header(conn, path)
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+            if wal and conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                conn.execute("PRAGMA journal_mode=WAL")
+            if wal:
+                # WAL + NORMAL stays consistent on a crash; only a power cut may drop the last commits.
+                conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            db = Database(conn)
+            _migrate(db, path)
+            return db
+        except sqlite3.OperationalError as err:
+            if not _is_busy(err) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def _migrate(db: Database, path: str) -> None:
@@ -740,9 +804,7 @@ class RunRecorder:
             if batch.correctness:
                 self.tdb.add_correctness(self.run_id, self.env_hash, ph, [c.row() for c in batch.correctness])
             if batch.measurements:
-                self.tdb.add_measurements(
-                    self.run_id, self.env_hash, ph, [x.row() for x in batch.measurements]
-                )
+                self.tdb.add_measurements(self.run_id, self.env_hash, ph, [x.row() for x in batch.measurements])
             if batch.blocked:
                 self.tdb.add_blocklist(self.device, problem, batch.blocked)
 

@@ -301,7 +301,8 @@ class FunctionBackend:
 @dataclass(frozen=True)
 class SweepConfig:
     points: tuple[int, ...] = TOKEN_POINTS
-    anchors: tuple[int, ...] = (1, 8, 64, 512, 4096)
+    # Where the kernel's tile regimes change for gpt-oss (rows per expert = M*top_k/E).
+    anchors: tuple[int, ...] = (1, 4, 16, 128, 1024, 4096)
     keep_per_anchor: int = 6
     min_gain: float = 0.03  # a challenger must beat the default by more than this fraction...
     disjoint: bool = True  # ...and its p90 must lie below the default's p10
@@ -348,6 +349,7 @@ def sweep(
     on_progress: ProgressFn | None = None,
     extends_up_ok: Callable[[str], bool] = lambda tactic: True,
     clock: Callable[[], float] = time.monotonic,
+    check_backends: Sequence[Backend] | None = None,
 ) -> SweepResult:
     """Run the procedure in the module docstring. Returns every record it made or reused.
 
@@ -355,7 +357,9 @@ def sweep(
     ``p10_us``, ``p90_us``, ``mean_us``, ``n_samples``); ``previous_checks`` maps tactic JSON to a
     correctness row (``passed``, errors...). ``blocked`` tactics are neither checked nor timed.
     With several backends (GPUs), whole token points run in parallel, one backend each, so the
-    candidates of one point are always compared on one device.
+    candidates of one point are always compared on one device. ``check_backends`` (default: the
+    timing backends) run the numerics phase: extra workers on one GPU compile candidates in
+    parallel and fill Triton's cache before timing starts.
     """
     cfg = config or SweepConfig()
     points = tuple(sorted(set(cfg.points)))
@@ -438,16 +442,19 @@ def sweep(
         # 1. numerics, before any timing
         to_check = [t for t in cands if t not in st.checks]
         est = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
-        merged = Batch("check")
-        for fut in _completed([pool.submit(lambda b, t=t: check_job(b, t)) for t in to_check]):
-            b = fut.result()
-            merged.correctness += b.correctness
-            merged.blocked += b.blocked
-            done += 1
-            progress(label, done, est)
-        if merged.correctness:
-            emit(merged)
-            st.new_blocked += merged.blocked
+        cpool = _Pool(check_backends) if check_backends else pool
+        try:
+            check_futs = [cpool.submit(lambda b, t=t: check_job(b, t)) for t in to_check]
+            for fut in _completed(check_futs):
+                b = fut.result()
+                done += 1
+                progress(label, done, est)
+                if b.correctness:  # stored at once: a killed tune keeps every finished check
+                    emit(b)
+                    st.new_blocked += b.blocked
+        finally:
+            if cpool is not pool:
+                cpool.shutdown()
         passed = [t for t in cands if t in st.checks and st.checks[t].result.passed]
 
         def run_points(ms: Sequence[int], tactics_for: Callable[[int], list[str]], phase: str) -> None:
@@ -546,9 +553,7 @@ def _reason(r: CheckResult) -> str:
         return f"{r.status}: {r.error or ''}".strip()
     parts = [f"numerics_fail vs {r.reference or 'reference'}"]
     if r.rel_err is not None:
-        parts.append(
-            f"rel_err={r.rel_err:.3g}" + (f" > {r.tolerance:.3g}" if r.tolerance is not None else "")
-        )
+        parts.append(f"rel_err={r.rel_err:.3g}" + (f" > {r.tolerance:.3g}" if r.tolerance is not None else ""))
     if r.nan_inf_count:
         parts.append(f"{r.nan_inf_count} NaN/Inf")
     if r.error:
@@ -568,9 +573,7 @@ def _measurement_from_row(m: int, t: str, row: Mapping[str, Any], is_default: bo
             mean_us=float(row.get("mean_us") or med), n_samples=int(row.get("n_samples") or 0),
         )  # fmt: skip
         return Measurement(m, t, OK, timing, is_default=is_default, reused=True)
-    return Measurement(
-        m, t, str(row.get("status")), error=row.get("error_text"), is_default=is_default, reused=True
-    )
+    return Measurement(m, t, str(row.get("status")), error=row.get("error_text"), is_default=is_default, reused=True)
 
 
 def _check_from_row(row: Mapping[str, Any]) -> CheckResult:
@@ -718,6 +721,7 @@ def tune_layer(
     on_progress: ProgressFn | None = None,
     compare_layer: bool = True,
     clock: Callable[[], float] = time.monotonic,
+    check_backends: Sequence[Backend] | None = None,
 ) -> LayerReport:
     """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
     budget over what is left; then, where the backend can, time the whole layer with the default
@@ -736,7 +740,7 @@ def tune_layer(
             config=SweepConfig(**{**config.__dict__, "budget_s": budget}),
             previous_measurements=prev_m, previous_checks=prev_c, blocked=blocked,
             on_batch=(lambda b, p=problem: on_batch(p, b)) if on_batch else None,
-            on_progress=on_progress, clock=clock,
+            on_progress=on_progress, clock=clock, check_backends=check_backends,
         )  # fmt: skip
         results.append(res)
         if on_result:
@@ -818,9 +822,7 @@ class SubprocessBackend:
     ) -> None:
         self.gpu = gpu
         # The worker command; tests substitute a small script that crashes or hangs on demand.
-        self.argv = (
-            list(argv) if argv else [sys.executable, "-m", "prepkit.tune", "--worker", "--seed", str(seed)]
-        )
+        self.argv = list(argv) if argv else [sys.executable, "-m", "prepkit.tune", "--worker", "--seed", str(seed)]
         self.check_timeout_s = check_timeout_s
         self.time_timeout_s = time_timeout_s
         self.seed = seed
@@ -914,16 +916,12 @@ class SubprocessBackend:
         return CheckResult(**{**r, "m_values": tuple(r.get("m_values", ()))})
 
     def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:
-        r = self.request(
-            {"op": "time", "problem": _pk(problem), "tactic": tactic, "m": m}, self.time_timeout_s
-        )
+        r = self.request({"op": "time", "problem": _pk(problem), "tactic": tactic, "m": m}, self.time_timeout_s)
         return Timing.from_samples(r["samples_us"])
 
     def time_layer(self, problem: ProblemKey, pair: tuple[str, str], m: int) -> Timing:
         """Whole-layer latency with an explicit (GEMM1, GEMM2) pair, for the final report."""
-        r = self.request(
-            {"op": "time", "problem": _pk(problem), "pair": list(pair), "m": m}, self.time_timeout_s
-        )
+        r = self.request({"op": "time", "problem": _pk(problem), "pair": list(pair), "m": m}, self.time_timeout_s)
         return Timing.from_samples(r["samples_us"])
 
     def bandwidth_gbps(self) -> float:
@@ -944,6 +942,13 @@ class SubprocessBackend:
 
 def _pk(problem: ProblemKey) -> dict[str, Any]:
     return dict(problem.__dict__)
+
+
+def kernel_timing_scope() -> str:
+    """``'gemm'`` when the kernel exposes its stages (each GEMM is timed alone), else ``'layer'``."""
+    from prepkit.kernels import moe_mxfp4 as k
+
+    return "gemm" if all(hasattr(k, f) for f in ("route", "gemm1_swiglu", "gemm2_combine")) else "layer"
 
 
 def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
@@ -1002,8 +1007,15 @@ class _GpuBench:
 
         self.torch = torch
         self.problem = ProblemKey(**pk)
-        self.dev = torch.device("cuda")
-        self.info = DeviceInfo.from_torch(self.dev)
+        # Without CUDA (TRITON_INTERPRET=1) the same code runs tiny problems on the CPU, so the
+        # whole worker path can be exercised before any GPU time is spent.
+        self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.dev.type == "cuda":
+            self.info = DeviceInfo.from_torch(self.dev)
+        else:
+            from prepkit.kernels.device import H100
+
+            self.info = H100
         E, top_k = self.problem.num_experts, self.problem.top_k
         H, I = _layer_dims(self.problem)
         self.H, self.I, self.E, self.top_k = H, I, E, top_k
@@ -1033,7 +1045,7 @@ class _GpuBench:
         self.layer.device_info = self.info
         self.gen = g
         self._refs: dict[int, tuple[Any, Any, Any]] = {}
-        self._inputs: dict[int, tuple[list[Any], list[Any]]] = {}
+        self._inputs: dict[str, Any] = {}
 
     def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[Any, Any]:
         from prepkit.kernels.tactic import GemmTactic
@@ -1041,24 +1053,10 @@ class _GpuBench:
 
         if pair is not None:
             return GemmTactic.from_json(pair[0]), GemmTactic.from_json(pair[1])
-        g1, g2 = default_tactics(moe_problem(self.problem, m), self.info)
+        g1, g2 = (self._runnable(t) for t in default_tactics(moe_problem(self.problem, m), self.info))
         assert tactic is not None
         t = GemmTactic.from_json(tactic)
         return (t, g2) if self.problem.role == "gemm1" else (g1, t)
-
-    def _inputs_for(self, m: int, count: int) -> tuple[list[Any], list[Any]]:
-        torch = self.torch
-        have = self._inputs.get(m)
-        if have is None or len(have[0]) < count:
-            xs = [
-                torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
-                for _ in range(count)
-            ]
-            # Fresh router logits per launch: different experts each time, so weights come from HBM.
-            ls = [torch.randn(m, self.E, device=self.dev, generator=self.gen) for _ in range(count)]
-            have = (xs, ls)
-            self._inputs[m] = have
-        return have
 
     def check(self, tactic: str) -> dict[str, Any]:
         from prepkit.kernels.reference import moe_reference, relative_error
@@ -1074,7 +1072,8 @@ class _GpuBench:
                 self._refs[m] = (x, logits, ref)
             x, logits, ref = self._refs[m]
             out = moe(self.layer, x, logits, tactics=self.pair(tactic, m), out_dtype=torch.float32)
-            torch.cuda.synchronize()
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize()
             bad += int((~torch.isfinite(out)).sum())
             worst = max(worst, relative_error(out, ref))
             max_abs = max(max_abs, float((out.double() - ref.double()).abs().max()) if out.numel() else 0.0)
@@ -1084,36 +1083,95 @@ class _GpuBench:
             "nan_inf_count": bad, "tolerance": self.TOLERANCE,
         }  # fmt: skip
 
-    def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
-        """Median-ready samples of one layer call: CUDA graph of ``reps`` launches with fresh
-        routing each, replayed ``samples`` times; reps and samples scale with the call's length."""
+    ROTATE = 8  # input sets a graph cycles through: different experts each launch, cold weights
+
+    def _launcher(self, tactic: str | None, m: int, pair: Sequence[str] | None) -> tuple[Callable[[int], Any], str]:
+        """``launch(i)`` for input set ``i`` and what it covers: the swept GEMM alone when the
+        kernel exposes its stages (routing and the other GEMM run once, outside the timing),
+        else the whole layer."""
+        from prepkit.kernels import moe_mxfp4 as k
         from prepkit.runtime.moe import moe
 
         torch = self.torch
-        tactics = self.pair(tactic, m, pair)
-        xs, ls = self._inputs_for(m, 1)
-        for _ in range(2):  # compile and warm up outside the graph
-            moe(self.layer, xs[0], ls[0], tactics=tactics)
+        layer = self.layer
+        if self._inputs.get("m") != m:
+            self._inputs = {"m": m}  # one token count's buffers at a time
+        if "xs" not in self._inputs:
+            self._inputs["xs"] = [
+                torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
+                for _ in range(self.ROTATE)
+            ]
+            self._inputs["ls"] = [
+                torch.randn(m, self.E, device=self.dev, generator=self.gen) for _ in range(self.ROTATE)
+            ]
+        xs, ls = self._inputs["xs"], self._inputs["ls"]
+        staged = all(hasattr(k, f) for f in ("route", "gemm1_swiglu", "gemm2_combine"))
+        if pair is not None or not staged:
+            tactics = self.pair(tactic, m, pair)
+            return (lambda i: moe(layer, xs[i], ls[i], tactics=tactics)), "layer"
+        g1, _ = self.pair(None, m, [self._default(m, 0), self._default(m, 1)])
+        if "routings" not in self._inputs:
+            rs = [
+                k.route(ls[i], top_k=self.top_k, expert_lo=0, num_local_experts=self.E, hidden=self.H)
+                for i in range(self.ROTATE)
+            ]
+            w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
+            h1s = [k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1) for i in range(self.ROTATE)]
+            self._inputs["routings"], self._inputs["h1s"] = rs, h1s
+        rs, h1s = self._inputs["routings"], self._inputs["h1s"]
+        t = self.pair(tactic, m)[0 if self.problem.role == "gemm1" else 1]
+        if self.problem.role == "gemm1":
+            return (lambda i: k.gemm1_swiglu(rs[i], xs[i], layer.w13_blocks, layer.w13_scales, layer.w13_bias,
+                                             valid_intermediate=self.I, tactic=t)), "gemm1"  # fmt: skip
+        bias = layer.w2_bias if layer.apply_down_bias else None
+        return (lambda i: k.gemm2_combine(rs[i], h1s[i], layer.w2_blocks, layer.w2_scales, bias, tactic=t)), "gemm2"
+
+    def _default(self, m: int, idx: int) -> str:
+        from prepkit.kernels.variants import default_tactics
+
+        return canon(self._runnable(default_tactics(moe_problem(self.problem, m), self.info)[idx]))
+
+    def _runnable(self, t: Any) -> Any:
+        # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.
+        if self.dev.type != "cuda" and getattr(t, "upcast", None) == "asm":
+            from dataclasses import replace
+
+            return replace(t, upcast="bits")
+        return t
+
+    def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
+        """Samples of one launch: a CUDA graph of ``reps`` launches cycling through fresh inputs,
+        replayed ``samples`` times; reps and samples scale with the launch's length."""
+        torch = self.torch
+        launch, scope = self._launcher(tactic, m, pair)
+        if self.dev.type != "cuda":
+            samples = []
+            for i in range(3):
+                t = time.perf_counter()
+                launch(i % self.ROTATE)
+                samples.append((time.perf_counter() - t) * 1e6)
+            return {"samples_us": samples, "reps": 1, "scope": scope}
+        for i in range(2):  # compile and warm up outside the graph
+            launch(i)
         torch.cuda.synchronize()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
-        moe(self.layer, xs[0], ls[0], tactics=tactics)
+        launch(0)
         t1.record()
         torch.cuda.synchronize()
         est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
-        reps = int(min(20, max(1, 2000 // est_us)))
+        reps = int(min(4 * self.ROTATE, max(1, 2000 // est_us)))
         n_samples = int(min(30, max(7, 60_000 // (est_us * reps))))
-        xs, ls = self._inputs_for(m, reps)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for i in range(reps):  # warm the allocator's graph pool shapes
-                moe(self.layer, xs[i], ls[i], tactics=tactics)
+            for i in range(min(reps, self.ROTATE)):  # let the allocator see the shapes first
+                launch(i)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for i in range(reps):
-                moe(self.layer, xs[i], ls[i], tactics=tactics)
+                launch(i % self.ROTATE)
         graph.replay()
         torch.cuda.synchronize()
         samples = []
@@ -1124,7 +1182,7 @@ class _GpuBench:
             t1.synchronize()
             samples.append(t0.elapsed_time(t1) * 1e3 / reps)
         del graph
-        return {"samples_us": samples, "reps": reps}
+        return {"samples_us": samples, "reps": reps, "scope": scope}
 
 
 def _describe() -> dict[str, Any]:

@@ -37,11 +37,9 @@ def _resolve(db_path: Path | None) -> Path:
     return bundled
 
 
-def _open_existing(path: Path) -> tdb_mod.TacticsDB:
-    """Open for reading through the migrating opener (never creating a file)."""
-    if not path.is_file():
-        raise TacticsError(f"{path}: no such tactics DB", hint="check the path, or run `prepkit tune --db`")
-    return tdb_mod.open_db(path, create=False)
+def _open_existing(path: Path) -> Any:
+    """Read-only: showing, exporting or plotting never changes the file (a shipped DB stays as is)."""
+    return tdb_mod.open_db_readonly(path)
 
 
 @cli.group("tactics")
@@ -68,18 +66,29 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
     from rich.table import Table
 
     console.info(f"{path}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    t = Table(title="winners (ceil ranges: the tactic measured at m_hi serves m_lo..m_hi)")
-    for col in ("gpu", "arch", "triton", "gemm", "N x K", "E/top_k", "tokens", "tactic", "us", "vs default"):
-        t.add_column(col)
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for w in winners:
-        hi = f"{w['m_hi']}+" if w["extends_up"] else str(w["m_hi"])
-        sp = w["speedup_vs_default"]
-        t.add_row(
-            w["gpu_name"], w["arch"], w["triton_version"], w["role"], f"{w['n']}x{w['k']}",
-            f"{w['num_experts']}/{w['top_k']}", f"{w['m_lo']}-{hi}", _short(w["params_json"]),
-            f"{w['median_us']:.1f}" if w["median_us"] else "-", f"{sp:.2f}x" if sp else "-",
-        )  # fmt: skip
-    console.err_console.print(t)
+        groups.setdefault((w["env_hash"], w["problem_hash"]), []).append(w)
+    for rows in groups.values():
+        w0 = rows[0]
+        t = Table(
+            title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {w0['role']} "
+            f"N={w0['n']} K={w0['k']} E={w0['num_experts']} top_k={w0['top_k']} tp={w0['tp_size']}, "
+            f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}",
+            title_justify="left",
+        )
+        t.add_column("tokens", justify="right", no_wrap=True)
+        t.add_column("tactic", no_wrap=True)
+        t.add_column("us", justify="right")
+        t.add_column("vs default", justify="right")
+        for w in rows:
+            hi = "up" if w["extends_up"] else str(w["m_hi"])
+            sp = w["speedup_vs_default"]
+            t.add_row(
+                f"{w['m_lo']}-{hi}", _short(w["params_json"]),
+                f"{w['median_us']:.1f}" if w["median_us"] else "-", f"{sp:.2f}x" if sp else "-",
+            )  # fmt: skip
+        console.err_console.print(t)
 
 
 def _short(params_json: str) -> str:
@@ -144,7 +153,10 @@ def plot_command(out: Path, db_path: Path | None, gpu: str | None) -> None:
         prepkit tactics plot tactics.png --db tactics.db
     """
     with _open_existing(_resolve(db_path)) as tdb:
-        panels = [(w, tdb.curves(w["env_hash"], w["problem_hash"])) for w in _panels(tdb.winners(), gpu)]
+        panels = [
+            ({**w, "scope": tdb.timing_scope(w["run_id"])}, tdb.curves(w["env_hash"], w["problem_hash"]))
+            for w in _panels(tdb.winners(), gpu)
+        ]
     panels = [(w, c) for w, c in panels if c]
     if not panels:
         raise TacticsError(
@@ -163,17 +175,17 @@ def _panels(winners: list[dict[str, Any]], gpu: str | None) -> list[dict[str, An
     return list(seen.values())
 
 
-def floor_us(w: dict[str, Any], m: int, gbps: float) -> float:
-    """Least time one MoE layer call can take at ``m`` tokens when it only moves bytes: the
-    touched experts' MXFP4 weights, scales and fp32 biases of both GEMMs (uniform routing touches
-    E*(1-(1-1/E)^(m*top_k)) experts), the tokens in, the SwiGLU rows out and back, the fp32 sums.
-    The sweep times whole layers, so the floor is the layer's too."""
+def floor_us(w: dict[str, Any], m: int, gbps: float, scope: str = "gemm") -> float:
+    """Least time a call can take at ``m`` tokens when it only moves bytes: the touched experts'
+    MXFP4 weights, scales and fp32 biases (uniform routing touches E*(1-(1-1/E)^(m*top_k))
+    experts) plus activations in and out; of the swept GEMM (``scope='gemm'``) or of the layer."""
     E, top_k = w["num_experts"], w["top_k"]
     H, I = (w["k"], w["n"] // 2) if w["role"] == "gemm1" else (w["n"], w["k"])
     touched = E * (1.0 - (1.0 - 1.0 / E) ** (m * top_k))
-    per_expert = 3 * H * I * (1 / 2 + 1 / 32) + (2 * I + H) * 4
-    acts = m * H * 2 + m * top_k * I * 2 * 2 + m * H * 4
-    return (touched * per_expert + acts) / (gbps * 1e3)
+    gemm1 = touched * (2 * I * H * (1 / 2 + 1 / 32) + 2 * I * 4) + m * H * 2 + m * top_k * I * 2
+    gemm2 = touched * (H * I * (1 / 2 + 1 / 32) + H * 4) + m * top_k * I * 2 + m * H * 4
+    own = gemm1 if w["role"] == "gemm1" else gemm2
+    return (gemm1 + gemm2 if scope == "layer" else own) / (gbps * 1e3)
 
 
 def _plot(panels: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path) -> None:
@@ -188,12 +200,13 @@ def _plot(panels: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path) 
         ax.plot(ms, [c["default_us"] for c in curve], "o-", label="default variant", color="tab:gray")
         ax.plot(ms, [c["tuned_us"] for c in curve], "o-", label="tuned", color="tab:blue")
         if w.get("mem_bw_gbps"):
-            ax.plot(ms, [floor_us(w, m, w["mem_bw_gbps"]) for m in ms], "--", color="tab:red",
-                    label=f"layer bandwidth floor ({w['mem_bw_gbps']:.0f} GB/s copy)")  # fmt: skip
+            ax.plot(ms, [floor_us(w, m, w["mem_bw_gbps"], w["scope"]) for m in ms], "--", color="tab:red",
+                    label=f"bandwidth floor ({w['mem_bw_gbps']:.0f} GB/s copy)")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens per call")
-        ax.set_ylabel("whole-layer latency, median us")
+        what = "whole layer" if w["scope"] == "layer" else f"{w['role']} alone"
+        ax.set_ylabel(f"latency of the {what}, median us")
         title = (
             f"{w['gpu_name']} ({w['arch']}, Triton {w['triton_version']})\n"
             f"{w['role']} swept: N={w['n']} K={w['k']} E={w['num_experts']} top_k={w['top_k']}"

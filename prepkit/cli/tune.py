@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import click
 
@@ -30,9 +30,7 @@ from prepkit.runtime.tactics import (
 ARCHES = ("auto", "sm121", "sm120", "sm100", "sm90")
 
 
-def _problems(
-    model: str | None, shards: Path | None, tp: int | None, kernel_version: str
-) -> list[ProblemKey]:
+def _problems(model: str | None, shards: Path | None, tp: int | None, kernel_version: str) -> list[ProblemKey]:
     """GEMM1 and GEMM2 problem keys of TP rank 0 from a recipe or a prepared shard set."""
     from prepkit.layouts.triton_moe import intermediate_split
 
@@ -155,6 +153,13 @@ def _parse_gpus(spec: str | None) -> list[int] | None:
     help="Variants per GEMM after pruning.",
 )
 @click.option(
+    "--check-workers",
+    type=click.IntRange(0, 32),
+    default=4,
+    show_default=True,
+    help="Extra worker processes that check (and so compile) candidates in parallel on the first GPU.",
+)
+@click.option(
     "--keep",
     type=click.IntRange(min=1),
     default=6,
@@ -173,6 +178,7 @@ def tune_command(
     budget_minutes: float,
     gpus: str | None,
     max_candidates: int,
+    check_workers: int,
     keep: int,
     as_json: bool,
     quiet: bool,
@@ -196,6 +202,7 @@ def tune_command(
         raise click.BadParameter(str(err), param_hint="--tokens") from None
     gpu_ids = _parse_gpus(gpus)
     workers = open_backends(gpu_ids)
+    checkers: list[Any] = []
     try:
         env = workers[0][1]
         arches = {w[1].arch for w in workers}
@@ -214,28 +221,35 @@ def tune_command(
 
         problems = _problems(model, shards, tp, str(KERNEL_VERSION))
         path = db_path or user_db_path()
+        opts = _Opts(points, budget_minutes, max_candidates, keep, quiet)
         with tdb_mod.open_db(path) as tdb:
-            report = _run(
-                tdb, workers, env, info, problems, points, budget_minutes, max_candidates, keep, quiet
-            )
+            if isinstance(workers[0][0], tuning.SubprocessBackend):
+                checkers = [tuning.SubprocessBackend(workers[0][0].gpu) for _ in range(check_workers)]
+            report = _run(tdb, workers, checkers, env, info, problems, opts)
     finally:
-        for b, _, _ in workers:
+        for b in [w[0] for w in workers] + checkers:
             b.close()
     _print(report, env, path, as_json)
+
+
+class _Opts(NamedTuple):
+    points: tuple[int, ...]
+    budget_minutes: float
+    max_candidates: int
+    keep: int
+    quiet: bool
 
 
 def _run(
     tdb: tdb_mod.TacticsDB,
     workers: list[tuple[Any, Environment, Any]],
+    checkers: list[Any],
     env: Environment,
     info: Any,
     problems: list[ProblemKey],
-    points: tuple[int, ...],
-    budget_minutes: float,
-    max_candidates: int,
-    keep: int,
-    quiet: bool,
+    opts: _Opts,
 ) -> tuning.LayerReport:
+    points, budget_minutes, max_candidates, keep, quiet = opts
     backends = [w[0] for w in workers]
     bw = None
     if hasattr(backends[0], "bandwidth_gbps"):
@@ -248,6 +262,7 @@ def _run(
             "cuda_graph": True,
             "routing": "fresh uniform logits per launch",
             "stat": "median",
+            "scope": tuning.kernel_timing_scope(),  # 'gemm': routing and the other GEMM untimed
             "other_gemm": "default",
         },
         search_space={
@@ -273,11 +288,24 @@ def _run(
                 on_batch=rec.batch,
                 on_result=rec.result,
                 on_progress=on_progress,
+                check_backends=checkers or None,
             )
         status = "complete" if all(r.complete for r in report.results) else "partial"
     finally:
-        tdb.finish_run(run_id, status)
+        tdb.finish_run(run_id, status, notes=_layer_notes(report) if status != "aborted" else None)
     return report
+
+
+def _layer_notes(report: tuning.LayerReport) -> str:
+    """The whole-layer comparison (default pair vs tuned pair), kept with the run."""
+    import json
+
+    return json.dumps(
+        {
+            "layer_us": [[p.m, p.default_us, p.tuned_us] for p in report.layer_points],
+            "layer_geomean_speedup": report.layer_geomean(),
+        }  # fmt: skip
+    )
 
 
 def _print(report: tuning.LayerReport, env: Environment, path: Path, as_json: bool) -> None:
@@ -333,9 +361,7 @@ def _print(report: tuning.LayerReport, env: Environment, path: Path, as_json: bo
         for col in ("tokens", "default", "tuned", "speedup"):
             t.add_column(col, justify="right")
         for lp in report.layer_points:
-            t.add_row(
-                str(lp.m), _us(lp.default_us), _us(lp.tuned_us), f"{lp.speedup:.3f}x" if lp.speedup else "-"
-            )
+            t.add_row(str(lp.m), _us(lp.default_us), _us(lp.tuned_us), f"{lp.speedup:.3f}x" if lp.speedup else "-")
         console.err_console.print(t)
         gm = report.layer_geomean()
         if gm:

@@ -18,9 +18,14 @@ Every GEMM program finds its (expert, row block) from the per-expert counters al
 sized by an upper bound and surplus programs return at once.
 
 Weights are in the ``triton_moe_v1`` layout (docs/triton-moe-layout.md): per expert,
-``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous), ``w13_scales [H/32, 2*Ip]``
-(N contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``,
-``w2_bias [H]`` fp32.
+``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous, byte j of each 32-element
+group holding elements j and j+16), ``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]``
+fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
+
+Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only) and the upcast:
+``asm`` (inline PTX, CUDA only, the default), ``bits`` (Triton integer ops, runs in the CPU
+interpreter) and ``dot_scaled`` (``tl.dot_scaled``). Tiles of at most 32 rows swap operands.
+Results are not bitwise deterministic: the combine adds in fp32 atomics in arrival order.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ KERNEL_VERSION = 1
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
-_UPCAST_IDS = {"bits": 0, "dot_scaled": 1}
+_UPCAST_IDS = {"bits": 0, "dot_scaled": 1, "asm": 2}
 
 
 def _interpreting() -> bool:
@@ -137,56 +142,147 @@ def _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD: tl.constexpr, BLOCK_M: tl.c
 
 # --------------------------------------------------------------------------------------------
 # the MXFP4 main loop shared by both GEMMs
+#
+# triton_moe_v1 stores each 32-element scale group as 16 bytes where byte j holds element j (low
+# nibble) and element j + 16 (high nibble). Upcasting a tile therefore yields two bf16 tiles, the
+# "low" elements (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise
+# function of the bytes: no interleave, no reshape across registers. Each feeds its own dot with
+# the matching half of the activations.
+
+@triton.jit
+def _fp4_to_f32(code):
+    """E2M1 codes (uint32, 0..15) -> fp32 by bit moves: magnitude ``e1 e0 m`` shifted to bits
+    24..22 plus 126 in the exponent is the value for normal codes; 0 and 0.5 are chosen directly."""
+    mag = code & 7
+    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _upcast_mxfp4(wq, sc, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``wq [BLOCK_N, BLOCK_K/2]`` packed E2M1 and ``sc [BLOCK_K/32, BLOCK_N]`` E8M0 -> bf16
-    ``[BLOCK_K, BLOCK_N]``. Integer bit moves instead of a table: E2M1 magnitude code ``e1 e0 m``
-    shifted to fp32 bits 24..22 is ``2^(e-127) (1 + m/2)``; adding 126 to the exponent gives the
-    value for normal codes, and codes 0 and 1 (zero and the subnormal 0.5) are chosen directly."""
-    lo = wq & 0xF
-    hi = wq >> 4
-    codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)).to(tl.uint32)
-    mag = codes & 7
-    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000) | ((codes & 8) << 28)
-    val = bits.to(tl.float32, bitcast=True)
-    # Scale byte s is 2^(s-127): the same bits as an fp32 exponent field (s = 0 reads as 0).
-    scale = tl.trans((sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True))  # [BLOCK_N, BLOCK_K/32]
-    val = tl.reshape(val, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
-    return tl.trans(tl.reshape(val, (BLOCK_N, BLOCK_K)).to(tl.bfloat16))
+def _upcast_pair(wq, sc, UPCAST: tl.constexpr):
+    """``wq [BN, G, 16]`` bytes and ``sc [BN, G]`` E8M0 -> bf16 (low, high) element tiles."""
+    if UPCAST == 2:
+        # Inline PTX, 4 bytes at once (sm_80+): bytes spread to 16-bit lanes with prmt, nibble
+        # bits moved to bf16 position (mag e1 e0 m -> bits 8..6, sign -> bit 15: value * 2^-126),
+        # then two bf16x2 FMAs, * 2^126 and * the E8M0 scale (a -0.0 addend keeps +0 and -0).
+        scale = (sc.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
+        scale = tl.broadcast_to(scale[:, :, None], wq.shape)
+        lo, hi = tl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 t0, t1, a, b, k, z;
+            mov.b32 k, 0x7E807E80;
+            mov.b32 z, 0x80008000;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shl.b32 a, t0, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t0, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 $0, a, b;
+            shl.b32 a, t1, 6;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t1, 12;
+            and.b32 b, b, 0x80008000;
+            or.b32 $1, a, b;
+            shl.b32 a, t0, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t0, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 $2, a, b;
+            shl.b32 a, t1, 2;
+            and.b32 a, a, 0x01C001C0;
+            shl.b32 b, t1, 8;
+            and.b32 b, b, 0x80008000;
+            or.b32 $3, a, b;
+            fma.rn.bf16x2 $0, $0, k, z;
+            fma.rn.bf16x2 $1, $1, k, z;
+            fma.rn.bf16x2 $2, $2, k, z;
+            fma.rn.bf16x2 $3, $3, k, z;
+            fma.rn.bf16x2 $0, $0, $5, z;
+            fma.rn.bf16x2 $1, $1, $6, z;
+            fma.rn.bf16x2 $2, $2, $5, z;
+            fma.rn.bf16x2 $3, $3, $6, z;
+            }
+            """,
+            "=r,=r,=r,=r,r,r,r", [wq, scale],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+        )
+    else:
+        # Scale byte s is 2^(s-127): the same bits as an fp32 exponent field (s = 0 reads as 0).
+        scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        w32 = wq.to(tl.uint32)
+        lo = (_fp4_to_f32(w32 & 0xF) * scale).to(tl.bfloat16)
+        hi = (_fp4_to_f32(w32 >> 4) * scale).to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_FP32: tl.constexpr):
+    if DOT_FP32:  # noqa: SIM108 (a constexpr branch; one of them is never compiled)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    # ``[BN, BM]`` when the weight tile is the MMA's M side.
+    return tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
 def _mxfp4_mainloop(
-    a_ptrs, a_mask, w_base, s_base, offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+    a_rows, a_mask, w_base, s_base, offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
 ):
-    """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` with W in MXFP4 rows (K contiguous)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
-    offs_ks = tl.arange(0, BLOCK_K // 32)
+    """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
+
+    ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
+    (K contiguous, triton_moe_v1 nibble order) with scales ``[K/32, N]``.
+    """
+    G: tl.constexpr = BLOCK_K // 32
+    offs_g = tl.arange(0, G)
+    offs_j = tl.arange(0, 16)
+    n_groups = K // 32
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + offs_k
-        a = tl.load(a_ptrs + kk[None, :], mask=a_mask[:, None] & (kk < K)[None, :], other=0.0)
-        kb = k0 // 2 + offs_kb
-        ks = k0 // 32 + offs_ks
-        if UPCAST == 0:
-            wq = tl.load(w_base + offs_n[:, None] * stride_wn + kb[None, :],
-                         mask=n_mask[:, None] & (kb < K // 2)[None, :], other=0)
-            sc = tl.load(s_base + ks[:, None] * stride_sk + offs_n[None, :],
-                         mask=(ks < K // 32)[:, None] & n_mask[None, :], other=0)
-            b = _upcast_mxfp4(wq, sc, BLOCK_N, BLOCK_K)
-            if DOT_FP32:  # noqa: SIM108 (a constexpr branch; one of them is never compiled)
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-            else:
-                acc = tl.dot(a, b, acc)
-        else:
-            wq = tl.load(w_base + offs_n[None, :] * stride_wn + kb[:, None],
-                         mask=n_mask[None, :] & (kb < K // 2)[:, None], other=0)
-            sc = tl.load(s_base + ks[None, :] * stride_sk + offs_n[:, None],
-                         mask=(ks < K // 32)[None, :] & n_mask[:, None], other=0)
+        gg = k0 // 32 + offs_g
+        g_mask = gg < n_groups
+        sc = tl.load(s_base + gg[None, :] * stride_sk + offs_n[:, None],
+                     mask=n_mask[:, None] & g_mask[None, :], other=0)  # [BN, G]
+        if UPCAST == 1:
+            # tl.dot_scaled wants byte j of a group to hold elements 2j, 2j+1: feed it the
+            # activations permuted the same way (column 2j+t of a group reads element 16t + j).
+            offs_kp = tl.arange(0, BLOCK_K)
+            src = k0 + (offs_kp // 32) * 32 + (offs_kp % 2) * 16 + (offs_kp % 32) // 2
+            a = tl.load(a_rows[:, None] + src[None, :],
+                        mask=a_mask[:, None] & (src < K)[None, :], other=0.0)
+            offs_b = tl.arange(0, BLOCK_K // 2)
+            wq = tl.load(w_base + offs_n[None, :] * stride_wn + k0 // 2 + offs_b[:, None],
+                         mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None], other=0)
             acc = tl.dot_scaled(a, None, "bf16", wq, sc, "e2m1", acc)
+        else:
+            wq = tl.load(w_base + offs_n[:, None, None] * stride_wn + gg[None, :, None] * 16
+                         + offs_j[None, None, :],
+                         mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)  # [BN, G, 16]
+            kk = gg[None, :, None] * 32 + offs_j[None, None, :]  # [1, G, 16]
+            a_msk = a_mask[:, None, None] & g_mask[None, :, None]
+            a_lo = tl.load(a_rows[:, None, None] + kk, mask=a_msk, other=0.0)
+            a_hi = tl.load(a_rows[:, None, None] + kk + 16, mask=a_msk, other=0.0)
+            w_lo, w_hi = _upcast_pair(wq, sc, UPCAST)
+            a_lo = tl.reshape(a_lo, (BLOCK_M, BLOCK_K // 2))
+            a_hi = tl.reshape(a_hi, (BLOCK_M, BLOCK_K // 2))
+            w_lo = tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2))
+            w_hi = tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2))
+            if SWAP:
+                # Few rows: the weight tile is the MMA's M side, the tokens its N side.
+                acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
+                acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
+            else:
+                acc = _dot(a_lo, tl.trans(w_lo), acc, DOT_FP32)
+                acc = _dot(a_hi, tl.trans(w_hi), acc, DOT_FP32)
     return acc
 
 
@@ -202,7 +298,7 @@ def _gemm1_swiglu_kernel(
     alpha, limit,
     TOP_K: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -215,23 +311,33 @@ def _gemm1_swiglu_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         e64 = e.to(tl.int64)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
-            x_ptr + tok[:, None] * stride_xt, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+            x_ptr + tok * stride_xt, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
             offs_n, n_mask, stride_wn, stride_sk, 0, K, K, acc,
-            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP,
         )
-        acc += tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)[None, :]
-        # Rows alternate gate/up, so each column pair of the tile is one (gate, up) of one unit.
-        gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
+        bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
+        offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        rows = (row_start + offs_m).to(tl.int64)
+        # Rows alternate gate/up, so each pair of tile rows/columns is one (gate, up) unit.
+        if SWAP:
+            acc += bias[:, None]
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1)))
+        else:
+            acc += bias[None, :]
+            gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
                         propagate_nan=tl.PropagateNan.ALL)
-        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-        offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        rows = (row_start + offs_m).to(tl.int64)
-        tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act.to(h_ptr.dtype.element_ty),
-                 mask=m_mask[:, None] & (offs_i < N // 2)[None, :])
+        act = (gate * tl.sigmoid(alpha * gate) * (up + 1.0)).to(h_ptr.dtype.element_ty)
+        i_mask = offs_i < N // 2
+        if SWAP:
+            tl.store(h_ptr + rows[None, :] * stride_ht + offs_i[:, None], act,
+                     mask=m_mask[None, :] & i_mask[:, None])
+        else:
+            tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act,
+                     mask=m_mask[:, None] & i_mask[None, :])
 
 
 @triton.jit
@@ -241,7 +347,7 @@ def _gemm2_combine_kernel(
     stride_ht, stride_we, stride_wn, stride_se, stride_sk, stride_be, stride_ot,
     TOP_K: tl.constexpr, E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -261,18 +367,25 @@ def _gemm2_combine_kernel(
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         e64 = e.to(tl.int64)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
-            h_ptr + rows[:, None] * stride_ht, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
+            h_ptr + rows * stride_ht, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
             offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
-            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP,
         )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
-            acc += tl.where(pid_k == 0, bias, 0.0)[None, :]
-        acc = acc * gw[:, None]
-        tl.atomic_add(out_ptr + tok[:, None] * stride_ot + offs_n[None, :], acc,
-                      mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        else:
+            bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if SWAP:
+            acc = (acc + bias[:, None]) * gw[None, :]
+            tl.atomic_add(out_ptr + tok[None, :] * stride_ot + offs_n[:, None], acc,
+                          mask=m_mask[None, :] & n_mask[:, None], sem="relaxed")
+        else:
+            acc = (acc + bias[None, :]) * gw[:, None]
+            tl.atomic_add(out_ptr + tok[:, None] * stride_ot + offs_n[None, :], acc,
+                          mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +399,12 @@ def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     return (num_picks + busy * (block_m - 1)) // block_m
 
 
+def swaps_operands(t: GemmTactic) -> bool:
+    """Tiles of at most 32 rows run as ``W @ A^T``: the weight tile fills the MMA's 64-row side
+    and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
+    return t.block_m <= 32 and t.upcast != "dot_scaled"
+
+
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
@@ -293,6 +412,8 @@ def _next_pow2(x: int) -> int:
 def _check_tactic(t: GemmTactic, name: str) -> None:
     if t.upcast not in _UPCAST_IDS:
         raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
+    if t.upcast == "asm" and _interpreting():
+        raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if t.block_k % 32 or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
         raise ValueError(f"{name}: tile {t.key()} needs block_k % 32 == 0 and block_m, block_n >= 16")
 
@@ -379,7 +500,7 @@ def gemm1_swiglu(
         swiglu_alpha, swiglu_limit,
         TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
         BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k,
-        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(),
+        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), SWAP=swaps_operands(tactic),
         num_warps=tactic.num_warps, num_stages=tactic.num_stages,
     )
     return h1
@@ -409,7 +530,8 @@ def gemm2_combine(
         w2_scales.stride(0), w2_scales.stride(1), w2_bias.stride(0) if has_bias else 0, out.stride(0),
         TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
         BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
-        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), HAS_BIAS=has_bias,
+        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), SWAP=swaps_operands(tactic),
+        HAS_BIAS=has_bias,
         num_warps=tactic.num_warps, num_stages=tactic.num_stages,
     )
     return out

@@ -22,11 +22,11 @@ BLOCK_K = (64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4)
 SPLIT_K = (1, 2, 4, 8)
-UPCASTS = ("bits", "dot_scaled")
+UPCASTS = ("bits", "asm", "dot_scaled")
 
 # Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
 # values per thread the compiler spills, and such a variant never wins.
-_MAX_VALUES_PER_THREAD = 192
+_MAX_VALUES_PER_THREAD = 256
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,8 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     ):
         if value not in allowed:
             return f"{name}={value} not in {allowed}"
+    if t.upcast == "asm" and device.capability < (8, 0):
+        return "upcast 'asm' uses bf16x2 FMA (sm_80 and newer)"
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
         return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
@@ -78,7 +80,7 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     if smem > device.max_shared_mem:
         return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
     threads = 32 * t.num_warps
-    values = (t.block_m * t.block_n + t.block_n * t.block_k) // threads
+    values = (t.block_m * t.block_n + t.block_n * t.block_k // 2) // threads  # fp32 acc + bf16 tile
     if values > _MAX_VALUES_PER_THREAD:
         return f"{values} fp32 values per thread would spill (limit {_MAX_VALUES_PER_THREAD})"
     return None
@@ -104,18 +106,25 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
 
 
 def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
-    """A variant pair that is valid on every device; good, not tuned."""
-    active = min(problem.num_experts, problem.num_tokens * problem.top_k)
-    rows = -(-problem.num_tokens * problem.top_k // max(active, 1))
-    bm = min(max(16, _next_pow2(rows)), 64 if device.max_shared_mem < 160 * 1024 else 128)
-    big = bm >= 64
-    g1 = GemmTactic(block_m=bm, block_n=128 if big else 64, block_k=128, num_warps=8 if big else 4,
-                    num_stages=3, split_k=1)
-    # Few rows: too few programs to cover the SMs with output tiles alone, so split K.
-    tiles = active * -(-problem.hidden // 64)
-    split = 1 if big else max(1, min(8, _next_pow2(-(-2 * device.sm_count // max(tiles, 1)))))
-    g2 = GemmTactic(block_m=bm, block_n=128 if big else 64, block_k=128, num_warps=8 if big else 4,
-                    num_stages=3, split_k=split)
+    """A variant pair that is valid on every device; good, not tuned.
+
+    Picked from sweeps on an H200 (docs/kernel-notes.md): few rows per expert run 16-row tiles
+    with swapped operands and, when the output tiles alone cannot cover the SMs, a K split in
+    GEMM2; many rows run 64 x 256 x 64 tiles. The inline-PTX upcast wins everywhere it can run.
+    """
+    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
+    rows = -(-problem.num_tokens * problem.top_k // active)
+    upcast = "asm" if device.capability >= (8, 0) else "bits"
+    if rows <= 32:
+        bm = 16 if rows <= 16 else 32
+        g1 = GemmTactic(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=3, upcast=upcast)
+        tiles = active * -(-problem.hidden // 128)
+        split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
+        g2 = GemmTactic(block_m=bm, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=split,
+                        upcast=upcast)
+    else:
+        g1 = GemmTactic(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3, upcast=upcast)
+        g2 = g1
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 

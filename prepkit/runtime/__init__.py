@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from prepkit.runtime.moe import MoeLayer, TacticLookup, default_tactics_for, moe
+from prepkit.runtime.moe import MoeLayer, TacticLookup, default_tactics_for, load_moe_layers, moe
 
-__all__ = ["MoeLayer", "TacticLookup", "default_tactics_for", "load_shards", "moe"]
+__all__ = ["LoadedShards", "MoeLayer", "TacticLookup", "default_tactics_for", "load_moe_layers", "load_shards", "moe"]
 
 
 def __getattr__(name: str) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -166,6 +166,9 @@ class MoeLayer:
                 )
                 self._warned = True
             chosen = default_tactics_for(problem, device)
+            if self.w13_blocks.device.type != "cuda":
+                # CPU tensors run on the Triton interpreter, which cannot run inline PTX.
+                chosen = tuple(replace(t, upcast="bits") if t.upcast == "asm" else t for t in chosen)
         self._chosen[num_tokens] = chosen
         return chosen
 
@@ -234,3 +237,49 @@ def moe(
     )
     target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
+
+
+def load_moe_layers(
+    out_dir: str | Any,
+    rank: int = 0,
+    device: torch.device | str = "cuda",
+    *,
+    layers: list[int] | None = None,
+    tactic_lookup: TacticLookup | None = None,
+    use_tactics_db: bool = True,
+) -> dict[int, MoeLayer]:
+    """Load a ``prepkit prepare --layout triton-moe`` shard set's rank onto ``device``.
+
+    The manifest is checked first (layout id and version, rank); the experts then stay on the
+    device. Unless ``tactic_lookup`` is given, variants come from the tactic databases (the
+    user's, then the bundled ``tactics.db``) through :func:`prepkit.runtime.tactics.make_tactic_lookup`,
+    falling back to the built-in default with one warning.
+
+    Raises:
+        LayoutError: the shard set is not in the kernel's layout (both ids are named) or lacks ``rank``.
+        VerifyError: a file is missing or disagrees with the manifest.
+    """
+    from prepkit.runtime.loader import load_shards
+
+    shards = load_shards(out_dir, rank, device, expect_layout=WEIGHT_LAYOUT, layers=layers)
+    if tactic_lookup is None and use_tactics_db:
+        from prepkit.runtime.tactics import make_tactic_lookup
+
+        tactic_lookup = make_tactic_lookup(tp_size=shards.tp_size)
+    dims = shards.dims
+    facts = shards.facts
+    return {
+        index: MoeLayer.from_tensors(
+            tensors,
+            layout_id=shards.layout_id,
+            num_experts=int(dims["num_experts"]),
+            expert_range=shards.expert_range,
+            valid_intermediate=shards.valid_intermediate,
+            top_k=int(dims["top_k"]),
+            tp_rank=shards.tp_rank,
+            device=device,
+            tactic_lookup=tactic_lookup,
+            facts=facts,
+        )
+        for index, tensors in sorted(shards.layers.items())
+    }

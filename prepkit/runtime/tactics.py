@@ -342,6 +342,10 @@ def check_header(conn: sqlite3.Connection, path: str) -> int:
         app_id = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         n_tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    except sqlite3.OperationalError as err:
+        if "locked" in str(err) or "busy" in str(err):
+            raise  # another process holds the file: the caller may wait and retry
+        raise TacticsError(f"{path}: not a readable SQLite database ({err})") from err
     except sqlite3.DatabaseError as err:
         raise TacticsError(
             f"{path}: not a readable SQLite database ({err})",
@@ -377,7 +381,10 @@ def open_readonly(path: str | os.PathLike[str]) -> sqlite3.Connection:
     except sqlite3.Error as err:
         raise TacticsError(f"{p}: cannot open ({err})") from err
     try:
-        version = check_header(conn, str(p))
+        try:
+            version = check_header(conn, str(p))
+        except sqlite3.OperationalError as err:
+            raise TacticsError(f"{p}: busy, another process holds it ({err})") from err
         if version < MIN_READABLE_SCHEMA:
             raise TacticsError(f"{p}: holds no tactics tables", hint="run `prepkit tune --db` on it first")
     except BaseException:
@@ -440,9 +447,7 @@ class TacticTable:
             self.hits += 1
         return tj
 
-    def get(
-        self, num_tokens: int, default: Callable[[int], T], decode: Callable[[str], T] | None = None
-    ) -> T:
+    def get(self, num_tokens: int, default: Callable[[int], T], decode: Callable[[str], T] | None = None) -> T:
         """The decoded tactic for ``num_tokens``; ``default(num_tokens)`` on a miss.
 
         ``decode`` defaults to ``GemmTactic.from_json``; a row the decoder rejects (fields this
@@ -456,9 +461,7 @@ class TacticTable:
             try:
                 self._decoded[tj] = dec(tj)
             except (ValueError, TypeError, KeyError) as err:
-                log.warning(
-                    "tactic %s from %s cannot be decoded (%s); using the default", tj, self.db_path, err
-                )
+                log.warning("tactic %s from %s cannot be decoded (%s); using the default", tj, self.db_path, err)
                 self._decoded[tj] = None
         value = self._decoded[tj]
         return default(num_tokens) if value is None else value
@@ -511,8 +514,7 @@ class TacticTable:
                 return cls._from_env(problem, exact[0], source, "exact", path)
             other_minor.extend((source, path, e) for e in found)
             notes.extend(
-                f"{path}: rows for Triton {e.triton_version} (this device runs {device.triton_version})"
-                for e in found
+                f"{path}: rows for Triton {e.triton_version} (this device runs {device.triton_version})" for e in found
             )
         for source, path, env in other_minor:
             if smoke_check is None:
@@ -580,8 +582,8 @@ def _read_rows(path: Path, problem: ProblemKey, device: Environment) -> list[_En
     envs: dict[str, _EnvRows] = {}
     for env_hash, gpu, tv, created, m_lo, m_hi, up, params, th in rows:
         env = envs.setdefault(env_hash, _EnvRows(env_hash, gpu, tv, created, [], []))
-        if (device.triton_minor, th) in blocked:  # failing with the Triton that would run it
-            env.notes.append(f"tactic {params} for M {m_lo}-{m_hi} is blocklisted on Triton {device.triton_minor}")
+        if (device.triton_minor, th) in blocked:  # it failed with the Triton that would run it
+            env.notes.append(f"{params} (M {m_lo}-{m_hi}) is blocklisted for Triton {device.triton_minor}")
             continue
         env.ranges.append(Range(int(m_lo), int(m_hi), params, bool(up)))
     # Same GPU model first, then the newest measurement.
@@ -672,7 +674,6 @@ class TacticResolver:
             if table.notes:
                 msg += " (" + "; ".join(table.notes[:3]) + ")"
         warnings.warn(msg, TacticsDBWarning, stacklevel=3)
-        log.warning(msg)
 
     def stats(self) -> LookupStats:
         s = LookupStats()

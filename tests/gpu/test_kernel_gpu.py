@@ -1,0 +1,174 @@
+"""Full-size checks of the bundled MoE kernel on a GPU (gpt-oss-120b dims: E=128, H=I=2880, top-4).
+
+The experts are random checkpoint bytes; they go through the triton-moe layout and the kernel, and
+the oracle dequantizes the *source* bytes with prepkit.mxfp4 in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+E, H, I, TOP_K = 128, 2880, 2880, 4
+TOL = 1e-2  # bf16 activations and intermediate; measured errors sit near 3e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoint():
+    from prepkit.layouts.base import ExpertWeights
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def u8(shape, lo, hi):
+        return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    return ExpertWeights(
+        gate_up_proj_blocks=u8((E, 2 * I, H // 32, 16), 0, 256),
+        gate_up_proj_scales=u8((E, 2 * I, H // 32), 119, 124),
+        gate_up_proj_bias=(torch.randn((E, 2 * I), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
+        down_proj_blocks=u8((E, H, I // 32, 16), 0, 256),
+        down_proj_scales=u8((E, H, I // 32), 119, 124),
+        down_proj_bias=(torch.randn((E, H), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
+    )
+
+
+def _layer(checkpoint, spec):
+    from prepkit.layouts.base import LayoutOptions, ModelDims
+    from prepkit.layouts.triton_moe import LAYOUT
+    from prepkit.runtime import MoeLayer
+
+    plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), spec, LayoutOptions())
+    tensors = LAYOUT.build(checkpoint.experts(*plan.expert_range), plan)
+    layer = MoeLayer.from_tensors(
+        tensors, layout_id=LAYOUT.layout_id, num_experts=E, expert_range=plan.expert_range,
+        valid_intermediate=plan.valid_intermediate, top_k=TOP_K, tp_rank=spec.tp_rank, facts=plan.facts,
+    )
+    return layer, plan
+
+
+def _inputs(T, seed, dead=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn((T, H), generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn((T, E), generator=g, device="cuda")
+    if dead:
+        logits[:, :dead] -= 100.0
+    return x, logits
+
+
+def _reference(checkpoint, x, logits, plan, tp_rank):
+    from prepkit.kernels.reference import moe_reference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return moe_reference(
+        x, logits, checkpoint.as_dict(), top_k=TOP_K, expert_range=plan.expert_range,
+        intermediate_range=plan.intermediate_range, apply_down_bias=tp_rank == 0,
+    )
+
+
+TACTICS = [
+    None,  # the built-in default for the token count
+    ("m16n64k128w4s3sk1", "m16n64k128w4s3sk4"),
+    ("m64n128k64w8s3sk1", "m32n64k256w4s3sk2"),
+    ("m16n64k128w4s3sk1udot_scaled", "m16n128k128w4s3sk2udot_scaled"),
+    ("m16n64k128w4s3sk1", "m64n64k128w4s3sk1uasm"),
+    ("m128n128k64w8s3sk1uasm", "m16n64k256w4s3sk2uasm"),
+]
+
+
+def _parse(key: str):
+    import re
+
+    from prepkit.kernels.tactic import GemmTactic
+
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(\w+))?", key)
+    assert m, key
+    bm, bn, bk, w, s, sk = (int(v) for v in m.groups()[:6])
+    return GemmTactic(bm, bn, bk, w, s, sk, m.group(7) or "bits")
+
+
+@pytest.mark.parametrize("T", [1, 7, 33, 256])
+@pytest.mark.parametrize("keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128"])
+def test_full_size_layer(checkpoint, T, keys):
+    from prepkit.kernels.reference import relative_error
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    layer, plan = _layer(checkpoint, RankSpec())
+    x, logits = _inputs(T, seed=T)
+    tactics = None if keys is None else (_parse(keys[0]), _parse(keys[1]))
+    with pytest.warns(UserWarning, match="no tuned tactic") if keys is None else contextlib.nullcontext():
+        out = moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
+    err = relative_error(out, _reference(checkpoint, x, logits, plan, 0))
+    assert err < TOL, f"T={T} {keys}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("tp_size, ep_size", [(2, 1), (8, 1), (1, 4)])
+def test_full_size_ranks(checkpoint, tp_size, ep_size):
+    from prepkit.kernels.reference import relative_error
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    x, logits = _inputs(33, seed=tp_size * 10 + ep_size, dead=5)
+    specs = RankSpec.all_ranks(tp_size, ep_size)
+    for spec in (specs[0], specs[-1]):
+        layer, plan = _layer(checkpoint, spec)
+        out = moe(layer, x, logits, out_dtype=torch.float32)
+        err = relative_error(out, _reference(checkpoint, x, logits, plan, spec.tp_rank))
+        assert err < TOL, f"{spec}: relative error {err:.3g}"
+
+
+def test_sample_of_every_enumerated_variant():
+    """A stride through the whole variant space on small shapes: a failing variant is a failure."""
+    from prepkit.kernels.device import DeviceInfo
+    from prepkit.kernels.reference import relative_error
+    from prepkit.kernels.variants import enumerate_tactics
+    from prepkit.layouts.base import ExpertWeights, RankSpec
+    from prepkit.runtime import moe
+
+    e, h, i = 8, 512, 256
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def u8(shape, lo, hi):
+        return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    small = ExpertWeights(
+        gate_up_proj_blocks=u8((e, 2 * i, h // 32, 16), 0, 256),
+        gate_up_proj_scales=u8((e, 2 * i, h // 32), 119, 124),
+        gate_up_proj_bias=(torch.randn((e, 2 * i), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
+        down_proj_blocks=u8((e, h, i // 32, 16), 0, 256),
+        down_proj_scales=u8((e, h, i // 32), 119, 124),
+        down_proj_bias=(torch.randn((e, h), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
+    )
+    from prepkit.kernels.reference import moe_reference
+    from prepkit.layouts.base import LayoutOptions, ModelDims
+    from prepkit.layouts.triton_moe import LAYOUT
+    from prepkit.runtime import MoeLayer
+
+    plan = LAYOUT.plan_rank(ModelDims(1, e, h, i, TOP_K), RankSpec(), LayoutOptions())
+    layer = MoeLayer.from_tensors(
+        LAYOUT.build(small, plan), layout_id=LAYOUT.layout_id, num_experts=e, expert_range=(0, e),
+        valid_intermediate=i, top_k=TOP_K, facts=plan.facts,
+    )
+    x = torch.randn((40, h), generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn((40, e), generator=g, device="cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = moe_reference(x, logits, small.as_dict(), top_k=TOP_K)
+    device = DeviceInfo.from_torch()
+    g1s = enumerate_tactics("gemm1", device)
+    g2s = enumerate_tactics("gemm2", device)
+    n = 24
+    failures = []
+    for j in range(n):
+        g1, g2 = g1s[j * len(g1s) // n], g2s[(j * 7919) % len(g2s)]
+        out = moe(layer, x, logits, tactics=(g1, g2), out_dtype=torch.float32)
+        err = relative_error(out, ref)
+        if not err < TOL:
+            failures.append(f"{g1.key()}/{g1.upcast} + {g2.key()}/{g2.upcast}: {err:.3g}")
+    assert not failures, failures

@@ -1,0 +1,143 @@
+"""Variant space, defaults, the runtime's checks and its import cost (no kernel launches)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from prepkit.errors import LayoutError
+from prepkit.kernels.device import GB10, H100, H200, RTX_PRO_6000, DeviceInfo
+from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.variants import (
+    MoeProblem,
+    default_tactics,
+    enumerate_tactics,
+    invalid_reason,
+    shared_mem_bytes,
+)
+from prepkit.runtime import MoeLayer
+from tests.kernels.moe_data import make_layer, random_experts
+
+DEVICES = [H100, H200, RTX_PRO_6000, GB10]
+
+
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+def test_enumerated_variants_are_valid_and_cover_every_family(device):
+    for gemm in ("gemm1", "gemm2"):
+        tactics = enumerate_tactics(gemm, device)
+        assert tactics and len(set(tactics)) == len(tactics)
+        assert all(invalid_reason(t, gemm, device) is None for t in tactics)
+        assert all(shared_mem_bytes(t) <= device.max_shared_mem for t in tactics)
+        assert {t.upcast for t in tactics} == {"bits", "asm", "dot_scaled"}
+        splits = {t.split_k for t in tactics}
+        assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
+
+
+def test_small_shared_memory_prunes_more():
+    assert len(enumerate_tactics("gemm2", RTX_PRO_6000)) < len(enumerate_tactics("gemm2", H100))
+
+
+def test_problem_prunes_oversized_row_tiles():
+    tactics = enumerate_tactics("gemm1", H100, MoeProblem(4, 128, 2880, 2880, 4))
+    assert {t.block_m for t in tactics} == {16}
+
+
+def test_invalid_reasons_name_the_knob():
+    assert "split" in invalid_reason(GemmTactic(split_k=2), "gemm1", H100)
+    assert "block_m" in invalid_reason(GemmTactic(block_m=24), "gemm1", H100)
+    assert "shared memory" in invalid_reason(GemmTactic(128, 256, 256, 8, 4), "gemm1", GB10)
+    old = DeviceInfo("old", (7, 5), 40, 65536)
+    assert "sm_80" in invalid_reason(GemmTactic(upcast="asm"), "gemm1", old)
+
+
+@pytest.mark.parametrize("device", [*DEVICES, DeviceInfo("tiny", (7, 5), 8, 49152)], ids=lambda d: d.name)
+@pytest.mark.parametrize("T", [0, 1, 2, 7, 64, 512, 1024, 4096, 8192, 65536])
+@pytest.mark.parametrize("experts", [4, 32, 128])
+def test_default_is_always_valid(device, T, experts):
+    g1, g2 = default_tactics(MoeProblem(T, experts, 2880, 1440, 4), device)
+    assert invalid_reason(g1, "gemm1", device) is None
+    assert invalid_reason(g2, "gemm2", device) is None
+
+
+def test_tactic_json_round_trip_and_stable_key():
+    t = GemmTactic(16, 64, 128, 4, 3, 2, "asm")
+    assert GemmTactic.from_json(t.to_json()) == t
+    assert GemmTactic(16, 64, 128, 4, 3, 2).key() == "m16n64k128w4s3sk2"  # keys stored before upcast
+    assert t.key().endswith("uasm")
+
+
+def test_layout_ids_agree():
+    from prepkit.kernels.moe_mxfp4 import WEIGHT_LAYOUT
+    from prepkit.layouts.triton_moe import LAYOUT
+    from prepkit.runtime.moe import WEIGHT_LAYOUT as RUNTIME_LAYOUT
+
+    assert WEIGHT_LAYOUT == RUNTIME_LAYOUT == LAYOUT.layout_id
+
+
+def test_wrong_layout_is_refused_naming_both():
+    layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
+    tensors = {name: getattr(layer, name) for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks",
+                                                        "w2_scales", "w2_bias")}
+    with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v1'"):
+        MoeLayer.from_tensors(tensors, layout_id="trtllm_gen_v1", num_experts=4, expert_range=(0, 4),
+                              valid_intermediate=64)
+    del tensors["w2_scales"]
+    with pytest.raises(LayoutError, match="w2_scales"):
+        MoeLayer.from_tensors(tensors, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4),
+                              valid_intermediate=64)
+
+
+def test_prefixed_names_and_shape_checks():
+    layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
+    prefixed = {f"model.layers.3.mlp.experts.{n}": getattr(layer, n) for n in
+                ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")}
+    ok = MoeLayer.from_tensors(prefixed, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4),
+                               valid_intermediate=64)
+    assert ok.hidden == 64 and ok.padded_intermediate == 64
+    with pytest.raises(LayoutError, match="expert_range"):
+        MoeLayer.from_tensors(prefixed, layout_id="triton_moe_v1", num_experts=8, expert_range=(0, 2),
+                              valid_intermediate=64)
+
+
+def test_lookup_is_used_and_default_warns_once():
+    layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
+    with pytest.warns(UserWarning, match="no tuned tactic"):
+        layer.tactics(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.tactics(5)  # a second miss stays quiet
+    assert all(t.upcast != "asm" for t in layer.tactics(5))  # CPU tensors: no inline PTX
+
+    pinned = (GemmTactic(16, 32, 64), GemmTactic(16, 32, 64, split_k=2))
+    seen = []
+
+    def lookup(problem, device):
+        seen.append((problem, device))
+        return pinned
+
+    tuned, _ = make_layer(random_experts(4, 64, 64, seed=0), 2, tactic_lookup=lookup)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuned.tactics(9) == pinned
+    assert seen[0][0] == MoeProblem(9, 4, 64, 64, 2)
+
+
+def test_moe_checks_shapes():
+    from prepkit.runtime import moe
+
+    layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
+    with pytest.raises(ValueError, match="router_logits"):
+        moe(layer, torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="hidden_states"):
+        moe(layer, torch.zeros(3, 32, dtype=torch.bfloat16), torch.zeros(3, 4))
+
+
+def test_importing_the_runtime_is_cheap():
+    code = ("import sys, prepkit.runtime; "
+            "print(sorted(m for m in ('click', 'rich', 'huggingface_hub', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,224 @@
+"""``prepkit tune`` and ``prepkit tactics ...`` through click's CliRunner, on the CPU."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from prepkit.cli import cli
+from prepkit.cli import tune as tune_cli
+from prepkit.kernels.device import H100 as KH100
+from prepkit.runtime.tactics import Environment, TacticTable
+from prepkit.tune import FunctionBackend
+
+H100_ENV = Environment.of(KH100)
+TOKENS = "1-4,64,8192"
+
+
+def synthetic_timer(t: str, m: int) -> list[float]:
+    """Latency model of the stand-in GPU: small row blocks win small M, big tiles win big M."""
+    d = json.loads(t)
+    fit = abs(d["block_m"].bit_length() - (5 if m <= 64 else 8))
+    us = (5.0 + m * 0.01) * (1 + 0.15 * fit + (0.05 if d["block_n"] < 128 else 0) + 0.01 * d["num_stages"])
+    return [us * (1 + 0.001 * i) for i in range(9)]
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch):
+    """Replace the GPU workers with stand-in backends describing an H100."""
+    made: list[FunctionBackend] = []
+
+    def open_backends(gpus):
+        made.clear()
+        for _ in gpus or [0]:
+            made.append(FunctionBackend(synthetic_timer, lambda t: json.loads(t)["block_n"] != 32))
+        return [(b, H100_ENV, KH100) for b in made]
+
+    monkeypatch.setattr(tune_cli, "open_backends", open_backends)
+    return made
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def test_tune_without_gpu_is_a_clear_error(tmp_path: Path) -> None:
+    r = invoke("tune", "--arch", "sm90", "--db", str(tmp_path / "t.db"))
+    assert r.exit_code == 5
+    assert "no CUDA GPU" in r.output and "Hint:" in r.output
+    assert not (tmp_path / "t.db").exists()
+
+
+def test_tune_refuses_another_arch(fake_gpu, tmp_path: Path) -> None:
+    r = invoke("tune", "--arch", "sm121", "--db", str(tmp_path / "t.db"))
+    assert r.exit_code == 5
+    assert "--arch sm121" in r.output and "sm90" in r.output and "H100" in r.output
+
+
+def test_tune_bad_tokens_is_a_usage_error(fake_gpu, tmp_path: Path) -> None:
+    r = invoke("tune", "--tokens", "0,x", "--db", str(tmp_path / "t.db"))
+    assert r.exit_code == 2 and "--tokens" in r.output
+
+
+def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    args = (
+        "tune",
+        "--arch",
+        "sm90",
+        "--db",
+        str(db),
+        "--tokens",
+        TOKENS,
+        "--max-candidates",
+        "24",
+        "--json",
+        "-q",
+    )
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.output)
+    assert out["arch"] == "sm90" and len(out["problems"]) == 2
+    assert all(p["complete"] and p["timed"] > 0 and p["reused"] == 0 for p in out["problems"])
+    assert all(p["blocklisted"] > 0 for p in out["problems"])  # the block_n=32 variants failed their check
+    for role, prob in zip(("gemm1", "gemm2"), out["problems"], strict=True):
+        assert prob["problem"].startswith(role)
+        assert prob["geomean_speedup"] >= 1.0
+    with sqlite3.connect(db) as c:
+        runs = c.execute("SELECT status FROM tuning_run").fetchall()
+        winners = c.execute("SELECT COUNT(*) FROM winner").fetchone()[0]
+        bad = c.execute("SELECT COUNT(*) FROM winner w JOIN blocklist b USING (tactic_hash)").fetchone()[0]
+    assert runs == [("complete",)] and winners >= 2 and bad == 0
+
+    # The runtime reads what the CLI wrote.
+    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.runtime.tactics import gpt_oss_problems
+
+    probs = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v1")
+    table = TacticTable.load(probs["gemm1"], H100_ENV, user_db=db, bundled_db=False)
+    assert table.tier == "exact" and table.tactic_for(3) and table.tactic_for(100_000)
+
+    again = json.loads(invoke(*args).output)
+    assert all(p["timed"] == 0 and p["reused"] > 0 for p in again["problems"])
+    assert all(not b.calls or all(op != "time" for op, _, _ in b.calls) for b in fake_gpu)
+
+
+def test_tune_human_output_and_two_gpus(fake_gpu, tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    r = invoke("tune", "--db", str(db), "--tokens", "1,2,8", "--gpus", "0,1", "--max-candidates", "8", "-q")
+    assert r.exit_code == 0, r.output
+    assert str(db) in r.output and "gemm1" in r.output
+    assert len(fake_gpu) == 2 and all(b.calls for b in fake_gpu)
+
+
+def test_tune_shards_must_be_triton_moe(fake_gpu, tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "manifest.json").write_text("{}")
+    r = invoke("tune", "--shards", str(shards), "--db", str(tmp_path / "t.db"))
+    assert r.exit_code != 0 and r.exit_code != 1
+
+
+@pytest.fixture
+def filled(fake_gpu, tmp_path: Path) -> Path:
+    db = tmp_path / "filled.db"
+    r = invoke("tune", "--db", str(db), "--tokens", TOKENS, "--max-candidates", "12", "-q")
+    assert r.exit_code == 0, r.output
+    return db
+
+
+def test_show_export_plot(filled: Path, tmp_path: Path) -> None:
+    r = invoke("tactics", "show", "--db", str(filled), "--json")
+    assert r.exit_code == 0
+    shown = json.loads(r.output)
+    assert shown["counts"]["winner"] >= 2 and {w["role"] for w in shown["winners"]} == {"gemm1", "gemm2"}
+    r = invoke("tactics", "show", "--db", str(filled))
+    assert r.exit_code == 0 and "gemm2 N=2880" in r.output and "tokens" in r.output
+    r = invoke("tactics", "export", "--json", "--db", str(filled))
+    assert r.exit_code == 0
+    exported = json.loads(r.output)
+    assert exported["format"] == "prepkit-tactics" and exported["tables"]["measurement"]
+    png = tmp_path / "p.png"
+    r = invoke("tactics", "plot", str(png), "--db", str(filled))
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_empty_db_fails(tmp_path: Path) -> None:
+    db = tmp_path / "e.db"
+    from prepkit.tactics_db import open_db
+
+    open_db(db).close()
+    r = invoke("tactics", "plot", str(tmp_path / "x.png"), "--db", str(db))
+    assert r.exit_code == 3 and "nothing to plot" in r.output
+
+
+def test_merge(filled: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "dest.db"
+    r = invoke("tactics", "merge", str(dest), str(filled), "--json")
+    assert r.exit_code == 0, r.output
+    added = json.loads(r.output)["added"]
+    assert added["winner"] >= 2 and added["measurement"] > 0
+    r = invoke("tactics", "merge", str(dest), str(filled), "--json")
+    assert set(json.loads(r.output)["added"].values()) == {0}
+
+
+@pytest.mark.parametrize("kind", ["corrupt", "foreign", "newer", "missing"])
+def test_bad_db_files_exit_3_with_a_message(tmp_path: Path, kind: str) -> None:
+    db = tmp_path / "bad.db"
+    if kind == "corrupt":
+        db.write_bytes(b"\x00garbage" * 300)
+    elif kind == "foreign":
+        with sqlite3.connect(db) as c:
+            c.execute("CREATE TABLE t (x)")
+    elif kind == "newer":
+        from prepkit.runtime.tactics import SCHEMA_VERSION
+        from prepkit.tactics_db import open_db
+
+        open_db(db).close()
+        with sqlite3.connect(db) as c:
+            c.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    expected = {
+        "corrupt": "not a readable SQLite",
+        "foreign": "not a prepkit tactics DB",
+        "newer": "newer",
+        "missing": "no such tactics DB",
+    }[kind]
+    for args in (("tactics", "show", "--db", str(db)), ("tactics", "export", "--json", "--db", str(db))):
+        r = invoke(*args)
+        assert r.exit_code == 3, r.output
+        assert expected in r.output
+    if kind != "missing":
+        r = invoke("tactics", "merge", str(tmp_path / "d.db"), str(db))
+        assert r.exit_code == 3 and expected in r.output
+
+
+def test_tune_refuses_bad_db_before_measuring(fake_gpu, tmp_path: Path) -> None:
+    db = tmp_path / "bad.db"
+    db.write_bytes(b"garbage" * 500)
+    r = invoke("tune", "--db", str(db), "--tokens", "1")
+    assert r.exit_code == 3 and "not a readable SQLite" in r.output
+    assert all(b.calls == [] for b in fake_gpu)
+
+
+def test_environment_round_trips_through_the_worker_payload() -> None:
+    assert Environment(**asdict(H100_ENV)) == H100_ENV
+
+
+def test_reading_a_shipped_db_never_changes_it(filled: Path, tmp_path: Path) -> None:
+    from prepkit.tactics_db import open_db
+
+    shipped = tmp_path / "shipped.db"
+    with open_db(filled) as tdb:
+        tdb.vacuum_into(shipped)
+    before = shipped.read_bytes()
+    for args in (("show",), ("show", "--json"), ("export", "--json"), ("plot", str(tmp_path / "x.png"))):
+        r = invoke("tactics", *args, "--db", str(shipped))
+        assert r.exit_code == 0, r.output
+    assert shipped.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shipped")) == ["shipped.db"]
