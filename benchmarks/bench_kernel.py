@@ -105,13 +105,13 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
 # --- timing the layer --------------------------------------------------------------------------
 
 
-def make_inputs(
-    T: int, sets: int, device: torch.device, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_inputs(T: int, sets: int, device: torch.device, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator(device=device).manual_seed(seed)
     return [
-        (torch.randn((T, H), generator=g, device=device).to(torch.bfloat16),
-         torch.randn((T, E), generator=g, device=device))
+        (
+            torch.randn((T, H), generator=g, device=device).to(torch.bfloat16),
+            torch.randn((T, E), generator=g, device=device),
+        )
         for _ in range(sets)
     ]
 
@@ -121,8 +121,12 @@ def rotation_sets(T: int) -> int:
     return 16 if T <= 128 else 8 if T <= 2048 else 4
 
 
-def time_layer_graph(layer: MoeLayer, inputs: list[tuple[torch.Tensor, torch.Tensor]],
-                     tactics: tuple[GemmTactic, GemmTactic], replays: int = 20) -> float:
+def time_layer_graph(
+    layer: MoeLayer,
+    inputs: list[tuple[torch.Tensor, torch.Tensor]],
+    tactics: tuple[GemmTactic, GemmTactic],
+    replays: int = 20,
+) -> float:
     """Median µs per layer: one CUDA graph runs the layer once per input set."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -182,9 +186,7 @@ def sweep_candidates(T: int, gemm: str) -> list[GemmTactic]:
             for sk in (1,) if gemm == "gemm1" else (1, 2, 4):
                 out.append(GemmTactic(16, bn, bk, 4, 3, sk, upcast))
     else:
-        for bm, bn, bk, warps, upcast in itertools.product(
-            (64, 128), (128, 256), (64, 128), (4, 8), ("asm", "bits")
-        ):
+        for bm, bn, bk, warps, upcast in itertools.product((64, 128), (128, 256), (64, 128), (4, 8), ("asm", "bits")):
             out.append(GemmTactic(bm, bn, bk, warps, 3, 1, upcast))
     return out
 
@@ -202,9 +204,7 @@ def _precompile(fns: list[Callable[[], object]]) -> None:
     torch.cuda.synchronize()
 
 
-def sweep(
-    layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], None]
-) -> tuple[GemmTactic, GemmTactic]:
+def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], None]) -> tuple[GemmTactic, GemmTactic]:
     """Fastest GEMM1 and GEMM2 variants at ``T`` tokens (each timed alone, L2 flushed)."""
     import triton.testing
 
@@ -218,14 +218,16 @@ def sweep(
         fns = []
         for t in sweep_candidates(T, gemm):
             if gemm == "gemm1":
+
                 def fn(t: GemmTactic = t) -> object:
-                    return k.gemm1_swiglu(routing, x, layer.w13_blocks, layer.w13_scales, layer.w13_bias,
-                                          valid_intermediate=I, tactic=t)
-            else:
-                def fn(t: GemmTactic = t) -> object:
-                    return k.gemm2_combine(
-                        routing, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t
+                    return k.gemm1_swiglu(
+                        routing, x, layer.w13_blocks, layer.w13_scales, layer.w13_bias, valid_intermediate=I, tactic=t
                     )
+            else:
+
+                def fn(t: GemmTactic = t) -> object:
+                    return k.gemm2_combine(routing, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t)
+
             fns.append((t, fn))
         _precompile([fn for _, fn in fns])
         for t, fn in fns:
@@ -238,8 +240,7 @@ def sweep(
             if gemm not in best or us < best[gemm][0]:
                 best[gemm] = (us, t)
     g1, g2 = best["gemm1"][1], best["gemm2"][1]
-    log(f"T={T}: best gemm1 {g1.to_json()} {best['gemm1'][0]:.1f} us; "
-        f"gemm2 {g2.to_json()} {best['gemm2'][0]:.1f} us")
+    log(f"T={T}: best gemm1 {g1.to_json()} {best['gemm1'][0]:.1f} us; gemm2 {g2.to_json()} {best['gemm2'][0]:.1f} us")
     return g1, g2
 
 
@@ -267,14 +268,18 @@ def main(argv: list[str] | None = None) -> int:
 
     copy_gbs = copy_bandwidth(device)
     mm_tflops = matmul_rate(device)
-    log(f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
-        f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s")
+    log(
+        f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
+        f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s"
+    )
     layer = synth_layer(device)
     pinned = {}
     if args.tactics:
         raw = json.loads(Path(args.tactics).read_text())
-        pinned = {int(t): (GemmTactic.from_json(json.dumps(a)), GemmTactic.from_json(json.dumps(b)))
-                  for t, (a, b) in raw.items()}
+        pinned = {
+            int(t): (GemmTactic.from_json(json.dumps(a)), GemmTactic.from_json(json.dumps(b)))
+            for t, (a, b) in raw.items()
+        }
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         problem = MoeProblem(T, E, H, I, TOP_K)
@@ -288,26 +293,41 @@ def main(argv: list[str] | None = None) -> int:
         base_us = float("nan")
         if args.baseline:
             x, logits = inputs[0]
-            base_us = _events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits),
-                                     iters=3, warmup=1) * 1e3
-        row = {"tokens": T, "experts_hit": hit, "us": us, "gbs": gbs, "copy_frac": gbs / copy_gbs,
-               "tflops": tflops, "mm_frac": tflops / mm_tflops, "torch_us": base_us,
-               "gemm1": json.loads(tactics[0].to_json()), "gemm2": json.loads(tactics[1].to_json())}
+            base_us = (
+                _events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits), iters=3, warmup=1) * 1e3
+            )
+        row = {
+            "tokens": T,
+            "experts_hit": hit,
+            "us": us,
+            "gbs": gbs,
+            "copy_frac": gbs / copy_gbs,
+            "tflops": tflops,
+            "mm_frac": tflops / mm_tflops,
+            "torch_us": base_us,
+            "gemm1": json.loads(tactics[0].to_json()),
+            "gemm2": json.loads(tactics[1].to_json()),
+        }
         rows.append(row)
-        log(f"T={T:5d} hit={hit:6.1f} {us:9.1f} us {gbs:7.0f} GB/s ({100 * gbs / copy_gbs:5.1f}% copy) "
+        log(
+            f"T={T:5d} hit={hit:6.1f} {us:9.1f} us {gbs:7.0f} GB/s ({100 * gbs / copy_gbs:5.1f}% copy) "
             f"{tflops:6.1f} TFLOP/s ({100 * tflops / mm_tflops:5.1f}% bf16) torch {base_us:10.1f} us "
-            f"[{tactics[0].key()}{tactics[0].upcast[0]} / {tactics[1].key()}{tactics[1].upcast[0]}]")
+            f"[{tactics[0].key()}{tactics[0].upcast[0]} / {tactics[1].key()}{tactics[1].upcast[0]}]"
+        )
 
     log("")
     log("| tokens | experts hit | µs | GB/s | % copy BW | TFLOP/s | % bf16 | torch µs | speedup |")
     log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        log(f"| {r['tokens']} | {r['experts_hit']:.1f} | {r['us']:.1f} | {r['gbs']:.0f} | "
+        log(
+            f"| {r['tokens']} | {r['experts_hit']:.1f} | {r['us']:.1f} | {r['gbs']:.0f} | "
             f"{100 * r['copy_frac']:.1f} | {r['tflops']:.1f} | {100 * r['mm_frac']:.1f} | "
-            f"{r['torch_us']:.0f} | {r['torch_us'] / r['us']:.1f}x |")
+            f"{r['torch_us']:.0f} | {r['torch_us'] / r['us']:.1f}x |"
+        )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps(
-            {"device": info.name, "copy_gbs": copy_gbs, "bf16_tflops": mm_tflops, "rows": rows}, indent=1))
+        Path(args.json_out).write_text(
+            json.dumps({"device": info.name, "copy_gbs": copy_gbs, "bf16_tflops": mm_tflops, "rows": rows}, indent=1)
+        )
     return 0
 
 

@@ -47,9 +47,24 @@ def main() -> None:
     if not (src / "config.json").is_file():
         shutil.rmtree(src, ignore_errors=True)
         print(f"writing a synthetic checkpoint: {args.layers} layers x {args.experts} experts ...", flush=True)
-        subprocess.run([sys.executable, "-m", "prepkit", "synth", str(src), "--layers", str(args.layers),
-                        "--experts", str(args.experts), "--vocab", "8192", "-q"], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "prepkit",
+                "synth",
+                str(src),
+                "--layers",
+                str(args.layers),
+                "--experts",
+                str(args.experts),
+                "--vocab",
+                "8192",
+                "-q",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     shards = sorted(src.glob("model-*.safetensors"))
     source_bytes = sum(p.stat().st_size for p in shards)
     layer_bytes = LAYER_BYTES_120B * args.experts // 128
@@ -74,16 +89,31 @@ def main() -> None:
         for _ in range(args.repeats):
             out = work / f"tp{tp}"
             shutil.rmtree(out, ignore_errors=True)
-            t, rss = timed([sys.executable, "-m", "prepkit", "prepare", "--src", str(src), "--tp", str(tp),
-                            "--out", str(out), "-q"])
+            t, rss = timed(
+                [
+                    sys.executable,
+                    "-m",
+                    "prepkit",
+                    "prepare",
+                    "--src",
+                    str(src),
+                    "--tp",
+                    str(tp),
+                    "--out",
+                    str(out),
+                    "-q",
+                ]
+            )
             times.append(t)
             peaks.append(rss)
         t = statistics.median(times)
         rows.append((f"prepare --tp {tp}", t, source_bytes / t / 1e9, copy_t / t, max(peaks)))
     shutil.rmtree(work / "copy", ignore_errors=True)
 
-    print(f"\nsource: {source_bytes / 1e9:.2f} GB in {len(shards)} shards; one layer = {layer_bytes / 1e9:.2f} GB; "
-          f"{os.cpu_count()} CPUs; median of {args.repeats}")
+    print(
+        f"\nsource: {source_bytes / 1e9:.2f} GB in {len(shards)} shards; one layer = {layer_bytes / 1e9:.2f} GB; "
+        f"{os.cpu_count()} CPUs; median of {args.repeats}"
+    )
     print(f"{'run':<18}{'seconds':>9}{'GB/s':>8}{'x copy':>8}{'peak RSS':>11}{'/ 2 layers':>12}")
     for name, t, gbps, ratio, rss in rows:
         rss_s = f"{rss / 1e9:.2f} GB" if rss else "-"

@@ -46,12 +46,15 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         with path.open("rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"{path.name}: file is {size} bytes, too short to be safetensors",
-                                      hint="re-download it")
+                raise CheckpointError(
+                    f"{path.name}: file is {size} bytes, too short to be safetensors", hint="re-download it"
+                )
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-                raise CheckpointError(f"{path.name}: header length {header_len} does not fit a {size}-byte file",
-                                      hint="the file is truncated or not safetensors; re-download it")
+                raise CheckpointError(
+                    f"{path.name}: header length {header_len} does not fit a {size}-byte file",
+                    hint="the file is truncated or not safetensors; re-download it",
+                )
             header = json.loads(f.read(header_len))
     except OSError as err:
         raise CheckpointError(f"{path.name}: cannot read ({err.strerror})") from err
@@ -74,8 +77,10 @@ class Checkpoint:
         self.root = Path(root)
         self.recipe = recipe
         if not self.root.is_dir():
-            raise CheckpointError(f"checkpoint folder {self.root} does not exist",
-                                  hint=f"download it first: prepkit fetch --model {recipe.name}")
+            raise CheckpointError(
+                f"checkpoint folder {self.root} does not exist",
+                hint=f"download it first: prepkit fetch --model {recipe.name}",
+            )
         self.config = self._read_json("config.json")
         problems = check_config(recipe, self.config, "config.json")
         if problems:
@@ -94,7 +99,9 @@ class Checkpoint:
     def _read_json(self, name: str) -> dict[str, Any]:
         path = self.root / name
         if not path.is_file():
-            raise CheckpointError(f"{path} is missing", hint=f"download the model: prepkit fetch --model {self.recipe.name}")
+            raise CheckpointError(
+                f"{path} is missing", hint=f"download the model: prepkit fetch --model {self.recipe.name}"
+            )
         try:
             value = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -113,8 +120,10 @@ class Checkpoint:
         if (self.root / SINGLE_FILE).is_file():
             header, _ = read_safetensors_header(self.root / SINGLE_FILE)
             return {k: SINGLE_FILE for k in header if k != "__metadata__"}
-        raise CheckpointError(f"{self.root} holds neither {INDEX_NAME} nor {SINGLE_FILE}",
-                              hint=f"download the model: prepkit fetch --model {self.recipe.name}")
+        raise CheckpointError(
+            f"{self.root} holds neither {INDEX_NAME} nor {SINGLE_FILE}",
+            hint=f"download the model: prepkit fetch --model {self.recipe.name}",
+        )
 
     @property
     def files(self) -> list[str]:
@@ -162,8 +171,9 @@ class Checkpoint:
             if got_shape != shape:
                 problems.append(f"{file}: {name} has shape {list(got_shape)}, expected {list(shape)}")
             lo, hi = info["data_offsets"]
-            self.entries[name] = TensorEntry(name, file, got_dtype, info["dtype"], got_shape, hi - lo,
-                                             headers[file][1] + lo)
+            self.entries[name] = TensorEntry(
+                name, file, got_dtype, info["dtype"], got_shape, hi - lo, headers[file][1] + lo
+            )
         for name, file in self.weight_map.items():
             if name not in self.entries and file in headers and name in headers[file][0]:
                 info = headers[file][0][name]
@@ -236,8 +246,9 @@ class Checkpoint:
             done += n
         return out.view(entry.dtype).reshape((hi - lo, *entry.shape[1:]))
 
-    def read_experts_range(self, layer: int, lo: int, hi: int,
-                           buffers: dict[str, torch.Tensor] | None = None) -> ExpertWeights:
+    def read_experts_range(
+        self, layer: int, lo: int, hi: int, buffers: dict[str, torch.Tensor] | None = None
+    ) -> ExpertWeights:
         """Experts ``[lo, hi)`` of one layer, reading only their bytes (into ``buffers[role]``
         when given: the result then aliases them and is only valid until the next read)."""
         tensors = {}
@@ -249,11 +260,13 @@ class Checkpoint:
                     continue
                 tensors[role] = self._handle(self.weight_map[name]).get_slice(name)[lo:hi]
             except OSError as err:
-                raise CheckpointError(f"{self.weight_map[name]}: cannot read {name}: {err}",
-                                      hint="re-download the file") from err
+                raise CheckpointError(
+                    f"{self.weight_map[name]}: cannot read {name}: {err}", hint="re-download the file"
+                ) from err
             except Exception as err:  # safetensors raises its own error types
-                raise CheckpointError(f"{self.weight_map[name]}: cannot read {name}: {err}",
-                                      hint="re-download the file") from err
+                raise CheckpointError(
+                    f"{self.weight_map[name]}: cannot read {name}: {err}", hint="re-download the file"
+                ) from err
         return ExpertWeights(**tensors)
 
     def expert_names(self, layer: int) -> list[str]:

@@ -148,8 +148,7 @@ class RemoteFile:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RemoteFile:
-        return cls(path=raw["path"], size=int(raw["size"]), sha256=raw.get("sha256"),
-                   git_blob=raw.get("git_blob"))
+        return cls(path=raw["path"], size=int(raw["size"]), sha256=raw.get("sha256"), git_blob=raw.get("git_blob"))
 
 
 @dataclass(frozen=True)
@@ -532,8 +531,7 @@ class FetchRecord:
     @property
     def files(self) -> tuple[RemoteFile, ...]:
         return tuple(
-            RemoteFile(e.path, e.size, e.sha256 if e.lfs else None, None if e.lfs else e.git_blob)
-            for e in self.entries
+            RemoteFile(e.path, e.size, e.sha256 if e.lfs else None, None if e.lfs else e.git_blob) for e in self.entries
         )
 
     @property
@@ -614,9 +612,7 @@ def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
             entries=entries,
         )
     except (AttributeError, KeyError, TypeError, ValueError) as err:
-        raise FetchError(
-            f"{path} is not a prepkit fetch record: {err}", hint=REWRITE_HINT
-        ) from err
+        raise FetchError(f"{path} is not a prepkit fetch record: {err}", hint=REWRITE_HINT) from err
 
 
 # -------------------------------------------------------------------------------------- download
@@ -644,9 +640,7 @@ class FetchResult:
             "reused": list(self.reused),
             "retried": list(self.retried),
             "orphans_removed": self.orphans_removed,
-            "files": [
-                {"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.record.entries
-            ],
+            "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.record.entries],
         }
 
 
@@ -688,8 +682,15 @@ def fetch(
             # A new commit: keep the hashes of files still planned; the plan compared them already.
             planned = {f.path for f in plan.files}
             kept = {p: v for p, v in state.verified.items() if p in planned} if state else {}
-            state = _State(dest, plan.source.repo_id, plan.source.revision, plan.commit,
-                           plan.include_original, [f.remote for f in plan.files], kept)
+            state = _State(
+                dest,
+                plan.source.repo_id,
+                plan.source.revision,
+                plan.commit,
+                plan.include_original,
+                [f.remote for f in plan.files],
+                kept,
+            )
         else:
             state.revision = plan.source.revision
             known = {f.path for f in state.files}
@@ -761,9 +762,7 @@ def _remove_orphans(dest: Path) -> int:
 class _Worker:
     """Fetches and verifies one file; runs in worker threads."""
 
-    def __init__(
-        self, plan: FetchPlan, state: _State, progress: _Progress, *, token: str | bool | None
-    ) -> None:
+    def __init__(self, plan: FetchPlan, state: _State, progress: _Progress, *, token: str | bool | None) -> None:
         self.plan = plan
         self.state = state
         self.progress = progress
@@ -1012,18 +1011,14 @@ def _hub_errors(
             hint=f"accept the terms at {endpoint}/{repo}, then set HF_TOKEN to a token of that account",
         ) from err
     except hf.RevisionNotFoundError as err:
-        raise FetchError(
-            f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
-        ) from err
+        raise FetchError(f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)) from err
     except hf.RepositoryNotFoundError as err:
         if stage == "listing" and _repo_exists(api, repo):
             # Some servers (olah) answer an unknown branch with RepoNotFound.
             raise FetchError(
                 f"revision {source.revision!r} not found in {repo}", hint=_revision_hint(source, api)
             ) from err
-        raise FetchError(
-            f"repository {repo} not found at {endpoint}", hint=f"check --model; {token_hint}"
-        ) from err
+        raise FetchError(f"repository {repo} not found at {endpoint}", hint=f"check --model; {token_hint}") from err
     except hf.LocalEntryNotFoundError as err:  # before RemoteEntryNotFoundError's base: it shares it
         raise FetchError(f"cannot reach {endpoint} for {what}", hint=_network_hint()) from err
     except hf.RemoteEntryNotFoundError as err:
@@ -1038,9 +1033,10 @@ def _hub_errors(
         if status in (401, 403):
             raise FetchError(f"{endpoint} refused access to {what} (HTTP {status})", hint=token_hint) from err
         if status == 429:
-            raise FetchError(f"{endpoint} is rate limiting requests for {what} (HTTP 429)",
-                             hint="wait a few minutes and run the same command again; finished files are kept"
-                             ) from err
+            raise FetchError(
+                f"{endpoint} is rate limiting requests for {what} (HTTP 429)",
+                hint="wait a few minutes and run the same command again; finished files are kept",
+            ) from err
         raise FetchError(
             f"{endpoint} failed on {what} (HTTP {status})",
             hint="run the same command again later; finished files are kept",
@@ -1067,14 +1063,17 @@ def _hub_errors(
         raise FetchError(f"cannot write {what}: {err}") from err
     except ValueError as err:
         if "too large" in str(err):  # > 50 GB over plain HTTP (huggingface_hub's MAX_HTTP_DOWNLOAD_SIZE)
-            raise FetchError(f"{what} is too large for a plain HTTP download",
-                             hint="install hf_xet, and unset HF_HUB_DISABLE_XET") from err
+            raise FetchError(
+                f"{what} is too large for a plain HTTP download", hint="install hf_xet, and unset HF_HUB_DISABLE_XET"
+            ) from err
         raise
 
 
 def _network_hint() -> str:
-    return ("check the network and HF_ENDPOINT; if the model was fetched completely before, "
-            "add --offline to check it without the hub")
+    return (
+        "check the network and HF_ENDPOINT; if the model was fetched completely before, "
+        "add --offline to check it without the hub"
+    )
 
 
 def _repo_exists(api: Any, repo: str) -> bool:

@@ -148,16 +148,23 @@ def plan_prepare(
     if ranks is not None:
         bad = [r for r in ranks if not 0 <= r < len(specs)]
         if bad:
-            raise OutputError(f"--rank {bad[0]} is out of range for tp={tp_size} x ep={ep_size}",
-                              hint=f"ranks are 0..{len(specs) - 1}")
+            raise OutputError(
+                f"--rank {bad[0]} is out of range for tp={tp_size} x ep={ep_size}",
+                hint=f"ranks are 0..{len(specs) - 1}",
+            )
         specs = [specs[r] for r in sorted(set(ranks))]
     rank_plans = [layout.plan_rank(dims, spec, options) for spec in specs]
 
     warnings = []
-    alternatives = {v: [layout.plan_rank(dims, s, LayoutOptions(trtllm_version=v)) for s in specs]
-                    for v in TRTLLM_VERSIONS if v != options.trtllm_version}
+    alternatives = {
+        v: [layout.plan_rank(dims, s, LayoutOptions(trtllm_version=v)) for s in specs]
+        for v in TRTLLM_VERSIONS
+        if v != options.trtllm_version
+    }
     for version, plans in alternatives.items():
-        differ = [p.spec.rank for p, q in zip(rank_plans, plans) if p.intermediate_range != q.intermediate_range]
+        differ = [
+            p.spec.rank for p, q in zip(rank_plans, plans, strict=True) if p.intermediate_range != q.intermediate_range
+        ]
         if differ:
             warnings.append(
                 f"at tp={tp_size} the per-rank bytes depend on the TensorRT-LLM version: using "
@@ -204,8 +211,9 @@ def plan_prepare(
     return plan
 
 
-def _fingerprint(checkpoint: Checkpoint, layout: Layout, options: LayoutOptions, tp: int, ep: int,
-                 ranks: list[int]) -> str:
+def _fingerprint(
+    checkpoint: Checkpoint, layout: Layout, options: LayoutOptions, tp: int, ep: int, ranks: list[int]
+) -> str:
     sources = []
     for path in checkpoint.source_files():
         st = path.stat()
@@ -257,7 +265,8 @@ def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
         )
     foreign = sorted(e for e in entries if not (e.startswith("rank") or e == SHARED_DIR))
     raise OutputError(
-        f"--out {out_dir} is not empty and is not a prepkit output folder (holds {', '.join((foreign or entries)[:5])})",
+        f"--out {out_dir} is not empty and is not a prepkit output folder "
+        f"(holds {', '.join((foreign or entries)[:5])})",
         hint="choose an empty or new folder",
     )
 
@@ -303,7 +312,7 @@ class _RankFile:
         pos = len(header)
         for full in order:
             meta = metas[full]
-            name = full[len(prefix):]
+            name = full[len(prefix) :]
             self.offsets[name] = pos
             self.per_expert[name] = meta[0].numel() * meta.element_size() if meta.shape[0] else 0
             pos += meta.numel() * meta.element_size()
@@ -386,8 +395,11 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
     journal = Journal.load(root, plan.fingerprint)
     if (root / MANIFEST_NAME).is_file():
         manifest = json.loads((root / MANIFEST_NAME).read_text())
-        journal.files = {rel: WrittenFile(rel, v["sha256"], v["bytes"]) for rel, v in manifest["files"].items()
-                         if rel.endswith(".safetensors")}
+        journal.files = {
+            rel: WrittenFile(rel, v["sha256"], v["bytes"])
+            for rel, v in manifest["files"].items()
+            if rel.endswith(".safetensors")
+        }
     ckpt = plan.checkpoint
     dims = ckpt.dims
     progress = on_progress or (lambda label, done, total: None)
@@ -402,7 +414,7 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
     writer = ThreadPoolExecutor(max_workers=1)
     in_flight: list[Future[None]] = []
     pending: list[tuple[Future[str], str, int]] = []
-    rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank)}
+    rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank, strict=False)}
     rank_done = dict.fromkeys(rank_total, 0)
     source_hashes = {p.name: hasher.submit(sha256_file, p) for p in _sources_to_hash(ckpt)}
 
@@ -440,8 +452,12 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
         per_expert_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(0)) // dims.num_experts
         step = _experts_per_chunk(plan, per_expert_source)
         _keep_freed_memory()
-        buffers = {role: torch.empty(step * ckpt.entries[ckpt.recipe.expert_name(0, role)].nbytes // dims.num_experts,
-                                     dtype=torch.uint8) for role in SOURCE_ROLES}
+        buffers = {
+            role: torch.empty(
+                step * ckpt.entries[ckpt.recipe.expert_name(0, role)].nbytes // dims.num_experts, dtype=torch.uint8
+            )
+            for role in SOURCE_ROLES
+        }
         for layer in range(dims.num_layers):
             layer_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(layer))
             todo = [p for p in plan.ranks if not journal.is_done(experts_file(p.spec.rank, layer))]
@@ -452,7 +468,9 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
                     skipped += 1
             if todo:
                 prefix = plan.recipe.output_expert_prefix(layer)
-                outs = {p.spec.rank: _RankFile(root, experts_file(p.spec.rank, layer), p, prefix, metadata) for p in todo}
+                outs = {
+                    p.spec.rank: _RankFile(root, experts_file(p.spec.rank, layer), p, prefix, metadata) for p in todo
+                }
                 try:
                     # Chunks never straddle an EP boundary, so each chunk feeds whole ranks.
                     for e_lo, e_hi in sorted({p.expert_range for p in todo}):
@@ -470,7 +488,9 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
                                 in_flight.append(writer.submit(outs[p.spec.rank].write_chunk, c_lo - e_lo, built))
                                 del built
                             del weights
-                            progress("source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source)
+                            progress(
+                                "source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source
+                            )
                     while in_flight:
                         in_flight.pop(0).result()
                     for p in todo:
@@ -494,8 +514,10 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
             drain(block=len(pending) > 2 * len(plan.ranks))  # at most ~2 layers in flight
         drain(block=True)
     except OSError as err:
-        raise OutputError(f"writing {root} failed: {err}",
-                          hint="free disk space or fix permissions, then rerun: finished files are kept") from err
+        raise OutputError(
+            f"writing {root} failed: {err}",
+            hint="free disk space or fix permissions, then rerun: finished files are kept",
+        ) from err
     finally:
         writer.shutdown(wait=True)
         hasher.shutdown(wait=True)
@@ -528,25 +550,31 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
             for n in p.tensors:
                 weight_map[prefix + n] = Path(rel).name
         total = p.layer_nbytes() * ckpt.dims.num_layers + plan.shared_bytes
-        index = {"metadata": {"total_size": total, "prepkit_layout": plan.layout.layout_id, "rank": r},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": total, "prepkit_layout": plan.layout.layout_id, "rank": r},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         files[f"rank{r}/{INDEX_NAME}"] = write_json_atomic(root, f"rank{r}/{INDEX_NAME}", index)
         rank_files.append(f"rank{r}/{INDEX_NAME}")
-        rank_entries.append({
-            "rank": r,
-            "tp_rank": p.spec.tp_rank,
-            "ep_rank": p.spec.ep_rank,
-            "expert_range": list(p.expert_range),
-            "intermediate_range": list(p.intermediate_range),
-            "valid_intermediate": p.valid_intermediate,
-            "padded_intermediate": p.padded_intermediate,
-            "padded_hidden": p.padded_hidden,
-            "sharding_rule": p.sharding_rule,
-            "facts": p.facts,
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dims": list(t.dims)}
-                        for n, t in p.tensors.items()},
-            "files": sorted(rank_files),
-        })
+        rank_entries.append(
+            {
+                "rank": r,
+                "tp_rank": p.spec.tp_rank,
+                "ep_rank": p.spec.ep_rank,
+                "expert_range": list(p.expert_range),
+                "intermediate_range": list(p.intermediate_range),
+                "valid_intermediate": p.valid_intermediate,
+                "padded_intermediate": p.padded_intermediate,
+                "padded_hidden": p.padded_hidden,
+                "sharding_rule": p.sharding_rule,
+                "facts": p.facts,
+                "tensors": {
+                    n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dims": list(t.dims)}
+                    for n, t in p.tensors.items()
+                },
+                "files": sorted(rank_files),
+            }
+        )
     manifest = {
         "format": MANIFEST_FORMAT,
         "format_version": MANIFEST_VERSION,
@@ -619,8 +647,7 @@ def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, An
     source_files = {}
     for p in ckpt.source_files():
         entry = known.get(p.name) or {}
-        source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name),
-                                "bytes": p.stat().st_size}
+        source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name), "bytes": p.stat().st_size}
     if record:
         return {
             "provenance": "prepkit fetch",

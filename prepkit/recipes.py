@@ -21,8 +21,15 @@ from prepkit.layouts.base import ModelDims
 RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
-SAFETENSORS_DTYPES = {"U8": torch.uint8, "BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16,
-                      "I64": torch.int64, "I32": torch.int32, "F8_E4M3": torch.float8_e4m3fn}
+SAFETENSORS_DTYPES = {
+    "U8": torch.uint8,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
 
 # Spellings of the same config value across transformers versions and the original format.
 CONFIG_ALIASES = {
@@ -70,7 +77,7 @@ def available() -> list[str]:
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """Load a recipe by model name (``gpt-oss-120b``), hub id (``openai/gpt-oss-120b``) or path."""
     path = Path(name_or_path)
-    if not path.suffix == ".json":
+    if path.suffix != ".json":
         wanted = str(name_or_path).split("/")[-1]
         path = RECIPES_DIR / f"{wanted}.json"
     if not path.is_file():
@@ -151,8 +158,17 @@ def check_config(recipe: Recipe, config: dict[str, Any], where: str) -> list[str
     quant = (config.get("quantization_config") or {}).get("quant_method")
     if quant != recipe.quant_method:
         problems.append(f"{where}: quantization_config.quant_method is {quant!r}, expected {recipe.quant_method!r}")
-    for key in ("num_hidden_layers", "num_local_experts", "hidden_size", "intermediate_size",
-                "num_experts_per_tok", "vocab_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+    for key in (
+        "num_hidden_layers",
+        "num_local_experts",
+        "hidden_size",
+        "intermediate_size",
+        "num_experts_per_tok",
+        "vocab_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+    ):
         try:
             value = config_value(config, key)
         except KeyError:

@@ -53,7 +53,9 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
+def safetensors_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[bytes, list[str]]:
     """Header bytes (length prefix included) and the data order of a safetensors file.
 
     Larger element types first, then names: every tensor starts aligned to its element size,
@@ -95,9 +97,10 @@ def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
     except OSError as err:
         tmp.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
-            raise OutputError(f"no space left on the device while writing {final}",
-                              hint="free disk space (prepare --dry-run shows the bytes needed) and rerun: "
-                                   "finished files are kept") from err
+            raise OutputError(
+                f"no space left on the device while writing {final}",
+                hint="free disk space (prepare --dry-run shows the bytes needed) and rerun: finished files are kept",
+            ) from err
         raise OutputError(f"cannot write {final}: {err.strerror}") from err
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -105,8 +108,9 @@ def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
     return WrittenFile(rel, digest.hexdigest(), total)
 
 
-def write_safetensors(root: Path, rel: str, tensors: Mapping[str, torch.Tensor],
-                      metadata: Mapping[str, str] | None = None) -> WrittenFile:
+def write_safetensors(
+    root: Path, rel: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> WrittenFile:
     header, order = safetensors_header(tensors, metadata)
 
     def chunks() -> Any:
@@ -202,8 +206,11 @@ def read_manifest(out_dir: str | Path) -> dict[str, Any]:
     path = Path(out_dir) / MANIFEST_NAME
     if not path.is_file():
         journal = Path(out_dir) / JOURNAL_NAME
-        hint = ("the run was interrupted; rerun the same prepare command to finish it"
-                if journal.is_file() else "run prepkit prepare first")
+        hint = (
+            "the run was interrupted; rerun the same prepare command to finish it"
+            if journal.is_file()
+            else "run prepkit prepare first"
+        )
         raise VerifyError(f"{path} is missing: {out_dir} is not a finished prepkit shard set", hint=hint)
     try:
         manifest = json.loads(path.read_text())

@@ -115,10 +115,7 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: i
     if dtype == torch.uint8:
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     values = torch.randn(shape, generator=g, dtype=torch.float32)
-    if name.endswith("norm.weight"):
-        values = 1.0 + 0.1 * values
-    else:
-        values = 0.02 * values
+    values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.02 * values
     return values.to(dtype)
 
 
@@ -192,7 +189,7 @@ def write_synthetic_checkpoint(
     files = shard_names(len(groups))
     weight_map: dict[str, str] = {}
     done = 0
-    for file_name, names in zip(files, groups):
+    for file_name, names in zip(files, groups, strict=False):
         tensors = {n: random_tensor(n, *table[n], seed=seed) for n in names}
         tmp = out / f"{file_name}.tmp-{os.getpid()}"
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -205,10 +202,16 @@ def write_synthetic_checkpoint(
             on_progress("synthesize", done, total)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out / "model.safetensors.index.json", index)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": 199998, "do_sample": True, "eos_token_id": [200002, 199999, 200012],
-        "pad_token_id": 199999, "transformers_version": "4.55.0.dev0",
-    })
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": 199998,
+            "do_sample": True,
+            "eos_token_id": [200002, 199999, 200012],
+            "pad_token_id": 199999,
+            "transformers_version": "4.55.0.dev0",
+        },
+    )
     _write_json(out / "config.json", config)
     return out
 

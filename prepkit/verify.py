@@ -40,8 +40,14 @@ class VerifyReport:
         }
 
 
-def verify(out_dir: str | Path, *, src: str | Path | None = None, sample: int | None = None, seed: int = 0,
-           on_progress: ProgressFn | None = None) -> VerifyReport:
+def verify(
+    out_dir: str | Path,
+    *,
+    src: str | Path | None = None,
+    sample: int | None = None,
+    seed: int = 0,
+    on_progress: ProgressFn | None = None,
+) -> VerifyReport:
     """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor)."""
     root = Path(out_dir)
     manifest = read_manifest(root)
@@ -77,8 +83,15 @@ def verify(out_dir: str | Path, *, src: str | Path | None = None, sample: int | 
     return report
 
 
-def _verify_against_source(root: Path, manifest: dict[str, Any], src: Path, sample: int | None, seed: int,
-                           report: VerifyReport, progress: ProgressFn) -> None:
+def _verify_against_source(
+    root: Path,
+    manifest: dict[str, Any],
+    src: Path,
+    sample: int | None,
+    seed: int,
+    report: VerifyReport,
+    progress: ProgressFn,
+) -> None:
     recipe = load_recipe(manifest["model"]["recipe"])
     ckpt = Checkpoint(src, recipe)
     ckpt.validate()
@@ -86,7 +99,9 @@ def _verify_against_source(root: Path, manifest: dict[str, Any], src: Path, samp
     options = LayoutOptions(**manifest["layout"].get("options", {}))
     dims = ckpt.dims
     if dims.__dict__ != manifest["model"]["dims"]:
-        raise VerifyError(f"--src {src} has dims {dims.__dict__}, the shards were made from {manifest['model']['dims']}")
+        raise VerifyError(
+            f"--src {src} has dims {dims.__dict__}, the shards were made from {manifest['model']['dims']}"
+        )
     tp, ep = manifest["parallel"]["tp_size"], manifest["parallel"]["ep_size"]
     rng = random.Random(seed)
     steps = len(manifest["ranks"]) * dims.num_layers

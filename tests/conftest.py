@@ -23,15 +23,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def synthetic_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 layers x 3 experts at H = I = 2880, split over 3 shards so layers straddle files."""
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "model", num_layers=2, num_experts=3,
-                                      num_shards=3, seed=1)
+    return write_synthetic_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "model", num_layers=2, num_experts=3, num_shards=3, seed=1
+    )
 
 
 @pytest.fixture(scope="session")
 def ep_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 layers x 4 experts at small dims, for EP splits and fast CLI runs."""
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", num_layers=2, num_experts=4,
-                                      hidden=256, intermediate=512, num_shards=2, seed=2)
+    return write_synthetic_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "small",
+        num_layers=2,
+        num_experts=4,
+        hidden=256,
+        intermediate=512,
+        num_shards=2,
+        seed=2,
+    )
 
 
 def random_experts(dims: ModelDims, seed: int = 0) -> ExpertWeights:

@@ -30,8 +30,9 @@ def hashes(out: Path) -> dict[str, str]:
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_prepare_then_verify_against_source(synthetic_ckpt: Path, tmp_path: Path, tp: int) -> None:
     out = tmp_path / "out"
-    code, stdout, stderr = run("prepare", "--src", str(synthetic_ckpt), "--tp", str(tp), "--out", str(out),
-                               "--json", "-q")
+    code, stdout, stderr = run(
+        "prepare", "--src", str(synthetic_ckpt), "--tp", str(tp), "--out", str(out), "--json", "-q"
+    )
     assert code == 0, stderr
     summary = json.loads(stdout)
     assert summary["files_written"] == tp * 2 + 1
@@ -64,22 +65,35 @@ def test_non_expert_tensors_are_stored_once(synthetic_ckpt: Path, tmp_path: Path
 
 def test_dry_run_writes_nothing_and_prints_the_plan(synthetic_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    code, stdout, stderr = run("prepare", "--src", str(synthetic_ckpt), "--tp", "2", "--out", str(out),
-                               "--dry-run", "--json")
+    code, stdout, stderr = run(
+        "prepare", "--src", str(synthetic_ckpt), "--tp", "2", "--out", str(out), "--dry-run", "--json"
+    )
     assert code == 0, stderr
     plan = json.loads(stdout)["plan"]
     assert [r["valid_intermediate"] for r in plan["ranks"]] == [1440, 1440]
     assert plan["warnings"] and "1.2" in plan["warnings"][0]
     assert not out.exists()
-    code, stdout, _ = run("prepare", "--src", str(synthetic_ckpt), "--tp", "2", "--out", str(out), "--dry-run",
-                          "--json", "--trtllm-version", "1.2")
+    code, stdout, _ = run(
+        "prepare",
+        "--src",
+        str(synthetic_ckpt),
+        "--tp",
+        "2",
+        "--out",
+        str(out),
+        "--dry-run",
+        "--json",
+        "--trtllm-version",
+        "1.2",
+    )
     assert [r["valid_intermediate"] for r in json.loads(stdout)["plan"]["ranks"]] == [1536, 1344]
 
 
 def test_ep_and_rank_selection(ep_ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    code, stdout, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--ep", "2", "--rank", "3",
-                               "--out", str(out), "--json", "-q")
+    code, stdout, stderr = run(
+        "prepare", "--src", str(ep_ckpt), "--tp", "2", "--ep", "2", "--rank", "3", "--out", str(out), "--json", "-q"
+    )
     assert code == 0, stderr
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert [(r["rank"], r["expert_range"]) for r in manifest["ranks"]] == [(3, [2, 4])]
@@ -165,7 +179,9 @@ def test_bad_source_is_reported_without_traceback(ep_ckpt: Path, tmp_path: Path)
     assert not (tmp_path / "o").exists()
 
 
-def test_not_enough_disk_is_refused_before_writing(ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_not_enough_disk_is_refused_before_writing(
+    ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import prepkit.pipeline as pipeline
 
     monkeypatch.setattr(pipeline, "free_bytes", lambda path: 1000)
@@ -174,7 +190,9 @@ def test_not_enough_disk_is_refused_before_writing(ep_ckpt: Path, tmp_path: Path
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
 
 
-def test_disk_full_mid_run_leaves_nothing_complete(ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disk_full_mid_run_leaves_nothing_complete(
+    ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     calls = {"n": 0}
     real_pwrite = os.pwrite
 

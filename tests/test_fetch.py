@@ -132,8 +132,15 @@ def test_other_repos_default_to_main_and_bad_names_are_refused() -> None:
 
 
 def test_default_patterns_skip_original_and_metal() -> None:
-    paths = ["config.json", "model-00000-of-00001.safetensors", "original/model--00001-of-00007.safetensors",
-             "original/config.json", "metal/model.bin", "README.md", "chat_template.jinja"]
+    paths = [
+        "config.json",
+        "model-00000-of-00001.safetensors",
+        "original/model--00001-of-00007.safetensors",
+        "original/config.json",
+        "metal/model.bin",
+        "README.md",
+        "chat_template.jinja",
+    ]
     remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
     source = fetching.resolve_source("gpt-oss-120b")
     pick = lambda original: sorted(f.path for f in fetching._select(remote, *source.patterns(original)))  # noqa: E731
@@ -168,8 +175,9 @@ def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
 
 def test_fetch_verifies_records_and_reports_progress(fake_hub: FakeHub, src: Path, tmp_path: Path) -> None:
     seen: dict[str, tuple[int, int]] = {}
-    result = fetching.fetch(_plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.update(
-        {label: (done, total)}))
+    result = fetching.fetch(
+        _plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.update({label: (done, total)})
+    )
     sizes = {p.name: p.stat().st_size for p in src.iterdir()}
     assert set(result.downloaded) == set(sizes)
     assert seen[fetching.TOTAL_LABEL] == (sum(sizes.values()), sum(sizes.values()))
@@ -196,9 +204,7 @@ def test_a_small_file_is_checked_against_its_git_blob_id(fake_hub: FakeHub, tmp_
     assert not (tmp_path / "m" / "config.json").exists()
 
 
-def test_index_naming_a_shard_the_repo_lacks_is_refused(
-    fake_hub: FakeHub, src: Path, tmp_path: Path
-) -> None:
+def test_index_naming_a_shard_the_repo_lacks_is_refused(fake_hub: FakeHub, src: Path, tmp_path: Path) -> None:
     index = json.loads((src / "model.safetensors.index.json").read_text())
     index["weight_map"]["c"] = "model-00002-of-00002.safetensors"
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -208,8 +214,18 @@ def test_index_naming_a_shard_the_repo_lacks_is_refused(
 
 
 def fetch_cli(dest: Path, *extra: str) -> Result:
-    return run_cli("fetch", "--model", "someorg/model", "--revision", COMMIT, "--dir", str(dest),
-                   "--endpoint", DEAD_ENDPOINT, *extra)
+    return run_cli(
+        "fetch",
+        "--model",
+        "someorg/model",
+        "--revision",
+        COMMIT,
+        "--dir",
+        str(dest),
+        "--endpoint",
+        DEAD_ENDPOINT,
+        *extra,
+    )
 
 
 def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
@@ -303,8 +319,7 @@ def _hub_api_raising(monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     ("error", "message", "hint"),
     [
         (hf_errors.GatedRepoError("gated", response=_response(403)), "is gated", "HF_TOKEN"),
-        (hf_errors.RevisionNotFoundError("nope", response=_response(404)), "revision 'main' not found",
-         "--revision"),
+        (hf_errors.RevisionNotFoundError("nope", response=_response(404)), "revision 'main' not found", "--revision"),
         (hf_errors.RepositoryNotFoundError("nope", response=_response(401)), "not found at", "HF_TOKEN"),
         (hf_errors.HfHubHTTPError("boom", response=_response(500)), "HTTP 500", "again"),
         (httpx2.ConnectError("connection refused"), "cannot reach", "--offline"),

@@ -96,8 +96,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
     work = tmp_path_factory.mktemp("olah")
     src = _write_source(work / "src")
     mirrors = work / "mirrors"
-    repos = {name: olah_server.build_mirror_repo(src, mirrors, name)
-             for name in (REPO, PLAIN_REPO, CORRUPT_REPO, FLAKY_REPO, MOVING_REPO)}
+    repos = {
+        name: olah_server.build_mirror_repo(src, mirrors, name)
+        for name in (REPO, PLAIN_REPO, CORRUPT_REPO, FLAKY_REPO, MOVING_REPO)
+    }
     _corrupt_object(repos[CORRUPT_REPO], (src / SHARD).read_bytes())
     big = work / "big"
     shutil.copytree(src, big)
@@ -114,13 +116,15 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
 
 
 def fetch_args(hub: Hub, dest: Path, *extra: str, repo: str = REPO) -> list[str]:
-    return ["fetch", "--model", repo, "--revision", "main", "--dir", str(dest), "--endpoint", hub.endpoint,
-            *extra]
+    return ["fetch", "--model", repo, "--revision", "main", "--dir", str(dest), "--endpoint", hub.endpoint, *extra]
 
 
 def files_under(dest: Path) -> set[str]:
-    return {p.relative_to(dest).as_posix() for p in dest.rglob("*")
-            if p.is_file() and ".cache" not in p.relative_to(dest).parts}
+    return {
+        p.relative_to(dest).as_posix()
+        for p in dest.rglob("*")
+        if p.is_file() and ".cache" not in p.relative_to(dest).parts
+    }
 
 
 def assert_identical(hub: Hub, dest: Path, names: set[str]) -> None:
@@ -253,9 +257,7 @@ def test_shard_corrupt_on_the_server_is_fetched_twice_then_reported(hub: Hub, tm
     assert_identical(hub, dest, DEFAULT_FILES - {SHARD})  # the others completed
 
 
-def test_transient_corruption_is_healed_by_the_retry(
-    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_transient_corruption_is_healed_by_the_retry(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
     repo = hub.repos[FLAKY_REPO]
@@ -324,8 +326,7 @@ def test_unknown_repo(hub: Hub, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("revision", ["no-such-branch", "0123456789abcdef0123456789abcdef01234567"])
 def test_unknown_revision(hub: Hub, tmp_path: Path, revision: str) -> None:
-    args = ["fetch", "--model", REPO, "--revision", revision, "--dir", str(tmp_path / "m"),
-            "--endpoint", hub.endpoint]
+    args = ["fetch", "--model", REPO, "--revision", revision, "--dir", str(tmp_path / "m"), "--endpoint", hub.endpoint]
     result = run_cli(*args)
     assert result.exit_code == FetchError.exit_code
     assert f"revision {revision!r} not found in {REPO}" in result.stderr
@@ -335,16 +336,13 @@ def test_unknown_revision(hub: Hub, tmp_path: Path, revision: str) -> None:
 
 def test_hub_unreachable(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{olah_server.free_port()}"
-    result = run_cli("fetch", "--model", REPO, "--revision", "main", "--dir", str(tmp_path / "m"),
-                     "--endpoint", dead)
+    result = run_cli("fetch", "--model", REPO, "--revision", "main", "--dir", str(tmp_path / "m"), "--endpoint", dead)
     assert result.exit_code == FetchError.exit_code
     assert f"cannot reach {dead}" in result.stderr and "--offline" in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_short_disk_is_refused_before_downloading(
-    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_short_disk_is_refused_before_downloading(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = shutil.disk_usage
 
     def little_free(path: str | os.PathLike[str]) -> object:
@@ -362,8 +360,7 @@ def test_short_disk_is_refused_before_downloading(
 def test_fetch_then_prepare_end_to_end(hub: Hub, tmp_path: Path) -> None:
     dest, out = tmp_path / "model", tmp_path / "prepared"
     assert run_cli(*fetch_args(hub, dest)).exit_code == 0
-    result = run_cli("prepare", "--model", "gpt-oss-120b", "--src", str(dest), "--tp", "1", "--out", str(out),
-                     "--json")
+    result = run_cli("prepare", "--model", "gpt-oss-120b", "--src", str(dest), "--tp", "1", "--out", str(out), "--json")
     assert result.exit_code == 0, result.stderr
     manifest_path = out / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
@@ -408,8 +405,9 @@ def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
     assert proc.returncode == 130, stderr
     assert not (dest / BIG_SHARD).exists()
     assert not (dest / fetching.RECORD_NAME).exists()
-    finished = {name for name in ("chat_template.jinja", "config.json", "generation_config.json")
-                if (dest / name).exists()}
+    finished = {
+        name for name in ("chat_template.jinja", "config.json", "generation_config.json") if (dest / name).exists()
+    }
     assert finished  # workers=1 takes files in sorted order: these came before the big shard
 
     result = run_cli(*fetch_args(hub, dest, "--json", repo=BIG_REPO))

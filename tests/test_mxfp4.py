@@ -21,7 +21,9 @@ def _e2m1(code: int) -> float:
 
 def test_fp4_table_matches_the_e2m1_definition() -> None:
     assert [abs(v) for v in mxfp4.FP4_VALUES] == [abs(_e2m1(c)) for c in range(16)]
-    assert [math.copysign(1, v) for v in mxfp4.FP4_VALUES] == [math.copysign(1, _e2m1(c)) if c != 8 else -1 for c in range(16)]
+    assert [math.copysign(1, v) for v in mxfp4.FP4_VALUES] == [
+        math.copysign(1, _e2m1(c)) if c != 8 else -1 for c in range(16)
+    ]
 
 
 def test_nibble_unpack_is_low_nibble_first_for_every_byte() -> None:

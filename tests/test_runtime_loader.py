@@ -65,8 +65,10 @@ def test_tampered_shapes_and_hashes_are_caught(prepared: Path, tmp_path: Path) -
 
 
 def test_importing_the_runtime_is_cheap() -> None:
-    code = ("import sys, prepkit.runtime; from prepkit.runtime import load_shards; "
-            "print(sorted(m for m in ('click', 'rich', 'huggingface_hub', 'triton', 'sqlite_utils') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, prepkit.runtime; from prepkit.runtime import load_shards; "
+        "print(sorted(m for m in ('click', 'rich', 'huggingface_hub', 'triton', 'sqlite_utils') "
+        "if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

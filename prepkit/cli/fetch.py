@@ -22,22 +22,34 @@ _STATUS = {
 
 @cli.command("fetch")
 @model_option
-@click.option("--revision",
-              help="Branch, tag or commit sha. Default: the recipe's pinned commit (main for ORG/NAME).")
-@click.option("--dir", "dest", type=click.Path(file_okay=False, path_type=Path),
-              help="Target folder. Default: $PREPKIT_HOME/models/<org>--<name>/<revision>.")
-@click.option("--include-original", is_flag=True,
-              help="Also fetch original/ (a second copy in OpenAI's format).")
+@click.option("--revision", help="Branch, tag or commit sha. Default: the recipe's pinned commit (main for ORG/NAME).")
+@click.option(
+    "--dir",
+    "dest",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Target folder. Default: $PREPKIT_HOME/models/<org>--<name>/<revision>.",
+)
+@click.option("--include-original", is_flag=True, help="Also fetch original/ (a second copy in OpenAI's format).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and the disk check; download nothing.")
 @click.option("--offline", is_flag=True, help="No network: verify a folder fetched before and record it.")
-@click.option("--endpoint", envvar="HF_ENDPOINT",
-              help="Hub URL. Default: $HF_ENDPOINT or the Hugging Face hub.")
-@click.option("--workers", type=click.IntRange(1, 16), default=4, show_default=True,
-              help="Files downloaded at the same time.")
+@click.option("--endpoint", envvar="HF_ENDPOINT", help="Hub URL. Default: $HF_ENDPOINT or the Hugging Face hub.")
+@click.option(
+    "--workers", type=click.IntRange(1, 16), default=4, show_default=True, help="Files downloaded at the same time."
+)
 @json_option
 @quiet_option
-def fetch_command(model: str, revision: str | None, dest: Path | None, include_original: bool, dry_run: bool,
-                  offline: bool, endpoint: str | None, workers: int, as_json: bool, quiet: bool) -> None:
+def fetch_command(
+    model: str,
+    revision: str | None,
+    dest: Path | None,
+    include_original: bool,
+    dry_run: bool,
+    offline: bool,
+    endpoint: str | None,
+    workers: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Download the files `prepare` needs, check each against the hub's sha256, and record them.
 
     Never fetches metal/; fetches original/ only with --include-original. A rerun skips files
@@ -53,8 +65,7 @@ def fetch_command(model: str, revision: str | None, dest: Path | None, include_o
     """
     source = fetching.resolve_source(model, revision=revision)
     target = dest or fetching.model_dir_for(source.repo_id, source.revision)
-    plan = fetching.plan_fetch(source, target, include_original=include_original, offline=offline,
-                               endpoint=endpoint)
+    plan = fetching.plan_fetch(source, target, include_original=include_original, offline=offline, endpoint=endpoint)
     _show_plan(plan)
     if dry_run:
         if as_json:
@@ -82,8 +93,10 @@ def _show_plan(plan: fetching.FetchPlan) -> None:
     for f in plan.files:
         table.add_row(f.path, human(f.remote.size), _STATUS.get(f.status, f.status))
     console.err_console.print(table)
-    console.info(f"{len(plan.files)} files, {human(plan.total_bytes)}: {plan.count('verified')} verified, "
-                 f"{plan.count('unverified')} to verify, {human(plan.download_bytes)} to download")
+    console.info(
+        f"{len(plan.files)} files, {human(plan.total_bytes)}: {plan.count('verified')} verified, "
+        f"{plan.count('unverified')} to verify, {human(plan.download_bytes)} to download"
+    )
     orphans = f" + {human(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
     console.info(f"free disk: {human(plan.free_bytes)}{orphans}")
     if not plan.fits:

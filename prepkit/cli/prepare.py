@@ -31,27 +31,66 @@ def _human(n: int) -> str:
 
 @cli.command()
 @model_option
-@click.option("--layout", "layout_name", default="trtllm-gen", show_default=True,
-              type=click.Choice(sorted(LAYOUTS)), help="Target engine layout.")
-@click.option("--tp", "tp_size", default=1, show_default=True, type=click.IntRange(min=1),
-              help="MoE tensor-parallel size.")
-@click.option("--ep", "ep_size", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Expert-parallel size (contiguous expert slices).")
-@click.option("--rank", "ranks", multiple=True, type=click.IntRange(min=0),
-              help="Only these output ranks (rank = ep_rank*tp + tp_rank); repeatable. Default: all.")
-@click.option("--trtllm-version", default="main", show_default=True, type=click.Choice(TRTLLM_VERSIONS),
-              help="TensorRT-LLM whose TP split to match: 'main' (logical TP slicing where it applies, "
-                   "PR #18870) or '1.2' (pad-before-shard everywhere). Only TP2 of gpt-oss differs.")
-@click.option("--src", type=click.Path(path_type=Path, file_okay=False),
-              help="Checkpoint folder. Default: where 'prepkit fetch' puts --model.")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False),
-              help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>].")
+@click.option(
+    "--layout",
+    "layout_name",
+    default="trtllm-gen",
+    show_default=True,
+    type=click.Choice(sorted(LAYOUTS)),
+    help="Target engine layout.",
+)
+@click.option(
+    "--tp", "tp_size", default=1, show_default=True, type=click.IntRange(min=1), help="MoE tensor-parallel size."
+)
+@click.option(
+    "--ep",
+    "ep_size",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Expert-parallel size (contiguous expert slices).",
+)
+@click.option(
+    "--rank",
+    "ranks",
+    multiple=True,
+    type=click.IntRange(min=0),
+    help="Only these output ranks (rank = ep_rank*tp + tp_rank); repeatable. Default: all.",
+)
+@click.option(
+    "--trtllm-version",
+    default="main",
+    show_default=True,
+    type=click.Choice(TRTLLM_VERSIONS),
+    help="TensorRT-LLM whose TP split to match: 'main' (logical TP slicing where it applies, "
+    "PR #18870) or '1.2' (pad-before-shard everywhere). Only TP2 of gpt-oss differs.",
+)
+@click.option(
+    "--src",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Checkpoint folder. Default: where 'prepkit fetch' puts --model.",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>].",
+)
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, shapes, bytes, free disk) and stop.")
 @json_option
 @quiet_option
-def prepare(model: str, layout_name: str, tp_size: int, ep_size: int, ranks: tuple[int, ...],
-            trtllm_version: str, src: Path | None, out: Path | None, dry_run: bool, as_json: bool,
-            quiet: bool) -> None:
+def prepare(
+    model: str,
+    layout_name: str,
+    tp_size: int,
+    ep_size: int,
+    ranks: tuple[int, ...],
+    trtllm_version: str,
+    src: Path | None,
+    out: Path | None,
+    dry_run: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Convert the MoE experts of a checkpoint into one shard set per TP/EP rank.
 
     Reads each layer once, writes every rank's file from it, and finishes with
@@ -71,9 +110,16 @@ def prepare(model: str, layout_name: str, tp_size: int, ep_size: int, ranks: tup
     src = src or default_src(model)
     suffix = f"-ep{ep_size}" if ep_size > 1 else ""
     out = out or Path("prepared") / f"{recipe.name}-{layout.name}-tp{tp_size}{suffix}"
-    plan = pipeline.plan_prepare(recipe, src, layout, tp_size=tp_size, ep_size=ep_size, out_dir=out,
-                                 options=LayoutOptions(trtllm_version=trtllm_version),
-                                 ranks=list(ranks) if ranks else None)
+    plan = pipeline.plan_prepare(
+        recipe,
+        src,
+        layout,
+        tp_size=tp_size,
+        ep_size=ep_size,
+        out_dir=out,
+        options=LayoutOptions(trtllm_version=trtllm_version),
+        ranks=list(ranks) if ranks else None,
+    )
     _show_plan(plan)
     if dry_run:
         if as_json:
@@ -90,9 +136,11 @@ def prepare(model: str, layout_name: str, tp_size: int, ep_size: int, ranks: tup
     if as_json:
         console.emit_json(summary)
     else:
-        console.info(f"[green]done:[/] {summary['files_written']} files written, {summary['files_skipped']} "
-                     f"already complete, {_human(summary['bytes_written'])} in {summary['seconds']:.1f} s "
-                     f"({summary['source_gb_per_s']:.2f} GB/s of source)")
+        console.info(
+            f"[green]done:[/] {summary['files_written']} files written, {summary['files_skipped']} "
+            f"already complete, {_human(summary['bytes_written'])} in {summary['seconds']:.1f} s "
+            f"({summary['source_gb_per_s']:.2f} GB/s of source)"
+        )
         click.echo(str(result.out_dir / "manifest.json"))
 
 
@@ -111,13 +159,21 @@ def _show_plan(plan: pipeline.PreparePlan) -> None:  # type: ignore[name-defined
         table.add_column(col)
     for r in s["ranks"]:
         lo, hi = r["intermediate_rows"]
-        table.add_row(str(r["rank"]), f"{r['experts'][0]}..{r['experts'][1] - 1}", f"[{lo}, {hi})",
-                      str(r["valid_intermediate"]), str(r["padded_intermediate"]), r["sharding_rule"],
-                      _human(r["bytes"]))
+        table.add_row(
+            str(r["rank"]),
+            f"{r['experts'][0]}..{r['experts'][1] - 1}",
+            f"[{lo}, {hi})",
+            str(r["valid_intermediate"]),
+            str(r["padded_intermediate"]),
+            r["sharding_rule"],
+            _human(r["bytes"]),
+        )
     console.err_console.print(table)
     shapes = ", ".join(f"{n} {v}" for n, v in s["ranks"][0]["tensors_per_layer"].items())
     console.info(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
-    console.info(f"to write: {_human(s['bytes_to_write'])} (shared non-expert tensors {_human(s['shared_bytes'])}, "
-                 f"written once); free: {_human(s['free_bytes'])}")
+    console.info(
+        f"to write: {_human(s['bytes_to_write'])} (shared non-expert tensors {_human(s['shared_bytes'])}, "
+        f"written once); free: {_human(s['free_bytes'])}"
+    )
     for w in s["warnings"]:
         console.warn(w)

@@ -19,13 +19,28 @@ from prepkit.cli._options import json_option, quiet_option
 @click.option("--intermediate", default=2880, show_default=True, type=click.IntRange(min=32))
 @click.option("--top-k", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--vocab", default=1024, show_default=True, type=click.IntRange(min=1))
-@click.option("--shards", "num_shards", type=click.IntRange(min=1),
-              help="Number of shard files (default: split at 4.8 GB like the hub's).")
+@click.option(
+    "--shards",
+    "num_shards",
+    type=click.IntRange(min=1),
+    help="Number of shard files (default: split at 4.8 GB like the hub's).",
+)
 @click.option("--seed", default=0, show_default=True)
 @json_option
 @quiet_option
-def synth(out: Path, layers: int, experts: int, hidden: int, intermediate: int, top_k: int, vocab: int,
-          num_shards: int | None, seed: int, as_json: bool, quiet: bool) -> None:
+def synth(
+    out: Path,
+    layers: int,
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    top_k: int,
+    vocab: int,
+    num_shards: int | None,
+    seed: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Write a random gpt-oss MXFP4 checkpoint (config, index, shards) for tests and demos.
 
     Real per-expert dims by default (H = I = 2880), so padding and TP splits are the
@@ -45,9 +60,18 @@ def synth(out: Path, layers: int, experts: int, hidden: int, intermediate: int, 
     if out.exists() and any(out.iterdir()):
         raise RecipeError(f"{out} is not empty", hint="choose a new folder")
     with console.progress(enabled=not quiet, transient=True) as on_progress:
-        path = write_synthetic_checkpoint(out, num_layers=layers, num_experts=experts, hidden=hidden,
-                                          intermediate=intermediate, top_k=top_k, vocab_size=vocab,
-                                          num_shards=num_shards, seed=seed, on_progress=on_progress)
+        path = write_synthetic_checkpoint(
+            out,
+            num_layers=layers,
+            num_experts=experts,
+            hidden=hidden,
+            intermediate=intermediate,
+            top_k=top_k,
+            vocab_size=vocab,
+            num_shards=num_shards,
+            seed=seed,
+            on_progress=on_progress,
+        )
     if as_json:
         console.emit_json({"out": str(path), "files": sorted(p.name for p in path.iterdir())})
     else:

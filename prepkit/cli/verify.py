@@ -13,8 +13,11 @@ from prepkit.cli._options import json_option, quiet_option
 
 @cli.command()
 @click.argument("out", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--src", type=click.Path(path_type=Path, file_okay=False),
-              help="Source checkpoint: invert the layout and compare every expert with it.")
+@click.option(
+    "--src",
+    type=click.Path(path_type=Path, file_okay=False),
+    help="Source checkpoint: invert the layout and compare every expert with it.",
+)
 @click.option("--sample", type=click.IntRange(min=1), help="With --src: check K random experts per rank and layer.")
 @click.option("--seed", default=0, show_default=True, help="Seed for --sample.")
 @json_option
@@ -39,6 +42,12 @@ def verify(out: Path, src: Path | None, sample: int | None, seed: int, as_json: 
     if as_json:
         console.emit_json(report.summary())
     else:
-        console.info(f"[green]ok:[/] {report.files_checked} files match the manifest"
-                     + (f", {report.experts_checked} experts and {report.shared_tensors_checked} shared tensors "
-                        "match the source" if src else ""))
+        console.info(
+            f"[green]ok:[/] {report.files_checked} files match the manifest"
+            + (
+                f", {report.experts_checked} experts and {report.shared_tensors_checked} shared tensors "
+                "match the source"
+                if src
+                else ""
+            )
+        )

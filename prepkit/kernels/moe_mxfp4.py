@@ -59,9 +59,23 @@ def _interpreting() -> bool:
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, topk_ids_ptr, topk_w_ptr, rank_ptr, counts_ptr, out_ptr,
-    T, E, H, stride_lt, stride_ot, E_LO, E_LOCAL,
-    TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    logits_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    rank_ptr,
+    counts_ptr,
+    out_ptr,
+    T,
+    E,
+    H,
+    stride_lt,
+    stride_ot,
+    E_LO,
+    E_LOCAL,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,7 +84,8 @@ def _route_kernel(
     e_mask = offs_e < E
     logits = tl.load(
         logits_ptr + offs_t[:, None].to(tl.int64) * stride_lt + offs_e[None, :],
-        mask=t_mask[:, None] & e_mask[None, :], other=0.0,
+        mask=t_mask[:, None] & e_mask[None, :],
+        other=0.0,
     ).to(tl.float32)
     logits = tl.where(e_mask[None, :], logits, float("-inf"))
     row_max = tl.max(logits, axis=1)
@@ -103,15 +118,23 @@ def _route_kernel(
     for h0 in range(0, H, BLOCK_H):
         offs_h = h0 + tl.arange(0, BLOCK_H)
         tl.store(
-            out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :], zeros,
+            out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :],
+            zeros,
             mask=t_mask[:, None] & (offs_h < H)[None, :],
         )
 
 
 @triton.jit
 def _scatter_kernel(
-    topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, TK, E_LO, E_LOCAL,
-    E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    topk_ids_ptr,
+    rank_ptr,
+    counts_ptr,
+    sorted_ptr,
+    TK,
+    E_LO,
+    E_LOCAL,
+    E_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_e = tl.arange(0, E_PAD)
@@ -148,6 +171,7 @@ def _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD: tl.constexpr, BLOCK_M: tl.c
 # "low" elements (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise
 # function of the bytes: no interleave, no reshape across registers. Each feeds its own dot with
 # the matching half of the activations.
+
 
 @triton.jit
 def _fp4_to_f32(code):
@@ -205,8 +229,11 @@ def _upcast_pair(wq, sc, UPCAST: tl.constexpr):
             fma.rn.bf16x2 $3, $3, $6, z;
             }
             """,
-            "=r,=r,=r,=r,r,r,r", [wq, scale],
-            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+            "=r,=r,=r,=r,r,r,r",
+            [wq, scale],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
         )
     else:
         # Scale byte s is 2^(s-127): the same bits as an fp32 exponent field (s = 0 reads as 0).
@@ -234,9 +261,24 @@ def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
 
 @triton.jit
 def _mxfp4_mainloop(
-    a_rows, a_mask, w_base, s_base, offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
+    a_rows,
+    a_mask,
+    w_base,
+    s_base,
+    offs_n,
+    n_mask,
+    stride_wn,
+    stride_sk,
+    k_lo,
+    k_hi,
+    K,
+    acc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
@@ -250,23 +292,28 @@ def _mxfp4_mainloop(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         gg = k0 // 32 + offs_g
         g_mask = gg < n_groups
-        sc = tl.load(s_base + gg[None, :] * stride_sk + offs_n[:, None],
-                     mask=n_mask[:, None] & g_mask[None, :], other=0)  # [BN, G]
+        sc = tl.load(
+            s_base + gg[None, :] * stride_sk + offs_n[:, None], mask=n_mask[:, None] & g_mask[None, :], other=0
+        )  # [BN, G]
         if UPCAST == 1:
             # tl.dot_scaled wants byte j of a group to hold elements 2j, 2j+1: feed it the
             # activations permuted the same way (column 2j+t of a group reads element 16t + j).
             offs_kp = tl.arange(0, BLOCK_K)
             src = k0 + (offs_kp // 32) * 32 + (offs_kp % 2) * 16 + (offs_kp % 32) // 2
-            a = tl.load(a_rows[:, None] + src[None, :],
-                        mask=a_mask[:, None] & (src < K)[None, :], other=0.0)
+            a = tl.load(a_rows[:, None] + src[None, :], mask=a_mask[:, None] & (src < K)[None, :], other=0.0)
             offs_b = tl.arange(0, BLOCK_K // 2)
-            wq = tl.load(w_base + offs_n[None, :] * stride_wn + k0 // 2 + offs_b[:, None],
-                         mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None], other=0)
+            wq = tl.load(
+                w_base + offs_n[None, :] * stride_wn + k0 // 2 + offs_b[:, None],
+                mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None],
+                other=0,
+            )
             acc = tl.dot_scaled(a, None, "bf16", wq, sc, "e2m1", acc)
         else:
-            wq = tl.load(w_base + offs_n[:, None, None] * stride_wn + gg[None, :, None] * 16
-                         + offs_j[None, None, :],
-                         mask=n_mask[:, None, None] & g_mask[None, :, None], other=0)  # [BN, G, 16]
+            wq = tl.load(
+                w_base + offs_n[:, None, None] * stride_wn + gg[None, :, None] * 16 + offs_j[None, None, :],
+                mask=n_mask[:, None, None] & g_mask[None, :, None],
+                other=0,
+            )  # [BN, G, 16]
             kk = gg[None, :, None] * 32 + offs_j[None, None, :]  # [1, G, 16]
             a_msk = a_mask[:, None, None] & g_mask[None, :, None]
             a_lo = tl.load(a_rows[:, None, None] + kk, mask=a_msk, other=0.0)
@@ -292,13 +339,33 @@ def _mxfp4_mainloop(
 
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, counts_ptr, sorted_ptr, h_ptr,
-    N, K, E_LOCAL,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sk, stride_be, stride_ht,
-    alpha, limit,
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    counts_ptr,
+    sorted_ptr,
+    h_ptr,
+    N,
+    K,
+    E_LOCAL,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sk,
+    stride_be,
+    stride_ht,
+    alpha,
+    limit,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -313,9 +380,24 @@ def _gemm1_swiglu_kernel(
         e64 = e.to(tl.int64)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
-            x_ptr + tok * stride_xt, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
-            offs_n, n_mask, stride_wn, stride_sk, 0, K, K, acc,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP,
+            x_ptr + tok * stride_xt,
+            m_mask,
+            w_ptr + e64 * stride_we,
+            s_ptr + e64 * stride_se,
+            offs_n,
+            n_mask,
+            stride_wn,
+            stride_sk,
+            0,
+            K,
+            K,
+            acc,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            DOT_FP32,
+            SWAP,
         )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -328,26 +410,47 @@ def _gemm1_swiglu_kernel(
             acc += bias[None, :]
             gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N // 2, 2)))
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,
-                        propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(
+            tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL
+        )
         act = (gate * tl.sigmoid(alpha * gate) * (up + 1.0)).to(h_ptr.dtype.element_ty)
         i_mask = offs_i < N // 2
         if SWAP:
-            tl.store(h_ptr + rows[None, :] * stride_ht + offs_i[:, None], act,
-                     mask=m_mask[None, :] & i_mask[:, None])
+            tl.store(h_ptr + rows[None, :] * stride_ht + offs_i[:, None], act, mask=m_mask[None, :] & i_mask[:, None])
         else:
-            tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act,
-                     mask=m_mask[:, None] & i_mask[None, :])
+            tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act, mask=m_mask[:, None] & i_mask[None, :])
 
 
 @triton.jit
 def _gemm2_combine_kernel(
-    h_ptr, w_ptr, s_ptr, b_ptr, counts_ptr, sorted_ptr, topk_w_ptr, out_ptr,
-    N, K, E_LOCAL,
-    stride_ht, stride_we, stride_wn, stride_se, stride_sk, stride_be, stride_ot,
-    TOP_K: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    UPCAST: tl.constexpr, DOT_FP32: tl.constexpr, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    s_ptr,
+    b_ptr,
+    counts_ptr,
+    sorted_ptr,
+    topk_w_ptr,
+    out_ptr,
+    N,
+    K,
+    E_LOCAL,
+    stride_ht,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sk,
+    stride_be,
+    stride_ot,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -369,9 +472,24 @@ def _gemm2_combine_kernel(
         e64 = e.to(tl.int64)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
-            h_ptr + rows * stride_ht, m_mask, w_ptr + e64 * stride_we, s_ptr + e64 * stride_se,
-            offs_n, n_mask, stride_wn, stride_sk, k_lo, k_hi, K, acc,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP,
+            h_ptr + rows * stride_ht,
+            m_mask,
+            w_ptr + e64 * stride_we,
+            s_ptr + e64 * stride_se,
+            offs_n,
+            n_mask,
+            stride_wn,
+            stride_sk,
+            k_lo,
+            k_hi,
+            K,
+            acc,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            DOT_FP32,
+            SWAP,
         )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
@@ -380,12 +498,20 @@ def _gemm2_combine_kernel(
             bias = tl.zeros([BLOCK_N], dtype=tl.float32)
         if SWAP:
             acc = (acc + bias[:, None]) * gw[None, :]
-            tl.atomic_add(out_ptr + tok[None, :] * stride_ot + offs_n[:, None], acc,
-                          mask=m_mask[None, :] & n_mask[:, None], sem="relaxed")
+            tl.atomic_add(
+                out_ptr + tok[None, :] * stride_ot + offs_n[:, None],
+                acc,
+                mask=m_mask[None, :] & n_mask[:, None],
+                sem="relaxed",
+            )
         else:
             acc = (acc + bias[None, :]) * gw[:, None]
-            tl.atomic_add(out_ptr + tok[:, None] * stride_ot + offs_n[None, :], acc,
-                          mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+            tl.atomic_add(
+                out_ptr + tok[:, None] * stride_ot + offs_n[None, :],
+                acc,
+                mask=m_mask[:, None] & n_mask[None, :],
+                sem="relaxed",
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -437,7 +563,12 @@ class Routing:
 
 
 def route(
-    router_logits: torch.Tensor, *, top_k: int, expert_lo: int, num_local_experts: int, hidden: int,
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    expert_lo: int,
+    num_local_experts: int,
+    hidden: int,
     out: torch.Tensor | None = None,
 ) -> Routing:
     """Launch routing (top-k, softmax, counters, output zeroing) and grouping."""
@@ -459,22 +590,50 @@ def route(
     e_pad_all = max(16, _next_pow2(E_total))
     block_t = max(1, min(32, 4096 // e_pad_all))
     _route_kernel[(triton.cdiv(T, block_t),)](
-        router_logits, topk_ids, topk_w, rank, counts, out,
-        T, E_total, hidden, router_logits.stride(0), out.stride(0), expert_lo, num_local_experts,
-        TOP_K=top_k, BLOCK_T=block_t, E_PAD=e_pad_all, BLOCK_H=128,
+        router_logits,
+        topk_ids,
+        topk_w,
+        rank,
+        counts,
+        out,
+        T,
+        E_total,
+        hidden,
+        router_logits.stride(0),
+        out.stride(0),
+        expert_lo,
+        num_local_experts,
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        E_PAD=e_pad_all,
+        BLOCK_H=128,
     )
     scatter_block = 128
     _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
-        topk_ids, rank, counts, sorted_picks, TK, expert_lo, num_local_experts,
-        E_PAD=max(16, _next_pow2(num_local_experts)), BLOCK=scatter_block,
+        topk_ids,
+        rank,
+        counts,
+        sorted_picks,
+        TK,
+        expert_lo,
+        num_local_experts,
+        E_PAD=max(16, _next_pow2(num_local_experts)),
+        BLOCK=scatter_block,
     )
     return routing
 
 
 def gemm1_swiglu(
-    routing: Routing, hidden_states: torch.Tensor, w13_blocks: torch.Tensor, w13_scales: torch.Tensor,
-    w13_bias: torch.Tensor, *, valid_intermediate: int, tactic: GemmTactic,
-    swiglu_alpha: float = SWIGLU_ALPHA, swiglu_limit: float = SWIGLU_LIMIT,
+    routing: Routing,
+    hidden_states: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor,
+    *,
+    valid_intermediate: int,
+    tactic: GemmTactic,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
 ) -> torch.Tensor:
     """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order."""
     _check_tactic(tactic, "gemm1")
@@ -493,22 +652,47 @@ def gemm1_swiglu(
     n1 = 2 * valid_intermediate
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
     _gemm1_swiglu_kernel[grid](
-        hidden_states, w13_blocks, w13_scales, w13_bias, routing.counts, routing.sorted_picks, h1,
-        n1, H, E_local,
-        hidden_states.stride(0), w13_blocks.stride(0), w13_blocks.stride(1),
-        w13_scales.stride(0), w13_scales.stride(1), w13_bias.stride(0), h1.stride(0),
-        swiglu_alpha, swiglu_limit,
-        TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
-        BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k,
-        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), SWAP=swaps_operands(tactic),
-        num_warps=tactic.num_warps, num_stages=tactic.num_stages,
+        hidden_states,
+        w13_blocks,
+        w13_scales,
+        w13_bias,
+        routing.counts,
+        routing.sorted_picks,
+        h1,
+        n1,
+        H,
+        E_local,
+        hidden_states.stride(0),
+        w13_blocks.stride(0),
+        w13_blocks.stride(1),
+        w13_scales.stride(0),
+        w13_scales.stride(1),
+        w13_bias.stride(0),
+        h1.stride(0),
+        swiglu_alpha,
+        swiglu_limit,
+        TOP_K=routing.top_k,
+        E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m,
+        BLOCK_N=tactic.block_n,
+        BLOCK_K=tactic.block_k,
+        UPCAST=_UPCAST_IDS[tactic.upcast],
+        DOT_FP32=_interpreting(),
+        SWAP=swaps_operands(tactic),
+        num_warps=tactic.num_warps,
+        num_stages=tactic.num_stages,
     )
     return h1
 
 
 def gemm2_combine(
-    routing: Routing, h1: torch.Tensor, w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
-    w2_bias: torch.Tensor | None, *, tactic: GemmTactic,
+    routing: Routing,
+    h1: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    *,
+    tactic: GemmTactic,
 ) -> torch.Tensor:
     """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``."""
     _check_tactic(tactic, "gemm2")
@@ -523,16 +707,36 @@ def gemm2_combine(
     has_bias = w2_bias is not None
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
     _gemm2_combine_kernel[grid](
-        h1, w2_blocks, w2_scales, w2_bias if has_bias else out, routing.counts, routing.sorted_picks,
-        routing.topk_weights, out,
-        H, h1.shape[1], E_local,
-        h1.stride(0), w2_blocks.stride(0), w2_blocks.stride(1),
-        w2_scales.stride(0), w2_scales.stride(1), w2_bias.stride(0) if has_bias else 0, out.stride(0),
-        TOP_K=routing.top_k, E_PAD=max(16, _next_pow2(E_local)),
-        BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
-        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=_interpreting(), SWAP=swaps_operands(tactic),
+        h1,
+        w2_blocks,
+        w2_scales,
+        w2_bias if has_bias else out,
+        routing.counts,
+        routing.sorted_picks,
+        routing.topk_weights,
+        out,
+        H,
+        h1.shape[1],
+        E_local,
+        h1.stride(0),
+        w2_blocks.stride(0),
+        w2_blocks.stride(1),
+        w2_scales.stride(0),
+        w2_scales.stride(1),
+        w2_bias.stride(0) if has_bias else 0,
+        out.stride(0),
+        TOP_K=routing.top_k,
+        E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m,
+        BLOCK_N=tactic.block_n,
+        BLOCK_K=tactic.block_k,
+        SPLIT_K=tactic.split_k,
+        UPCAST=_UPCAST_IDS[tactic.upcast],
+        DOT_FP32=_interpreting(),
+        SWAP=swaps_operands(tactic),
         HAS_BIAS=has_bias,
-        num_warps=tactic.num_warps, num_stages=tactic.num_stages,
+        num_warps=tactic.num_warps,
+        num_stages=tactic.num_stages,
     )
     return out
 
@@ -563,9 +767,18 @@ def fused_moe(
     T, H = hidden_states.shape
     if router_logits.shape[0] != T:
         raise ValueError(f"router_logits has {router_logits.shape[0]} rows, hidden_states {T}")
-    routing = route(router_logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=w13_blocks.shape[0],
-                    hidden=H, out=out)
-    h1 = gemm1_swiglu(routing, hidden_states, w13_blocks, w13_scales, w13_bias,
-                      valid_intermediate=valid_intermediate, tactic=gemm1,
-                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    routing = route(
+        router_logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=w13_blocks.shape[0], hidden=H, out=out
+    )
+    h1 = gemm1_swiglu(
+        routing,
+        hidden_states,
+        w13_blocks,
+        w13_scales,
+        w13_bias,
+        valid_intermediate=valid_intermediate,
+        tactic=gemm1,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+    )
     return gemm2_combine(routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2)

@@ -34,8 +34,6 @@ class GemmTactic:
         return cls(**raw)
 
     def key(self) -> str:
-        base = (
-            f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
-        )
+        base = f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
         # The default upcast keeps the key of tactics stored before the field existed.
         return base if self.upcast == "bits" else f"{base}u{self.upcast}"

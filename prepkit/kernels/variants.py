@@ -120,8 +120,7 @@ def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic
         g1 = GemmTactic(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=3, upcast=upcast)
         tiles = active * -(-problem.hidden // 128)
         split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
-        g2 = GemmTactic(block_m=bm, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=split,
-                        upcast=upcast)
+        g2 = GemmTactic(block_m=bm, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=split, upcast=upcast)
     else:
         g1 = GemmTactic(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3, upcast=upcast)
         g2 = g1

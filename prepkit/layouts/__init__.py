@@ -14,7 +14,8 @@ from prepkit.layouts.base import (
     TensorSpec,
 )
 
-LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (trtllm_gen.LAYOUT, triton_moe.LAYOUT, cutlass_sm12x.LAYOUT, cutlass_sm90.LAYOUT)
+LAYOUTS: dict[str, Layout] = {
+    layout.name: layout for layout in (trtllm_gen.LAYOUT, triton_moe.LAYOUT, cutlass_sm12x.LAYOUT, cutlass_sm90.LAYOUT)
 }
 
 

@@ -22,7 +22,6 @@ Per expert and rank:
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from functools import lru_cache
 
 import torch

@@ -30,12 +30,12 @@ def pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         raise ValueError(f"pad_to: rank mismatch {list(t.shape)} -> {list(shape)}")
     if tuple(t.shape) == tuple(shape):
         return t
-    if any(s < d for s, d in zip(shape, t.shape)):
+    if any(s < d for s, d in zip(shape, t.shape, strict=False)):
         raise ValueError(f"pad_to cannot shrink {list(t.shape)} to {list(shape)}")
     # Zero only what lies outside ``t``: a full zero fill first would touch every byte twice.
     out = torch.empty(tuple(shape), dtype=t.dtype, device=t.device)
     out[tuple(slice(0, d) for d in t.shape)] = t
-    for dim, (have, want) in enumerate(zip(t.shape, shape)):
+    for dim, (have, want) in enumerate(zip(t.shape, shape, strict=False)):
         if want > have:
             index = [slice(0, d) for d in t.shape[:dim]] + [slice(have, want)]
             out[tuple(index)] = 0

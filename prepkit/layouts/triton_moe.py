@@ -162,9 +162,7 @@ class TritonMoeLayout:
             # Like build, accept any run of the rank's experts (same count in every tensor).
             El = t.shape[0] if El is None else El
             if tuple(t.shape) != (El, *spec.shape[1:]) or t.dtype != spec.dtype or El > spec.shape[0]:
-                raise LayoutError(
-                    f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}"
-                )
+                raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
         assert El is not None
         H, V = plan.dims.hidden, plan.valid_intermediate
         gate_up = _unpad_checked(tensors["w13_blocks"], (El, 2 * V, H // 2), "w13_blocks")
@@ -186,8 +184,7 @@ def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
     # The pipeline may stream a rank's experts in chunks, so fewer than the rank's count may come.
     if weights.num_experts > plan.num_local_experts:
         raise LayoutError(
-            f"got {weights.num_experts} experts for rank {plan.spec.rank}, "
-            f"which holds {plan.num_local_experts}"
+            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
         )
     if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
         raise LayoutError(

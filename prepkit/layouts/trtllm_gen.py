@@ -200,9 +200,7 @@ class TrtllmGenLayout:
                 raise LayoutError(f"tensor {name!r} is missing")
             # Any run of the rank's experts may be inverted (verify samples single experts).
             if tuple(t.shape[1:]) != spec.shape[1:] or t.shape[0] > spec.shape[0] or t.dtype != spec.dtype:
-                raise LayoutError(
-                    f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}"
-                )
+                raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
         H, V = plan.dims.hidden, plan.valid_intermediate
         Ip, H2 = plan.padded_intermediate, plan.padded_hidden
         tp = plan.spec.tp_size
@@ -210,7 +208,9 @@ class TrtllmGenLayout:
         inv2 = ops.inverse_permutation(ops.shuffle_row_indices(H2, EPILOGUE_TILE_M))
 
         w13 = tensors["w3_w1_weight"].index_select(1, inv13)
-        w13_sf = ops.unswizzle_scales_128x4(tensors["w3_w1_weight_scale"], 2 * Ip, tensors["w3_w1_weight_scale"].shape[-1])
+        w13_sf = ops.unswizzle_scales_128x4(
+            tensors["w3_w1_weight_scale"], 2 * Ip, tensors["w3_w1_weight_scale"].shape[-1]
+        )
         w13_sf = w13_sf.index_select(1, inv13)
         w13_bias = tensors["w3_w1_bias"].index_select(1, inv13)
         gate_up = _split_up_gate(w13, V, H // 2, "w3_w1_weight")

@@ -16,8 +16,14 @@ from safetensors.torch import load_file
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.shards import read_manifest, sha256_file
 
-_DTYPES = {"uint8": torch.uint8, "float32": torch.float32, "bfloat16": torch.bfloat16, "int32": torch.int32,
-           "int64": torch.int64, "float16": torch.float16}
+_DTYPES = {
+    "uint8": torch.uint8,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+}
 
 
 @dataclass
@@ -125,8 +131,10 @@ def load_shards(
         )
     by_rank = {int(r["rank"]): r for r in manifest["ranks"]}
     if rank not in by_rank:
-        raise LayoutError(f"{root} holds ranks {sorted(by_rank)}, not rank {rank}",
-                          hint="pass one of those ranks or prepare the missing one with --rank")
+        raise LayoutError(
+            f"{root} holds ranks {sorted(by_rank)}, not rank {rank}",
+            hint="pass one of those ranks or prepare the missing one with --rank",
+        )
     entry = by_rank[rank]
     dims = manifest["model"]["dims"]
     wanted = list(range(int(dims["num_layers"]))) if layers is None else layers
@@ -147,8 +155,10 @@ def load_shards(
             if t is None:
                 raise VerifyError(f"{rel}: tensor {prefix + name} is missing")
             if list(t.shape) != spec["shape"] or t.dtype != _DTYPES.get(spec["dtype"]):
-                raise VerifyError(f"{rel}: {prefix + name} is {list(t.shape)} {t.dtype}, the manifest says "
-                                  f"{spec['shape']} {spec['dtype']}")
+                raise VerifyError(
+                    f"{rel}: {prefix + name} is {list(t.shape)} {t.dtype}, the manifest says "
+                    f"{spec['shape']} {spec['dtype']}"
+                )
             tensors[name] = t
         shards.layers[layer] = tensors
     return shards

@@ -117,9 +117,7 @@ class MoeLayer:
         return self.w13_blocks.shape[1] // 2
 
     def problem(self, num_tokens: int) -> MoeProblem:
-        return MoeProblem(
-            num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k
-        )
+        return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
 
     def validate(self) -> None:
         """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v1`` layer."""
@@ -138,14 +136,10 @@ class MoeLayer:
             if tuple(t.shape) != shape or t.dtype != dtype:
                 problems.append(f"{name}: {list(t.shape)} {t.dtype}, expected {list(shape)} {dtype}")
         if not 0 < self.valid_intermediate <= Ip or self.valid_intermediate % 32:
-            problems.append(
-                f"valid_intermediate {self.valid_intermediate} must be a multiple of 32 in (0, {Ip}]"
-            )
+            problems.append(f"valid_intermediate {self.valid_intermediate} must be a multiple of 32 in (0, {Ip}]")
         lo, hi = self.expert_range
         if hi - lo != El or not 0 <= lo < hi <= self.num_experts:
-            problems.append(
-                f"expert_range {self.expert_range} does not hold {El} of {self.num_experts} experts"
-            )
+            problems.append(f"expert_range {self.expert_range} does not hold {El} of {self.num_experts} experts")
         if problems:
             raise LayoutError("not a triton_moe_v1 layer: " + "; ".join(problems))
 
@@ -211,8 +205,7 @@ def moe(
         raise ValueError(f"hidden_states {list(hidden_states.shape)}, expected [T, {layer.hidden}]")
     if tuple(router_logits.shape) != (hidden_states.shape[0], layer.num_experts):
         raise ValueError(
-            f"router_logits {list(router_logits.shape)}, "
-            f"expected [{hidden_states.shape[0]}, {layer.num_experts}]"
+            f"router_logits {list(router_logits.shape)}, expected [{hidden_states.shape[0]}, {layer.num_experts}]"
         )
     from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
 

@@ -47,8 +47,14 @@ def _layer(checkpoint, spec):
     plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), spec, LayoutOptions())
     tensors = LAYOUT.build(checkpoint.experts(*plan.expert_range), plan)
     layer = MoeLayer.from_tensors(
-        tensors, layout_id=LAYOUT.layout_id, num_experts=E, expert_range=plan.expert_range,
-        valid_intermediate=plan.valid_intermediate, top_k=TOP_K, tp_rank=spec.tp_rank, facts=plan.facts,
+        tensors,
+        layout_id=LAYOUT.layout_id,
+        num_experts=E,
+        expert_range=plan.expert_range,
+        valid_intermediate=plan.valid_intermediate,
+        top_k=TOP_K,
+        tp_rank=spec.tp_rank,
+        facts=plan.facts,
     )
     return layer, plan
 
@@ -67,8 +73,13 @@ def _reference(checkpoint, x, logits, plan, tp_rank):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     return moe_reference(
-        x, logits, checkpoint.as_dict(), top_k=TOP_K, expert_range=plan.expert_range,
-        intermediate_range=plan.intermediate_range, apply_down_bias=tp_rank == 0,
+        x,
+        logits,
+        checkpoint.as_dict(),
+        top_k=TOP_K,
+        expert_range=plan.expert_range,
+        intermediate_range=plan.intermediate_range,
+        apply_down_bias=tp_rank == 0,
     )
 
 
@@ -153,8 +164,13 @@ def test_sample_of_every_enumerated_variant():
 
     plan = LAYOUT.plan_rank(ModelDims(1, e, h, i, TOP_K), RankSpec(), LayoutOptions())
     layer = MoeLayer.from_tensors(
-        LAYOUT.build(small, plan), layout_id=LAYOUT.layout_id, num_experts=e, expert_range=(0, e),
-        valid_intermediate=i, top_k=TOP_K, facts=plan.facts,
+        LAYOUT.build(small, plan),
+        layout_id=LAYOUT.layout_id,
+        num_experts=e,
+        expert_range=(0, e),
+        valid_intermediate=i,
+        top_k=TOP_K,
+        facts=plan.facts,
     )
     x = torch.randn((40, h), generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn((40, e), generator=g, device="cuda")

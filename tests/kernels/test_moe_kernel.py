@@ -39,8 +39,14 @@ def _inputs(T: int, seed: int, device: str, dead_experts: int = 0):
 def _check(experts, layer, plan, x, logits, tactics, tp_rank=0):
     out = moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
     ref = moe_reference(
-        x.cpu(), logits.cpu(), experts.as_dict(), top_k=TOP_K, expert_range=plan.expert_range,
-        intermediate_range=plan.intermediate_range, apply_down_bias=tp_rank == 0, dtype=torch.float64,
+        x.cpu(),
+        logits.cpu(),
+        experts.as_dict(),
+        top_k=TOP_K,
+        expert_range=plan.expert_range,
+        intermediate_range=plan.intermediate_range,
+        apply_down_bias=tp_rank == 0,
+        dtype=torch.float64,
     )
     err = relative_error(out.cpu(), ref)
     assert err < TOL, f"relative error {err:.3g} (tactics {tactics[0].key()} / {tactics[1].key()})"
@@ -108,8 +114,20 @@ def test_every_output_row_is_written(experts, device):
     x, logits = _inputs(7, seed=2, device=device)
     out = torch.full((7, H), float("nan"), device=device)
     fused_moe(
-        x, logits, layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks, layer.w2_scales,
-        layer.w2_bias, top_k=TOP_K, expert_lo=0, valid_intermediate=I, gemm1=SMALL, gemm2=SMALL, out=out,
+        x,
+        logits,
+        layer.w13_blocks,
+        layer.w13_scales,
+        layer.w13_bias,
+        layer.w2_blocks,
+        layer.w2_scales,
+        layer.w2_bias,
+        top_k=TOP_K,
+        expert_lo=0,
+        valid_intermediate=I,
+        gemm1=SMALL,
+        gemm2=SMALL,
+        out=out,
     )
     assert bool(torch.isfinite(out).all())
 

@@ -23,8 +23,16 @@ from .conftest import DEVICE
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("e2e") / "model", num_layers=2, num_experts=4,
-                                      hidden=64, intermediate=96, top_k=2, num_shards=2, seed=21)
+    return write_synthetic_checkpoint(
+        tmp_path_factory.mktemp("e2e") / "model",
+        num_layers=2,
+        num_experts=4,
+        hidden=64,
+        intermediate=96,
+        top_k=2,
+        num_shards=2,
+        seed=21,
+    )
 
 
 def _prepare(source: Path, out: Path, *extra: str) -> None:

@@ -103,10 +103,12 @@ def test_gpt_oss_full_size_plans_on_meta():
     # build runs on meta tensors at full size (no memory): shapes match the plan
     from prepkit.layouts.base import ExpertWeights
 
-    local = ExpertWeights.from_mapping({
-        role: torch.empty((64, *shape[1:]), dtype=dtype, device="meta")
-        for role, (shape, dtype) in dims.source_shapes().items()
-    })
+    local = ExpertWeights.from_mapping(
+        {
+            role: torch.empty((64, *shape[1:]), dtype=dtype, device="meta")
+            for role, (shape, dtype) in dims.source_shapes().items()
+        }
+    )
     out = LAYOUT.build(local, plan)
     for name, tspec in plan.tensors.items():
         assert tuple(out[name].shape) == tspec.shape and out[name].dtype == tspec.dtype, name

@@ -80,27 +80,35 @@ def test_layout_ids_agree():
 
 def test_wrong_layout_is_refused_naming_both():
     layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
-    tensors = {name: getattr(layer, name) for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks",
-                                                        "w2_scales", "w2_bias")}
+    tensors = {
+        name: getattr(layer, name)
+        for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+    }
     with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v1'"):
-        MoeLayer.from_tensors(tensors, layout_id="trtllm_gen_v1", num_experts=4, expert_range=(0, 4),
-                              valid_intermediate=64)
+        MoeLayer.from_tensors(
+            tensors, layout_id="trtllm_gen_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+        )
     del tensors["w2_scales"]
     with pytest.raises(LayoutError, match="w2_scales"):
-        MoeLayer.from_tensors(tensors, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4),
-                              valid_intermediate=64)
+        MoeLayer.from_tensors(
+            tensors, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+        )
 
 
 def test_prefixed_names_and_shape_checks():
     layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
-    prefixed = {f"model.layers.3.mlp.experts.{n}": getattr(layer, n) for n in
-                ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")}
-    ok = MoeLayer.from_tensors(prefixed, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4),
-                               valid_intermediate=64)
+    prefixed = {
+        f"model.layers.3.mlp.experts.{n}": getattr(layer, n)
+        for n in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+    }
+    ok = MoeLayer.from_tensors(
+        prefixed, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+    )
     assert ok.hidden == 64 and ok.padded_intermediate == 64
     with pytest.raises(LayoutError, match="expert_range"):
-        MoeLayer.from_tensors(prefixed, layout_id="triton_moe_v1", num_experts=8, expert_range=(0, 2),
-                              valid_intermediate=64)
+        MoeLayer.from_tensors(
+            prefixed, layout_id="triton_moe_v1", num_experts=8, expert_range=(0, 2), valid_intermediate=64
+        )
 
 
 def test_lookup_is_used_and_default_warns_once():
@@ -137,7 +145,9 @@ def test_moe_checks_shapes():
 
 
 def test_importing_the_runtime_is_cheap():
-    code = ("import sys, prepkit.runtime; "
-            "print(sorted(m for m in ('click', 'rich', 'huggingface_hub', 'triton') if m in sys.modules))")
+    code = (
+        "import sys, prepkit.runtime; "
+        "print(sorted(m for m in ('click', 'rich', 'huggingface_hub', 'triton') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -92,8 +92,16 @@ def test_interleave_round_trip() -> None:
 
 @pytest.mark.parametrize(
     "tp,dim,want",
-    [(1, 2880, 128), (2, 2880, 3072), (4, 2880, 3072), (8, 2880, 3072),  # fc1 / fc2 weights (layouts.md §2.2)
-     (1, 90, 128), (2, 90, 256), (4, 90, 512), (8, 90, 1024)],  # fc2 scales: the column-count quirk
+    [
+        (1, 2880, 128),
+        (2, 2880, 3072),
+        (4, 2880, 3072),
+        (8, 2880, 3072),  # fc1 / fc2 weights (layouts.md §2.2)
+        (1, 90, 128),
+        (2, 90, 256),
+        (4, 90, 512),
+        (8, 90, 1024),
+    ],  # fc2 scales: the column-count quirk
 )
 def test_trtllm_weight_alignment(tp: int, dim: int, want: int) -> None:
     assert ops.trtllm_weight_alignment(128, 32, tp, dim) == want

@@ -41,16 +41,27 @@ def test_round_trip_recovers_the_checkpoint_bytes(weights: ExpertWeights, tp: in
     for role, t in weights.as_dict().items():
         assert torch.equal(whole.as_dict()[role], t), role
     # dequantized: prepared -> inverted -> dequantized equals the source dequantized
-    assert torch.equal(mxfp4.dequantize(whole.gate_up_proj_blocks, whole.gate_up_proj_scales),
-                       mxfp4.dequantize(weights.gate_up_proj_blocks, weights.gate_up_proj_scales))
-    assert torch.equal(mxfp4.dequantize(whole.down_proj_blocks, whole.down_proj_scales),
-                       mxfp4.dequantize(weights.down_proj_blocks, weights.down_proj_scales))
+    assert torch.equal(
+        mxfp4.dequantize(whole.gate_up_proj_blocks, whole.gate_up_proj_scales),
+        mxfp4.dequantize(weights.gate_up_proj_blocks, weights.gate_up_proj_scales),
+    )
+    assert torch.equal(
+        mxfp4.dequantize(whole.down_proj_blocks, whole.down_proj_scales),
+        mxfp4.dequantize(weights.down_proj_blocks, weights.down_proj_scales),
+    )
 
 
 @pytest.mark.parametrize(
     "tp,version,lean",
-    [(1, "main", [2880]), (2, "1.2", [1536, 1344]), (2, "main", [1440, 1440]), (4, "main", [768, 768, 768, 576]),
-     (8, "main", [384] * 7 + [192]), (4, "1.2", [768, 768, 768, 576]), (8, "1.2", [384] * 7 + [192])],
+    [
+        (1, "main", [2880]),
+        (2, "1.2", [1536, 1344]),
+        (2, "main", [1440, 1440]),
+        (4, "main", [768, 768, 768, 576]),
+        (8, "main", [384] * 7 + [192]),
+        (4, "1.2", [768, 768, 768, 576]),
+        (8, "1.2", [384] * 7 + [192]),
+    ],
 )
 def test_valid_intermediate_sizes(tp: int, version: str, lean: list[int]) -> None:
     plans = [LAYOUT.plan_rank(REAL, s, LayoutOptions(version)) for s in RankSpec.all_ranks(tp)]
@@ -66,20 +77,29 @@ def test_tp16_leaves_ranks_empty_and_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "tp,w13,w13s,w2,w2s",
-    [(1, [128, 5888, 1536], [128, 5888, 96], [128, 2944, 1472], [128, 2944, 92]),
-     (2, [128, 3072, 1536], [128, 3072, 96], [128, 2944, 768], [128, 2944, 48]),
-     (4, [128, 1536, 1536], [128, 1536, 96], [128, 2944, 384], [128, 2944, 24]),
-     (8, [128, 768, 1536], [128, 768, 96], [128, 2944, 192], [128, 2944, 12])],
+    [
+        (1, [128, 5888, 1536], [128, 5888, 96], [128, 2944, 1472], [128, 2944, 92]),
+        (2, [128, 3072, 1536], [128, 3072, 96], [128, 2944, 768], [128, 2944, 48]),
+        (4, [128, 1536, 1536], [128, 1536, 96], [128, 2944, 384], [128, 2944, 24]),
+        (8, [128, 768, 1536], [128, 768, 96], [128, 2944, 192], [128, 2944, 12]),
+    ],
 )
 def test_full_120b_shapes_on_meta(tp: int, w13: list[int], w13s: list[int], w2: list[int], w2s: list[int]) -> None:
     dims = ModelDims(num_layers=36, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
     plan = LAYOUT.plan_rank(dims, RankSpec(tp_size=tp), LayoutOptions())
     meta = ExpertWeights.from_mapping(
-        {r: torch.empty(s, dtype=d, device="meta") for r, (s, d) in dims.source_shapes().items()})
+        {r: torch.empty(s, dtype=d, device="meta") for r, (s, d) in dims.source_shapes().items()}
+    )
     out = LAYOUT.build(meta, plan)
     got = {n: list(t.shape) for n, t in out.items()}
-    assert got == {"w3_w1_weight": w13, "w3_w1_weight_scale": w13s, "w3_w1_bias": w13[:2],
-                   "w2_weight": w2, "w2_weight_scale": w2s, "w2_bias": [128, 2944]}
+    assert got == {
+        "w3_w1_weight": w13,
+        "w3_w1_weight_scale": w13s,
+        "w3_w1_bias": w13[:2],
+        "w2_weight": w2,
+        "w2_weight_scale": w2s,
+        "w2_bias": [128, 2944],
+    }
     assert out["w3_w1_bias"].dtype == torch.float32 and out["w2_bias"].dtype == torch.float32
 
 
@@ -135,7 +155,9 @@ def test_ep_gives_contiguous_expert_slices() -> None:
         seen.append(plan.expert_range)
         back = LAYOUT.invert(out, plan)
         lo, hi = plan.expert_range
-        assert torch.equal(back.down_proj_blocks, w.experts(lo, hi).intermediate_slice(*plan.intermediate_range).down_proj_blocks)
+        assert torch.equal(
+            back.down_proj_blocks, w.experts(lo, hi).intermediate_slice(*plan.intermediate_range).down_proj_blocks
+        )
     assert seen == [(0, 2), (0, 2), (2, 4), (2, 4)]
     with pytest.raises(LayoutError, match="split evenly"):
         LAYOUT.plan_rank(dims, RankSpec(ep_size=3), LayoutOptions())
