@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="time variants per T and use the fastest")
     parser.add_argument("--no-baseline", dest="baseline", action="store_false")
     parser.add_argument("--tactics", help="JSON file {T: [gemm1, gemm2]} used instead of the defaults")
+    parser.add_argument("--tuned", action="store_true", help="take variants from the tactic DBs, as the runtime does")
     parser.add_argument("--json", dest="json_out", help="write the results here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -280,10 +281,18 @@ def main(argv: list[str] | None = None) -> int:
             int(t): (GemmTactic.from_json(json.dumps(a)), GemmTactic.from_json(json.dumps(b)))
             for t, (a, b) in raw.items()
         }
+    lookup = None
+    if args.tuned:
+        from prepkit.runtime.tactics import make_tactic_lookup
+
+        lookup = make_tactic_lookup(tp_size=1)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         problem = MoeProblem(T, E, H, I, TOP_K)
-        tactics = sweep(layer, T, device, log) if args.sweep else pinned.get(T) or default_tactics(problem, info)
+        tuned = lookup(problem, info) if lookup is not None else None
+        tactics = (
+            sweep(layer, T, device, log) if args.sweep else pinned.get(T) or tuned or default_tactics(problem, info)
+        )
         inputs = make_inputs(T, rotation_sets(T), device, seed=1000 + T)
         us = time_layer_graph(layer, inputs, tactics)
         hit = distinct_experts(inputs)
