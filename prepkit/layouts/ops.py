@@ -126,8 +126,13 @@ def swizzle_scales_128x4(scales: torch.Tensor) -> torch.Tensor:
     *lead, R, C = scales.shape
     Rp, Cp = round_up(R, 128), round_up(C, 4)
     padded = pad_to(scales, (*lead, Rp, Cp))
-    tiles = padded.reshape(*lead, Rp // 128, 4, 32, Cp // 4, 4)
     n = len(lead)
+    if padded.dtype == torch.uint8:
+        # The four bytes of a column group move together: permute 32-bit words, not bytes.
+        words = padded.contiguous().view(torch.int32).reshape(*lead, Rp // 128, 4, 32, Cp // 4)
+        order = [*range(n), n, n + 3, n + 2, n + 1]
+        return words.permute(order).contiguous().view(torch.uint8).reshape(*lead, Rp, Cp)
+    tiles = padded.reshape(*lead, Rp // 128, 4, 32, Cp // 4, 4)
     order = [*range(n), n, n + 3, n + 2, n + 1, n + 4]
     return tiles.permute(order).reshape(*lead, Rp, Cp)
 
@@ -143,6 +148,23 @@ def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torc
 
 
 # --- TP helpers -----------------------------------------------------------------------------
+
+
+def gather_rows(src: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tensor:
+    """``[E, R, C]`` -> ``[E, len(rows), cols]``: output row ``j`` is ``src[:, rows[j]]`` where
+    ``rows[j] >= 0`` and zero where it is ``-1``; columns past ``C`` are zero.
+
+    One gather straight into the padded buffer: pad-then-permute written as a single pass.
+    """
+    E, _, C = src.shape
+    out = torch.empty((E, rows.numel(), cols), dtype=src.dtype, device=src.device)
+    zero_rows = (rows < 0).nonzero().flatten()  # on the index's own device (meta has no values)
+    torch.index_select(src, 1, rows.clamp(min=0).to(src.device), out=out[:, :, :C])
+    if cols > C:
+        out[:, :, C:] = 0
+    if zero_rows.numel():
+        out.index_fill_(1, zero_rows.to(src.device), 0)
+    return out
 
 
 def trtllm_weight_alignment(weight_alignment: int, scaling_vector_size: int, tp_size: int, dim: int) -> int:

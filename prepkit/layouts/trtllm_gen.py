@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -169,26 +170,21 @@ class TrtllmGenLayout:
         piece = weights.intermediate_slice(*plan.intermediate_range)
         Ip, H2 = plan.padded_intermediate, plan.padded_hidden
         H1 = plan.facts["padded_hidden_fc1"]
-        El = weights.num_experts
         tp = plan.spec.tp_size
-        p13 = ops.w13_row_indices(2 * Ip, EPILOGUE_TILE_M)
-        p2 = ops.shuffle_row_indices(H2, EPILOGUE_TILE_M)
-
-        w13 = _up_gate_padded(piece.gate_up_proj_blocks.flatten(-2), Ip, H1 // 2)
-        w13_sf = _up_gate_padded(piece.gate_up_proj_scales, Ip, H1 // 32)
-        w13_bias = _up_gate_padded(piece.gate_up_proj_bias.float().unsqueeze(-1), Ip, 1).squeeze(-1)
-
-        w2 = ops.pad_to(piece.down_proj_blocks.flatten(-2), (El, H2, Ip // 2))
-        w2_sf = ops.pad_to(piece.down_proj_scales, (El, H2, Ip // 32))
-        w2_bias = ops.pad_to(piece.down_proj_bias.float(), (El, H2)) / tp
-
+        # Each output is one gather from the checkpoint rows: de-interleave, [up ; gate] stacking,
+        # per-half padding and the permutation composed into one index (see w13_source_rows).
+        rows13 = w13_source_rows(plan.valid_intermediate, Ip)
+        rows2 = w2_source_rows(plan.dims.hidden, H2)
+        gate_up = piece.gate_up_proj_blocks.flatten(-2)
         return {
-            "w3_w1_weight": w13.index_select(1, p13),
-            "w3_w1_weight_scale": ops.swizzle_scales_128x4(w13_sf.index_select(1, p13)),
-            "w3_w1_bias": w13_bias.index_select(1, p13),
-            "w2_weight": w2.index_select(1, p2),
-            "w2_weight_scale": ops.swizzle_scales_128x4(w2_sf.index_select(1, p2)),
-            "w2_bias": w2_bias.index_select(1, p2),
+            "w3_w1_weight": ops.gather_rows(gate_up, rows13, H1 // 2),
+            "w3_w1_weight_scale": ops.swizzle_scales_128x4(
+                ops.gather_rows(piece.gate_up_proj_scales, rows13, H1 // 32)
+            ),
+            "w3_w1_bias": ops.gather_rows(piece.gate_up_proj_bias.float().unsqueeze(-1), rows13, 1).squeeze(-1),
+            "w2_weight": ops.gather_rows(piece.down_proj_blocks.flatten(-2), rows2, Ip // 2),
+            "w2_weight_scale": ops.swizzle_scales_128x4(ops.gather_rows(piece.down_proj_scales, rows2, Ip // 32)),
+            "w2_bias": ops.gather_rows(piece.down_proj_bias.float().unsqueeze(-1), rows2, 1).squeeze(-1) / tp,
         }
 
     # --- inverse --------------------------------------------------------------------------
@@ -235,6 +231,29 @@ class TrtllmGenLayout:
         )
 
 
+@lru_cache(maxsize=32)
+def w13_source_rows(valid: int, padded: int) -> torch.Tensor:
+    """For each ``w3_w1`` output row, the checkpoint gate_up row it comes from (-1: zero padding).
+
+    Stacked row ``s`` of ``[up ; gate]`` (each half ``padded`` long) is up ``s`` or gate
+    ``s - padded``; up ``i`` is checkpoint row ``2i + 1`` and gate ``i`` is row ``2i``; rows at or
+    past ``valid`` in a half are padding. The engine's gather (gated reorder, then shuffle) picks
+    the stacked rows.
+    """
+    stacked = ops.w13_row_indices(2 * padded, EPILOGUE_TILE_M)
+    is_up = stacked < padded
+    i = torch.where(is_up, stacked, stacked - padded)
+    rows = torch.where(is_up, 2 * i + 1, 2 * i)
+    return torch.where(i < valid, rows, torch.full_like(rows, -1))
+
+
+@lru_cache(maxsize=32)
+def w2_source_rows(hidden: int, padded_hidden: int) -> torch.Tensor:
+    """For each ``w2`` output row, the checkpoint down row (-1: zero padding)."""
+    rows = ops.shuffle_row_indices(padded_hidden, EPILOGUE_TILE_M)
+    return torch.where(rows < hidden, rows, torch.full_like(rows, -1))
+
+
 def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
     # Any run of the rank's experts may come in (the pipeline streams them in chunks).
     if weights.num_experts > plan.num_local_experts:
@@ -248,22 +267,9 @@ def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
         )
 
 
-def _up_gate_padded(interleaved: torch.Tensor, half_rows: int, cols: int) -> torch.Tensor:
-    """``[E, 2V, C]`` checkpoint rows -> ``[E, 2*half_rows, cols]`` = ``[up ; gate]``, each half
-    zero-padded at its own end (per-half padding keeps the gate/up boundary at ``half_rows``)."""
-    gate, up = ops.deinterleave_rows(interleaved, dim=1)
-    E, V, C = gate.shape
-    # Zero only the padding: every other byte is written once (this runs on the whole model).
-    out = torch.empty((E, 2 * half_rows, cols), dtype=interleaved.dtype, device=interleaved.device)
-    for start, half in ((0, up), (half_rows, gate)):
-        out[:, start : start + V, :C] = half
-        out[:, start : start + V, C:] = 0
-        out[:, start + V : start + half_rows] = 0
-    return out
-
-
 def _split_up_gate(stacked: torch.Tensor, valid_rows: int, cols: int, name: str) -> torch.Tensor:
-    """Inverse of :func:`_up_gate_padded`, checking that every padding byte is zero."""
+    """``[E, 2*half, C]`` = ``[up ; gate]`` with per-half padding -> checkpoint rows (gate/up
+    interleaved), checking that every padding byte is zero."""
     half = stacked.shape[1] // 2
     E = stacked.shape[0]
     up = _unpad_checked(stacked[:, :half], (E, valid_rows, cols), name)

@@ -161,3 +161,40 @@ def test_ep_gives_contiguous_expert_slices() -> None:
     assert seen == [(0, 2), (0, 2), (2, 4), (2, 4)]
     with pytest.raises(LayoutError, match="split evenly"):
         LAYOUT.plan_rank(dims, RankSpec(ep_size=3), LayoutOptions())
+
+
+def _literal_pipeline(w: ExpertWeights, tp: int, rank: int, version: str) -> dict[str, torch.Tensor]:
+    """layouts.md §2.6 step by step, per expert, with plain torch: pad, slice, stack, permute,
+    swizzle. Written independently of the layout's composed gathers."""
+    plan = LAYOUT.plan_rank(REAL, RankSpec(tp_size=tp, tp_rank=rank), LayoutOptions(version))
+    lo, hi = plan.intermediate_range
+    Ip, H2 = plan.padded_intermediate, plan.padded_hidden
+    p13 = ops.gated_reorder_indices(2 * Ip)[ops.shuffle_row_indices(2 * Ip)]
+    p2 = ops.shuffle_row_indices(H2)
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in plan.tensors}
+    for e in range(w.num_experts):
+        gu = w.gate_up_proj_blocks[e].reshape(2 * REAL.intermediate, -1)
+        gate, up = gu[0::2][lo:hi], gu[1::2][lo:hi]
+        gs, us = w.gate_up_proj_scales[e][0::2][lo:hi], w.gate_up_proj_scales[e][1::2][lo:hi]
+        gb, ub = w.gate_up_proj_bias[e][0::2][lo:hi].float(), w.gate_up_proj_bias[e][1::2][lo:hi].float()
+        W = torch.cat([ops.pad_to(up, (Ip, 1536)), ops.pad_to(gate, (Ip, 1536))])
+        S = torch.cat([ops.pad_to(us, (Ip, 96)), ops.pad_to(gs, (Ip, 96))])
+        B = torch.cat([ops.pad_to(ub, (Ip,)), ops.pad_to(gb, (Ip,))])
+        out["w3_w1_weight"].append(W[p13])
+        out["w3_w1_weight_scale"].append(ops.swizzle_scales_128x4(S[p13]))
+        out["w3_w1_bias"].append(B[p13])
+        dn = w.down_proj_blocks[e].reshape(REAL.hidden, -1)[:, lo // 2 : hi // 2]
+        ds = w.down_proj_scales[e][:, lo // 32 : hi // 32]
+        out["w2_weight"].append(ops.pad_to(dn, (H2, Ip // 2))[p2])
+        out["w2_weight_scale"].append(ops.swizzle_scales_128x4(ops.pad_to(ds, (H2, Ip // 32))[p2]))
+        out["w2_bias"].append((ops.pad_to(w.down_proj_bias[e].float(), (H2,)) / tp)[p2])
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+@pytest.mark.parametrize("tp,rank,version", [(1, 0, "main"), (2, 1, "main"), (2, 1, "1.2"), (4, 3, "main")])
+def test_build_equals_the_step_by_step_spec(weights: ExpertWeights, tp: int, rank: int, version: str) -> None:
+    plan = LAYOUT.plan_rank(REAL, RankSpec(tp_size=tp, tp_rank=rank), LayoutOptions(version))
+    got = LAYOUT.build(weights, plan)
+    want = _literal_pipeline(weights, tp, rank, version)
+    for name in plan.tensors:
+        assert torch.equal(got[name], want[name]), name
