@@ -162,9 +162,26 @@ def gather_rows(src: torch.Tensor, rows: torch.Tensor, cols: int) -> torch.Tenso
     torch.index_select(src, 1, rows.clamp(min=0).to(src.device), out=out[:, :, :C])
     if cols > C:
         out[:, :, C:] = 0
-    if zero_rows.numel():
-        out.index_fill_(1, zero_rows.to(src.device), 0)
+    # Padding rows come in whole 32-row shuffle blocks, so they form few runs: slice-fill those.
+    for lo, hi in _runs(zero_rows):
+        out[:, lo:hi] = 0
     return out
+
+
+def _runs(sorted_indices: torch.Tensor) -> list[tuple[int, int]]:
+    """Maximal ``[lo, hi)`` runs of consecutive values in a sorted 1-D index tensor."""
+    if not sorted_indices.numel():
+        return []
+    values = sorted_indices.tolist()
+    runs = []
+    lo = prev = values[0]
+    for v in values[1:]:
+        if v != prev + 1:
+            runs.append((lo, prev + 1))
+            lo = v
+        prev = v
+    runs.append((lo, prev + 1))
+    return runs
 
 
 def trtllm_weight_alignment(weight_alignment: int, scaling_vector_size: int, tp_size: int, dim: int) -> int:
