@@ -243,3 +243,28 @@ def expert_range(num_experts: int, spec: RankSpec) -> tuple[int, int]:
         )
     per = num_experts // spec.ep_size
     return spec.ep_rank * per, (spec.ep_rank + 1) * per
+
+
+def check_experts(weights: ExpertWeights, plan: RankPlan) -> None:
+    """Refuse experts that do not belong to ``plan``'s rank. A run of fewer experts than the rank
+    holds is fine: the pipeline streams a rank's experts in chunks."""
+    if weights.num_experts > plan.num_local_experts:
+        raise LayoutError(
+            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
+        )
+    if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
+        raise LayoutError(
+            f"expert weights have H={weights.hidden}, I={weights.intermediate}; "
+            f"the plan expects H={plan.dims.hidden}, I={plan.dims.intermediate}"
+        )
+
+
+def check_prepared(tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> None:
+    """Refuse prepared tensors whose names, dtypes or per-expert shapes differ from ``plan``; any
+    run of the rank's experts may be inverted on its own (verify samples single experts)."""
+    for name, spec in plan.tensors.items():
+        t = tensors.get(name)
+        if t is None:
+            raise LayoutError(f"tensor {name!r} is missing")
+        if tuple(t.shape[1:]) != spec.shape[1:] or t.shape[0] > spec.shape[0] or t.dtype != spec.dtype:
+            raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")

@@ -39,6 +39,8 @@ from prepkit.layouts.base import (
     RankPlan,
     RankSpec,
     TensorSpec,
+    check_experts,
+    check_prepared,
     expert_range,
 )
 from prepkit.layouts.trtllm_gen import PAD_BEFORE_SHARD, intermediate_split
@@ -102,29 +104,6 @@ def plan_cutlass_rank(
     )
 
 
-def check_local(weights: ExpertWeights, plan: RankPlan) -> None:
-    # Any run of the rank's experts may come in (the pipeline streams them in chunks).
-    if weights.num_experts > plan.num_local_experts:
-        raise LayoutError(
-            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
-        )
-    if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
-        raise LayoutError(
-            f"expert weights have H={weights.hidden}, I={weights.intermediate}; "
-            f"the plan expects H={plan.dims.hidden}, I={plan.dims.intermediate}"
-        )
-
-
-def check_tensors(tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> None:
-    for name, spec in plan.tensors.items():
-        t = tensors.get(name)
-        if t is None:
-            raise LayoutError(f"tensor {name!r} is missing")
-        # a run of experts may be inverted on its own (verify samples single experts)
-        if tuple(t.shape[1:]) != spec.shape[1:] or t.shape[0] > spec.shape[0] or t.dtype != spec.dtype:
-            raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
-
-
 def stack_up_gate(interleaved: torch.Tensor, half_rows: int, cols: int) -> torch.Tensor:
     """``[E, 2V, C]`` checkpoint rows (gate, up alternating) -> ``[E, 2*half_rows, cols]`` =
     ``[up ; gate]``, each half zero-padded at its own end so the gate/up boundary stays at
@@ -155,7 +134,7 @@ def unpad_checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.T
 def padded_pieces(weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
     """The rank's unpermuted, zero-padded matrices: ``[up ; gate]`` fc1 and plain fc2, each with
     its E8M0 scales in linear (row-major) order and bfloat16 biases."""
-    check_local(weights, plan)
+    check_experts(weights, plan)
     piece = weights.intermediate_slice(*plan.intermediate_range)
     Ip, H2, El = plan.padded_intermediate, plan.padded_hidden, weights.num_experts
     return {
@@ -236,7 +215,7 @@ class CutlassSm12xLayout:
         }
 
     def invert(self, tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> ExpertWeights:
-        check_tensors(tensors, plan)
+        check_prepared(tensors, plan)
         w13_sf = tensors["w3_w1_weight_scale"]
         w2_sf = tensors["w2_weight_scale"]
         pieces = {

@@ -26,10 +26,17 @@ from functools import lru_cache
 
 import torch
 
-from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec, TensorSpec
+from prepkit.layouts.base import (
+    ExpertWeights,
+    LayoutOptions,
+    ModelDims,
+    RankPlan,
+    RankSpec,
+    TensorSpec,
+    check_prepared,
+)
 from prepkit.layouts.cutlass_sm12x import (
     NAMES,
-    check_tensors,
     padded_pieces,
     plan_cutlass_rank,
     unpadded_pieces,
@@ -238,7 +245,7 @@ class CutlassSm90Layout:
         }
 
     def invert(self, tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> ExpertWeights:
-        check_tensors(tensors, plan)
+        check_prepared(tensors, plan)
         pieces = {
             "w13": deinterleave_weights_sm90(tensors["w3_w1_weight"]),
             "w13_scales": unfold_scales_sm90(tensors["w3_w1_weight_scale"]),

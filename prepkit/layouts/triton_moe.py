@@ -35,6 +35,7 @@ from prepkit.layouts.base import (
     RankPlan,
     RankSpec,
     TensorSpec,
+    check_experts,
     expert_range,
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, pack_nibbles, unpack_nibbles
@@ -137,7 +138,7 @@ class TritonMoeLayout:
         )
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
-        _check_local(weights, plan)
+        check_experts(weights, plan)
         piece = weights.intermediate_slice(*plan.intermediate_range)
         H, Ip, El = plan.dims.hidden, plan.padded_intermediate, weights.num_experts
         w13_scales = ops.pad_to(piece.gate_up_proj_scales, (El, 2 * Ip, H // 32))
@@ -177,19 +178,6 @@ class TritonMoeLayout:
             down_proj_blocks=unshuffle_nibbles(down.unflatten(-1, (-1, BLOCK_BYTES))),
             down_proj_scales=down_sf,
             down_proj_bias=_bf16_exact(tensors["w2_bias"], "w2_bias"),
-        )
-
-
-def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
-    # The pipeline may stream a rank's experts in chunks, so fewer than the rank's count may come.
-    if weights.num_experts > plan.num_local_experts:
-        raise LayoutError(
-            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
-        )
-    if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
-        raise LayoutError(
-            f"expert weights have H={weights.hidden}, I={weights.intermediate}; "
-            f"the plan expects H={plan.dims.hidden}, I={plan.dims.intermediate}"
         )
 
 

@@ -36,6 +36,8 @@ from prepkit.layouts.base import (
     RankPlan,
     RankSpec,
     TensorSpec,
+    check_experts,
+    check_prepared,
     expert_range,
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
@@ -166,7 +168,7 @@ class TrtllmGenLayout:
     # --- forward --------------------------------------------------------------------------
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
-        _check_local(weights, plan)
+        check_experts(weights, plan)
         piece = weights.intermediate_slice(*plan.intermediate_range)
         Ip, H2 = plan.padded_intermediate, plan.padded_hidden
         H1 = plan.facts["padded_hidden_fc1"]
@@ -190,13 +192,7 @@ class TrtllmGenLayout:
     # --- inverse --------------------------------------------------------------------------
 
     def invert(self, tensors: Mapping[str, torch.Tensor], plan: RankPlan) -> ExpertWeights:
-        for name, spec in plan.tensors.items():
-            t = tensors.get(name)
-            if t is None:
-                raise LayoutError(f"tensor {name!r} is missing")
-            # Any run of the rank's experts may be inverted (verify samples single experts).
-            if tuple(t.shape[1:]) != spec.shape[1:] or t.shape[0] > spec.shape[0] or t.dtype != spec.dtype:
-                raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
+        check_prepared(tensors, plan)
         H, V = plan.dims.hidden, plan.valid_intermediate
         Ip, H2 = plan.padded_intermediate, plan.padded_hidden
         tp = plan.spec.tp_size
@@ -252,19 +248,6 @@ def w2_source_rows(hidden: int, padded_hidden: int) -> torch.Tensor:
     """For each ``w2`` output row, the checkpoint down row (-1: zero padding)."""
     rows = ops.shuffle_row_indices(padded_hidden, EPILOGUE_TILE_M)
     return torch.where(rows < hidden, rows, torch.full_like(rows, -1))
-
-
-def _check_local(weights: ExpertWeights, plan: RankPlan) -> None:
-    # Any run of the rank's experts may come in (the pipeline streams them in chunks).
-    if weights.num_experts > plan.num_local_experts:
-        raise LayoutError(
-            f"got {weights.num_experts} experts for rank {plan.spec.rank}, which holds {plan.num_local_experts}"
-        )
-    if weights.intermediate != plan.dims.intermediate or weights.hidden != plan.dims.hidden:
-        raise LayoutError(
-            f"expert weights have H={weights.hidden}, I={weights.intermediate}; "
-            f"the plan expects H={plan.dims.hidden}, I={plan.dims.intermediate}"
-        )
 
 
 def _split_up_gate(stacked: torch.Tensor, valid_rows: int, cols: int, name: str) -> torch.Tensor:
