@@ -387,6 +387,17 @@ def _keep_freed_memory() -> None:
 
 def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> PrepareResult:
     """Run the plan; resumes from the journal; returns what was done. Raises OutputError on I/O."""
+    # One intra-op thread: the shuffles are cheap next to the writes and hashes, which run on
+    # their own threads; torch's pool on top of them oversubscribes the cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _prepare(plan, on_progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult:
     started = time.perf_counter()
     root = plan.out_dir
     root.mkdir(parents=True, exist_ok=True)
