@@ -49,7 +49,8 @@ ProgressFn = Callable[[str, int, int], None]
 SHARED_DIR = "shared"
 CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
 SHARED_FILE_BYTES = 2 * 1024**3  # non-expert tensors are grouped into files of at most this payload
-FETCH_RECORD = "prepkit-fetch.json"
+FETCH_RECORD = "prepkit-fetch.json"  # written by ``prepkit fetch`` (hub-verified hashes)
+SYNTH_RECORD = "prepkit-synth.json"  # written by ``prepkit synth`` (hashes taken at creation)
 
 
 def experts_file(rank: int, layer: int) -> str:
@@ -618,7 +619,7 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
 
 
 def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
-    """Source files whose sha256 no fetch record vouches for."""
+    """Source files whose sha256 no fetch or synth record vouches for."""
     known = _fetch_record_files(ckpt)
     return [p for p in ckpt.source_files() if not (known.get(p.name) or {}).get("sha256")]
 
@@ -639,15 +640,19 @@ def _fetch_record_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
 
 
 def _fetch_record(ckpt: Checkpoint) -> dict[str, Any] | None:
-    path = ckpt.root / FETCH_RECORD
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        log.warning("ignoring unreadable %s", path)
-        return None
-    return record if isinstance(record, dict) else None
+    """The record of whoever wrote the folder: ``prepkit fetch``, else ``prepkit synth``."""
+    for name in (FETCH_RECORD, SYNTH_RECORD):
+        path = ckpt.root / name
+        if not path.is_file():
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            log.warning("ignoring unreadable %s", path)
+            continue
+        if isinstance(record, dict):
+            return {**record, "_record": name}
+    return None
 
 
 def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, Any]:
@@ -659,6 +664,13 @@ def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, An
     for p in ckpt.source_files():
         entry = known.get(p.name) or {}
         source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name), "bytes": p.stat().st_size}
+    if record and record["_record"] == SYNTH_RECORD:
+        return {
+            "provenance": "prepkit synth",
+            "synth_record": SYNTH_RECORD,
+            "seed": record.get("seed"),
+            "source_files": source_files,
+        }
     if record:
         return {
             "provenance": "prepkit fetch",

@@ -21,6 +21,9 @@ import torch
 from safetensors.torch import save_file
 
 from prepkit.recipes import Recipe, load_recipe, shape_of
+from prepkit.shards import sha256_file
+
+SYNTH_RECORD = "prepkit-synth.json"
 
 SCALE_LOW, SCALE_HIGH = 112, 132  # E8M0 exponents 2^-15 .. 2^4: realistic, never 0xFF
 DEFAULT_MAX_SHARD_BYTES = 4_800_000_000  # the hub converter's cap
@@ -213,6 +216,19 @@ def write_synthetic_checkpoint(
         },
     )
     _write_json(out / "config.json", config)
+    # Hashes taken now, while the bytes are fresh, so prepare can cite them as provenance
+    # instead of reading the whole checkpoint again (as it does with a fetch record).
+    record = {
+        "format": "prepkit-synth/1",
+        "generator": "prepkit synth",
+        "seed": seed,
+        "files": [
+            {"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(out.iterdir())
+            if p.is_file() and p.name != SYNTH_RECORD
+        ],
+    }
+    _write_json(out / SYNTH_RECORD, record)
     return out
 
 

@@ -39,7 +39,7 @@ def test_prepare_then_verify_against_source(synthetic_ckpt: Path, tmp_path: Path
     manifest = json.loads((out / MANIFEST_NAME).read_text())
     assert manifest["layout"]["id"] == "trtllm_gen_v1"
     assert [r["rank"] for r in manifest["ranks"]] == list(range(tp))
-    assert manifest["model"]["provenance"] == "local folder"
+    assert manifest["model"]["provenance"] == "prepkit synth"
     assert all(v["sha256"] for v in manifest["model"]["source_files"].values())
     assert not (out / JOURNAL_NAME).exists()
     # each rank folder is self-contained: its index resolves every tensor to a file beside it
@@ -245,3 +245,30 @@ def test_main_entry_point_exit_codes(tmp_path: Path) -> None:
     assert proc.returncode == 6 and "Error:" in proc.stderr and "Traceback" not in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "prepkit", "prepare", "--tp", "0"], capture_output=True, text=True)
     assert proc.returncode == 2
+
+
+def test_source_hashes_come_from_the_record_only_for_unchanged_files(ep_ckpt: Path, tmp_path: Path) -> None:
+    from prepkit.shards import sha256_file
+
+    src = tmp_path / "src"
+    shutil.copytree(ep_ckpt, src)
+    record_path = src / "prepkit-synth.json"
+    record = json.loads(record_path.read_text())
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    # a record that lies about a file of another size must not be believed
+    for f in record["files"]:
+        if f["path"] == shard.name:
+            f["size"] += 1
+            f["sha256"] = "0" * 64
+    record_path.write_text(json.dumps(record))
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(src), "--out", str(out), "-q")[0] == 0
+    files = json.loads((out / MANIFEST_NAME).read_text())["model"]["source_files"]
+    assert files[shard.name]["sha256"] == sha256_file(shard)
+    # without any record the folder is hashed during the run
+    record_path.unlink()
+    out2 = tmp_path / "out2"
+    assert run("prepare", "--src", str(src), "--out", str(out2), "-q")[0] == 0
+    model = json.loads((out2 / MANIFEST_NAME).read_text())["model"]
+    assert model["provenance"] == "local folder"
+    assert model["source_files"][shard.name]["sha256"] == sha256_file(shard)
