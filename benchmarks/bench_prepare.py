@@ -1,8 +1,10 @@
 """Throughput and memory of ``prepkit prepare`` against a plain copy of the same bytes.
 
 Writes a synthetic gpt-oss checkpoint (real 120b expert dims, 128 experts, enough layers for at
-least 4 GB), then times, each in a fresh process on the same disk:
-  * ``cp`` of the source shard files followed by ``sync`` (the I/O floor: read + write once);
+least 4 GB), then times, each in a fresh process on the same disk, in interleaved rounds:
+  * ``cp`` of the source shard files followed by ``sync`` (the plain copy; GNU cp copies inside
+    the kernel where it can, never touching user memory);
+  * ``dd bs=64M`` of the same files followed by ``sync`` (the bytes through user space once);
   * ``prepkit prepare --tp 1`` and ``--tp 8`` (trtllm-gen), which also fsync every file.
 Reports source GB/s, the ratio to the copy, and each process's peak RSS against two layers.
 
@@ -76,7 +78,7 @@ def main() -> None:
 
     # Rounds interleave the contenders, so a drift in the (shared, virtual) disk's speed hits
     # all of them alike; medians over rounds.
-    times: dict[str, list[float]] = {"copy": [], "tp1": [], "tp8": []}
+    times: dict[str, list[float]] = {"copy": [], "dd": [], "tp1": [], "tp8": []}
     peaks: dict[str, list[int]] = {"tp1": [], "tp8": []}
     for _ in range(args.repeats):
         dst = work / "copy"
@@ -84,6 +86,12 @@ def main() -> None:
         dst.mkdir(parents=True)
         t, _ = timed(["sh", "-c", f"cp {' '.join(str(p) for p in shards)} {dst}/ && sync"])
         times["copy"].append(t)
+        shutil.rmtree(dst, ignore_errors=True)
+        # the same bytes through user space (read into memory, write out), as any transform must
+        dst.mkdir(parents=True)
+        dd = " && ".join(f"dd if={p} of={dst / p.name} bs=64M status=none" for p in shards)
+        t, _ = timed(["sh", "-c", f"{dd} && sync"])
+        times["dd"].append(t)
         shutil.rmtree(dst, ignore_errors=True)
         for tp in (1, 8):
             out = work / f"tp{tp}"
@@ -106,7 +114,11 @@ def main() -> None:
             peaks[f"tp{tp}"].append(rss)
             shutil.rmtree(out, ignore_errors=True)
     copy_t = statistics.median(times["copy"])
-    rows = [("cp + sync", copy_t, source_bytes / copy_t / 1e9, 1.0, None)]
+    dd_t = statistics.median(times["dd"])
+    rows = [
+        ("cp + sync", copy_t, source_bytes / copy_t / 1e9, 1.0, None),
+        ("dd bs=64M + sync", dd_t, source_bytes / dd_t / 1e9, copy_t / dd_t, None),
+    ]
     for tp in (1, 8):
         t = statistics.median(times[f"tp{tp}"])
         rows.append((f"prepare --tp {tp}", t, source_bytes / t / 1e9, copy_t / t, max(peaks[f"tp{tp}"])))
