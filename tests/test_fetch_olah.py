@@ -409,11 +409,14 @@ def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
         name for name in ("chat_template.jinja", "config.json", "generation_config.json") if (dest / name).exists()
     }
     assert finished  # workers=1 takes files in sorted order: these came before the big shard
+    # Whether the interrupted download left its partial file depends on where the signal landed
+    # (the library deletes it when it still gets to run its cleanup); the rerun removes what is left.
+    left_behind = len(list(dest.rglob("*.incomplete")))
 
     result = run_cli(*fetch_args(hub, dest, "--json", repo=BIG_REPO))
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["orphans_removed"] >= 1
+    assert summary["orphans_removed"] == left_behind
     assert not finished & set(summary["downloaded"])
     assert BIG_SHARD in summary["downloaded"]
     assert not list(dest.rglob("*.incomplete"))
