@@ -160,7 +160,7 @@ def plan_prepare(
     alternatives = {
         v: [layout.plan_rank(dims, s, LayoutOptions(trtllm_version=v)) for s in specs]
         for v in TRTLLM_VERSIONS
-        if v != options.trtllm_version
+        if v != options.trtllm_version and "trtllm_version" in getattr(layout, "uses_options", ())
     }
     for version, plans in alternatives.items():
         differ = [
