@@ -500,9 +500,7 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
                                 in_flight.append(writer.submit(outs[p.spec.rank].write_chunk, c_lo - e_lo, built))
                                 del built
                             del weights
-                            progress(
-                                "source", done_source + layer_source * (c_hi - 0) // dims.num_experts, total_source
-                            )
+                            progress("source", done_source + layer_source * c_hi // dims.num_experts, total_source)
                     while in_flight:
                         in_flight.pop(0).result()
                     for p in todo:
