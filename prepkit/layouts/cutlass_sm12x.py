@@ -25,7 +25,7 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -57,12 +57,10 @@ SWIGLU = {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0}
 def plan_cutlass_rank(
     dims: ModelDims,
     spec: RankSpec,
-    tensors_for: Callable[[int, int, int], dict[str, TensorSpec]],
     facts: dict[str, Any],
 ) -> RankPlan:
-    """Ranges and padded sizes of one rank under TensorRT-LLM's CUTLASS MXFP4 split.
-
-    ``tensors_for(E_local, Ip, H2)`` returns the layout's tensor specs.
+    """Ranges, padded sizes and tensor specs of one rank under TensorRT-LLM's CUTLASS MXFP4 split
+    (both CUTLASS layouts store the same shapes; only the bytes inside differ).
 
     Raises:
         LayoutError: dims that are not whole MXFP4 blocks, an EP size that does not divide the
@@ -98,7 +96,7 @@ def plan_cutlass_rank(
         intermediate_range=(lo, hi),
         padded_intermediate=Ip,
         padded_hidden=H2,
-        tensors=tensors_for(E_hi - E_lo, Ip, H2),
+        tensors=cutlass_tensor_specs(E_hi - E_lo, Ip, H2),
         sharding_rule=PAD_BEFORE_SHARD,
         facts=facts,
     )
@@ -201,7 +199,7 @@ class CutlassSm12xLayout:
             "engine_fc2_bias": "full, added on tp_rank 0 only (pass tp_size/tp_rank to the MoE call)",
             "bias_dtype": "bfloat16 (the activation dtype)",
         }
-        return plan_cutlass_rank(dims, spec, _tensor_specs, facts)
+        return plan_cutlass_rank(dims, spec, facts)
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)
@@ -239,7 +237,7 @@ NAMES = {
 }
 
 
-def _tensor_specs(El: int, Ip: int, H2: int) -> dict[str, TensorSpec]:
+def cutlass_tensor_specs(El: int, Ip: int, H2: int) -> dict[str, TensorSpec]:
     u8, bf16 = torch.uint8, torch.bfloat16
     return {
         "w3_w1_weight": TensorSpec((El, 2 * Ip, H2 // 2), u8, ("E", "2*Ip", "H2/2")),

@@ -32,7 +32,6 @@ from prepkit.layouts.base import (
     ModelDims,
     RankPlan,
     RankSpec,
-    TensorSpec,
     check_prepared,
 )
 from prepkit.layouts.cutlass_sm12x import (
@@ -231,7 +230,7 @@ class CutlassSm90Layout:
         }
         # Ip and H2 are multiples of 128, which the interleave (n % 16, K % 64) and the fold
         # (rows % 64, K % 128) need.
-        return plan_cutlass_rank(dims, spec, _tensor_specs, facts)
+        return plan_cutlass_rank(dims, spec, facts)
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)
@@ -255,18 +254,6 @@ class CutlassSm90Layout:
             "w2_bias": tensors["w2_bias"],
         }
         return unpadded_pieces(pieces, plan, NAMES)
-
-
-def _tensor_specs(El: int, Ip: int, H2: int) -> dict[str, TensorSpec]:
-    u8, bf16 = torch.uint8, torch.bfloat16
-    return {
-        "w3_w1_weight": TensorSpec((El, 2 * Ip, H2 // 2), u8, ("E", "2*Ip", "H2/2")),
-        "w3_w1_weight_scale": TensorSpec((El, 2 * Ip, H2 // 32), u8, ("E", "2*Ip", "H2/32")),
-        "w3_w1_bias": TensorSpec((El, 2 * Ip), bf16, ("E", "2*Ip")),
-        "w2_weight": TensorSpec((El, H2, Ip // 2), u8, ("E", "H2", "Ip/2")),
-        "w2_weight_scale": TensorSpec((El, H2, Ip // 32), u8, ("E", "H2", "Ip/32")),
-        "w2_bias": TensorSpec((El, H2), bf16, ("E", "H2")),
-    }
 
 
 LAYOUT = CutlassSm90Layout()
