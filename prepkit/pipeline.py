@@ -618,12 +618,12 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
 
 def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
     """Source files whose sha256 no fetch or synth record vouches for."""
-    known = _fetch_record_files(ckpt)
+    known = _fetch_record_files(ckpt, _fetch_record(ckpt))
     return [p for p in ckpt.source_files() if not (known.get(p.name) or {}).get("sha256")]
 
 
-def _fetch_record_files(ckpt: Checkpoint) -> dict[str, dict[str, Any]]:
-    record = _fetch_record(ckpt)
+def _fetch_record_files(ckpt: Checkpoint, record: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """The record's hashes of files whose size is still what the record says."""
     if not record:
         return {}
     known = {}
@@ -657,7 +657,7 @@ def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, An
     """Source revision and file hashes: from the fetch record when the model came through
     ``prepkit fetch`` (verified against the hub there), else hashed during the run."""
     record = _fetch_record(ckpt)
-    known = _fetch_record_files(ckpt)
+    known = _fetch_record_files(ckpt, record)
     source_files = {}
     for p in ckpt.source_files():
         entry = known.get(p.name) or {}
