@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from prepkit.errors import CheckpointError
 from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights, ModelDims
@@ -35,7 +34,7 @@ class TensorEntry:
     dtype_name: str
     shape: tuple[int, ...]
     nbytes: int
-    offset: int = -1  # absolute file offset of the first byte; -1 when unknown
+    offset: int  # absolute file offset of the tensor's first byte
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -91,7 +90,6 @@ class Checkpoint:
         self.dims: ModelDims = model_dims(self.config)
         self.weight_map = self._read_weight_map()
         self.entries: dict[str, TensorEntry] = {}
-        self._handles: dict[str, Any] = {}
         self._fds: dict[str, int] = {}
 
     # --- index and headers ----------------------------------------------------------------
@@ -179,7 +177,13 @@ class Checkpoint:
                 info = headers[file][0][name]
                 lo, hi = info["data_offsets"]
                 self.entries[name] = TensorEntry(
-                    name, file, SAFETENSORS_DTYPES.get(info["dtype"]), info["dtype"], tuple(info["shape"]), hi - lo
+                    name,
+                    file,
+                    SAFETENSORS_DTYPES.get(info["dtype"]),
+                    info["dtype"],
+                    tuple(info["shape"]),
+                    hi - lo,
+                    headers[file][1] + lo,
                 )
         if problems:
             shown = problems[:50]
@@ -191,27 +195,21 @@ class Checkpoint:
 
     # --- reading --------------------------------------------------------------------------
 
-    def _handle(self, file: str) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = safe_open(str(self.root / file), framework="pt")
-            self._handles[file] = handle
-        return handle
+    def _entry(self, name: str) -> TensorEntry:
+        if not self.entries:
+            self.validate()  # reads go by the offsets validation takes from the headers
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointError(f"{name}: not in {INDEX_NAME}")
+        if entry.dtype is None:
+            raise CheckpointError(f"{entry.file}: {name} has dtype {entry.dtype_name}, which prepkit cannot read")
+        return entry
 
     def read(self, name: str) -> torch.Tensor:
-        file = self.weight_map.get(name)
-        if file is None:
-            raise CheckpointError(f"{name}: not in {INDEX_NAME}")
-        entry = self.entries.get(name)
-        if entry is not None and entry.shape and entry.dtype is not None and entry.offset >= 0:
-            try:
-                return self.read_rows(name, 0, entry.shape[0])
-            except OSError as err:
-                raise CheckpointError(f"{file}: cannot read {name}: {err}", hint="re-download the file") from err
-        try:
-            return self._handle(file).get_tensor(name)
-        except Exception as err:  # safetensors raises its own error types
-            raise CheckpointError(f"{file}: cannot read {name}: {err}", hint="re-download the file") from err
+        entry = self._entry(name)
+        if not entry.shape:  # a scalar: one "row" of one element
+            return self.read_rows(name, 0, 1).reshape(())
+        return self.read_rows(name, 0, entry.shape[0])
 
     def read_experts(self, layer: int) -> ExpertWeights:
         """All experts of one layer in checkpoint form (about 1.75 GB for gpt-oss-120b)."""
@@ -223,10 +221,8 @@ class Checkpoint:
         Plain reads instead of mmap: the bytes land in memory we own and free, so resident memory
         stays at what the pipeline holds, not at every page of the shards it has touched.
         """
-        entry = self.entries[name]
-        if entry.dtype is None or entry.offset < 0:
-            raise CheckpointError(f"{name}: cannot read rows of an unvalidated tensor")
-        row_bytes = entry.nbytes // max(entry.shape[0], 1)
+        entry = self._entry(name)
+        row_bytes = entry.nbytes // max(entry.shape[0], 1) if entry.shape else entry.nbytes
         count = (hi - lo) * row_bytes
         # A caller streaming many chunks passes a reused buffer: fresh memory costs a page fault
         # per 4 KiB on first touch, which is slower than the read itself.
@@ -239,11 +235,14 @@ class Checkpoint:
             fd = self._fds[entry.file] = os.open(self.root / entry.file, os.O_RDONLY)
         view = memoryview(out.numpy()).cast("B") if count else memoryview(b"")
         done = 0
-        while done < count:
-            n = os.preadv(fd, [view[done:]], entry.offset + lo * row_bytes + done)
-            if n == 0:
-                raise CheckpointError(f"{entry.file}: ends inside {name}", hint="re-download the file")
-            done += n
+        try:
+            while done < count:
+                n = os.preadv(fd, [view[done:]], entry.offset + lo * row_bytes + done)
+                if n == 0:
+                    raise CheckpointError(f"{entry.file}: ends inside {name}", hint="re-download the file")
+                done += n
+        except OSError as err:
+            raise CheckpointError(f"{entry.file}: cannot read {name}: {err}", hint="re-download the file") from err
         return out.view(entry.dtype).reshape((hi - lo, *entry.shape[1:]))
 
     def read_experts_range(
@@ -254,19 +253,7 @@ class Checkpoint:
         tensors = {}
         for role in SOURCE_ROLES:
             name = self.recipe.expert_name(layer, role)
-            try:
-                if name in self.entries:
-                    tensors[role] = self.read_rows(name, lo, hi, (buffers or {}).get(role))
-                    continue
-                tensors[role] = self._handle(self.weight_map[name]).get_slice(name)[lo:hi]
-            except OSError as err:
-                raise CheckpointError(
-                    f"{self.weight_map[name]}: cannot read {name}: {err}", hint="re-download the file"
-                ) from err
-            except Exception as err:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"{self.weight_map[name]}: cannot read {name}: {err}", hint="re-download the file"
-                ) from err
+            tensors[role] = self.read_rows(name, lo, hi, (buffers or {}).get(role))
         return ExpertWeights(**tensors)
 
     def expert_names(self, layer: int) -> list[str]:
@@ -283,7 +270,6 @@ class Checkpoint:
                 yield path
 
     def close(self) -> None:
-        self._handles.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
