@@ -773,7 +773,9 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
     """Arch-independent pruning of the kernel's valid variants to a sweepable set.
 
     Rules (tactics.md §7.4): at least 2 stages (1 never hides the weight loads); split-K only for
-    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); then, if more
+    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
+    upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
+    ``bits`` stays for devices and interpreters without the PTX path); then, if more
     than ``max_count`` remain, an even spread within each (block_m, upcast) group so every tile
     regime stays represented. Fields the kernel does not have are ignored.
     """
@@ -785,6 +787,8 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
         if d.get("split_k", 1) > 1 and (role != "gemm2" or d.get("block_m", 16) > 32):
             continue
         kept.append((d, canon(t)))
+    asm_tiles = {_without_upcast(d) for d, _ in kept if d.get("upcast") == "asm"}
+    kept = [(d, t) for d, t in kept if d.get("upcast") != "bits" or _without_upcast(d) not in asm_tiles]
     if max_count is None or len(kept) <= max_count:
         return [t for _, t in kept]
     groups: dict[tuple[Any, Any], list[str]] = {}
@@ -797,6 +801,10 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
         step = len(g) / per
         out.extend(g[int(i * step)] for i in range(min(per, len(g))))
     return out[:max_count] if len(out) > max_count else out
+
+
+def _without_upcast(d: Mapping[str, Any]) -> str:
+    return json.dumps({k: v for k, v in d.items() if k != "upcast"}, sort_keys=True)
 
 
 # ------------------------------------------------------------------------ GPU worker process

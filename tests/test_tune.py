@@ -129,6 +129,14 @@ def test_prune_candidates() -> None:
     }
 
 
+def test_prune_drops_bits_where_asm_has_the_same_tile() -> None:
+    def t(bn: int, upcast: str) -> str:
+        return canon({"block_m": 16, "block_n": bn, "num_stages": 3, "split_k": 1, "upcast": upcast})
+
+    kept = prune_candidates([t(64, "bits"), t(64, "asm"), t(128, "bits"), t(128, "dot_scaled")], "gemm1")
+    assert kept == [t(64, "asm"), t(128, "bits"), t(128, "dot_scaled")]
+
+
 # ------------------------------------------------------------------------------- the sweep
 
 

@@ -40,7 +40,7 @@ import triton.language as tl
 from prepkit.kernels.tactic import GemmTactic
 
 WEIGHT_LAYOUT = "triton_moe_v1"
-KERNEL_VERSION = 1
+KERNEL_VERSION = 2
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -184,13 +184,12 @@ def _fp4_to_f32(code):
 
 @triton.jit
 def _upcast_pair(wq, sc, UPCAST: tl.constexpr):
-    """``wq [BN, G, 16]`` bytes and ``sc [BN, G]`` E8M0 -> bf16 (low, high) element tiles."""
+    """``wq`` bytes and ``sc`` E8M0 of the same shape (one scale per byte) -> bf16 (low, high)."""
     if UPCAST == 2:
         # Inline PTX, 4 bytes at once (sm_80+): bytes spread to 16-bit lanes with prmt, nibble
         # bits moved to bf16 position (mag e1 e0 m -> bits 8..6, sign -> bit 15: value * 2^-126),
         # then two bf16x2 FMAs, * 2^126 and * the E8M0 scale (a -0.0 addend keeps +0 and -0).
         scale = (sc.to(tl.uint16) << 7).to(tl.bfloat16, bitcast=True)
-        scale = tl.broadcast_to(scale[:, :, None], wq.shape)
         lo, hi = tl.inline_asm_elementwise(
             """
             {
@@ -237,7 +236,7 @@ def _upcast_pair(wq, sc, UPCAST: tl.constexpr):
         )
     else:
         # Scale byte s is 2^(s-127): the same bits as an fp32 exponent field (s = 0 reads as 0).
-        scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
         w32 = wq.to(tl.uint32)
         lo = (_fp4_to_f32(w32 & 0xF) * scale).to(tl.bfloat16)
         hi = (_fp4_to_f32(w32 >> 4) * scale).to(tl.bfloat16)
@@ -257,6 +256,54 @@ def _dot(a, b, acc, DOT_FP32: tl.constexpr):
 def _zero_acc(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
     # ``[BN, BM]`` when the weight tile is the MMA's M side.
     return tl.zeros([BLOCK_N, BLOCK_M] if SWAP else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _mxfp4_step(
+    a_ptrs,
+    a_mask,
+    w_ptrs,
+    s_ptrs,
+    n_mask,
+    k_rem,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
+    MASK_K: tl.constexpr,
+):
+    """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes, ``s_ptrs [BN, G]`` scales,
+    ``a_ptrs [BM, BK/2]`` the activations of the low nibbles (the high ones sit 16 further).
+    ``MASK_K`` only for a last partial step (``k_rem`` elements left): full steps carry no K masks,
+    so their loads stay wide and the compiler can pipeline them."""
+    G: tl.constexpr = BLOCK_K // 32
+    if MASK_K:
+        c_ok = tl.arange(0, BLOCK_K // 2) < k_rem // 2
+        g_ok = tl.arange(0, G) < k_rem // 32
+        w_msk = n_mask[:, None] & c_ok[None, :]
+        a_msk = a_mask[:, None] & c_ok[None, :]
+        s_msk = n_mask[:, None] & g_ok[None, :]
+    else:
+        w_msk = n_mask[:, None]
+        a_msk = a_mask[:, None]
+        s_msk = n_mask[:, None]
+    wq = tl.load(w_ptrs, mask=w_msk, other=0)
+    a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
+    a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
+    sc = tl.load(s_ptrs, mask=s_msk, other=0)
+    # One scale per byte: byte c of the step belongs to group c // 16.
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
+    w_lo, w_hi = _upcast_pair(wq, sc, UPCAST)
+    if SWAP:
+        # Few rows: the weight tile is the MMA's M side, the tokens its N side.
+        acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
+        acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
+    else:
+        acc = _dot(a_lo, tl.trans(w_lo), acc, DOT_FP32)
+        acc = _dot(a_hi, tl.trans(w_hi), acc, DOT_FP32)
+    return acc
 
 
 @triton.jit
@@ -283,19 +330,19 @@ def _mxfp4_mainloop(
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
     ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
-    (K contiguous, triton_moe_v1 nibble order) with scales ``[K/32, N]``.
+    (K contiguous, triton_moe_v1 nibble order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
+    of BLOCK_K.
     """
     G: tl.constexpr = BLOCK_K // 32
     offs_g = tl.arange(0, G)
-    offs_j = tl.arange(0, 16)
-    n_groups = K // 32
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        gg = k0 // 32 + offs_g
-        g_mask = gg < n_groups
-        sc = tl.load(
-            s_base + gg[None, :] * stride_sk + offs_n[:, None], mask=n_mask[:, None] & g_mask[None, :], other=0
-        )  # [BN, G]
-        if UPCAST == 1:
+    if UPCAST == 1:
+        n_groups = K // 32
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            gg = k0 // 32 + offs_g
+            g_mask = gg < n_groups
+            sc = tl.load(
+                s_base + gg[None, :] * stride_sk + offs_n[:, None], mask=n_mask[:, None] & g_mask[None, :], other=0
+            )  # [BN, G]
             # tl.dot_scaled wants byte j of a group to hold elements 2j, 2j+1: feed it the
             # activations permuted the same way (column 2j+t of a group reads element 16t + j).
             offs_kp = tl.arange(0, BLOCK_K)
@@ -308,28 +355,38 @@ def _mxfp4_mainloop(
                 other=0,
             )
             acc = tl.dot_scaled(a, None, "bf16", wq, sc, "e2m1", acc)
-        else:
-            wq = tl.load(
-                w_base + offs_n[:, None, None] * stride_wn + gg[None, :, None] * 16 + offs_j[None, None, :],
-                mask=n_mask[:, None, None] & g_mask[None, :, None],
-                other=0,
-            )  # [BN, G, 16]
-            kk = gg[None, :, None] * 32 + offs_j[None, None, :]  # [1, G, 16]
-            a_msk = a_mask[:, None, None] & g_mask[None, :, None]
-            a_lo = tl.load(a_rows[:, None, None] + kk, mask=a_msk, other=0.0)
-            a_hi = tl.load(a_rows[:, None, None] + kk + 16, mask=a_msk, other=0.0)
-            w_lo, w_hi = _upcast_pair(wq, sc, UPCAST)
-            a_lo = tl.reshape(a_lo, (BLOCK_M, BLOCK_K // 2))
-            a_hi = tl.reshape(a_hi, (BLOCK_M, BLOCK_K // 2))
-            w_lo = tl.reshape(w_lo, (BLOCK_N, BLOCK_K // 2))
-            w_hi = tl.reshape(w_hi, (BLOCK_N, BLOCK_K // 2))
-            if SWAP:
-                # Few rows: the weight tile is the MMA's M side, the tokens its N side.
-                acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
-                acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
-            else:
-                acc = _dot(a_lo, tl.trans(w_lo), acc, DOT_FP32)
-                acc = _dot(a_hi, tl.trans(w_hi), acc, DOT_FP32)
+    else:
+        offs_c = tl.arange(0, BLOCK_K // 2)
+        # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
+        col = (offs_c // 16) * 32 + offs_c % 16
+        w_ptrs = w_base + offs_n[:, None] * stride_wn + (k_lo // 2 + offs_c)[None, :]
+        a_ptrs = a_rows[:, None] + (k_lo + col)[None, :]
+        s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
+        k_hi = tl.maximum(k_hi, k_lo)
+        k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+        for _ in range(k_lo, k_full, BLOCK_K):
+            acc = _mxfp4_step(
+                a_ptrs, a_mask, w_ptrs, s_ptrs, n_mask, BLOCK_K, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, False
+            )
+            w_ptrs += BLOCK_K // 2
+            a_ptrs += BLOCK_K
+            s_ptrs += G * stride_sk
+        if k_full < k_hi:
+            acc = _mxfp4_step(
+                a_ptrs,
+                a_mask,
+                w_ptrs,
+                s_ptrs,
+                n_mask,
+                k_hi - k_full,
+                acc,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                DOT_FP32,
+                SWAP,
+                True,
+            )
     return acc
 
 

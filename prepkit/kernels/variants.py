@@ -18,7 +18,7 @@ GEMMS: tuple[Gemm, ...] = ("gemm1", "gemm2")
 
 BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128, 256)
-BLOCK_K = (64, 128, 256)
+BLOCK_K = (64, 128, 256, 512)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4)
 SPLIT_K = (1, 2, 4, 8)
@@ -108,22 +108,19 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
 def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
     """A variant pair that is valid on every device; good, not tuned.
 
-    Picked from sweeps on an H200 (docs/kernel-notes.md): few rows per expert run 16-row tiles
-    with swapped operands and, when the output tiles alone cannot cover the SMs, a K split in
-    GEMM2; many rows run 64 x 256 x 64 tiles. The inline-PTX upcast wins everywhere it can run.
+    Picked from sweeps on an H100 (docs/kernel-notes.md, kernel version 2): up to 12 rows per
+    expert run 16 x 64 x 256 tiles with swapped operands and, when the output tiles alone cannot
+    cover the SMs, a K split in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the
+    16-row tiles measured 1.2-1.6x slower). The inline-PTX upcast wins everywhere it can run.
     """
     active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
     rows = -(-problem.num_tokens * problem.top_k // active)
     upcast = "asm" if device.capability >= (8, 0) else "bits"
-    if rows <= 32:
-        bm = 16 if rows <= 16 else 32
-        # 128-wide GEMM1 tiles measured 10-14 % faster per layer than 64-wide from T = 2 to 512 on
-        # an H100 (a fixed cost per program and K step dominates); at T = 1 both tie.
-        g1_n = 64 if problem.num_tokens == 1 else 128
-        g1 = GemmTactic(block_m=bm, block_n=g1_n, block_k=128, num_warps=4, num_stages=3, upcast=upcast)
-        tiles = active * -(-problem.hidden // 128)
+    if rows <= 12:
+        g1 = GemmTactic(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, upcast=upcast)
+        tiles = active * -(-problem.hidden // 64)
         split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
-        g2 = GemmTactic(block_m=bm, block_n=128, block_k=128, num_warps=4, num_stages=3, split_k=split, upcast=upcast)
+        g2 = GemmTactic(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=split, upcast=upcast)
     else:
         g1 = GemmTactic(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3, upcast=upcast)
         g2 = g1
