@@ -183,12 +183,14 @@ def sweep_candidates(T: int, gemm: str) -> list[GemmTactic]:
     rows = max(1, T * TOP_K // min(E, T * TOP_K))
     out = []
     if rows <= 32:
-        for bn, bk in itertools.product((32, 64, 128), (128, 256)):
+        for bn, bk, load in itertools.product((64, 128), (128, 256), ("ptr", "tma")):
             for sk in (1,) if gemm == "gemm1" else (1, 2, 4):
-                out.append(GemmTactic(16, bn, bk, 4, 3, sk, "asm"))
+                out.append(GemmTactic(16, bn, bk, 4, 4 if bk == 128 else 3, sk, "asm", load))
     else:
-        for bm, bn, bk, warps in itertools.product((64, 128), (128, 256), (64, 128), (4, 8)):
-            out.append(GemmTactic(bm, bn, bk, warps, 3, 1, "asm"))
+        for (bm, bn, bk, warps), load in itertools.product(
+            ((64, 256, 64, 4), (64, 128, 64, 4), (128, 128, 64, 4), (128, 256, 64, 8)), ("ptr", "tma")
+        ):
+            out.append(GemmTactic(bm, bn, bk, warps, 3, 1, "asm", load))
     return out
 
 
@@ -235,9 +237,9 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
             try:
                 us = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3
             except Exception as err:  # a variant the compiler rejects is reported, not fatal
-                log(f"  T={T} {gemm} {t.key()}u{t.upcast}: failed: {type(err).__name__}: {str(err)[-400:]}")
+                log(f"  T={T} {gemm} {t.key()}: failed: {type(err).__name__}: {str(err)[-400:]}")
                 continue
-            log(f"  T={T} {gemm} {t.key()} {t.upcast}: {us:.1f} us")
+            log(f"  T={T} {gemm} {t.key()}: {us:.1f} us")
             if gemm not in best or us < best[gemm][0]:
                 best[gemm] = (us, t)
     g1, g2 = best["gemm1"][1], best["gemm2"][1]
@@ -322,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         log(
             f"T={T:5d} hit={hit:6.1f} {us:9.1f} us {gbs:7.0f} GB/s ({100 * gbs / copy_gbs:5.1f}% copy) "
             f"{tflops:6.1f} TFLOP/s ({100 * tflops / mm_tflops:5.1f}% bf16) torch {base_us:10.1f} us "
-            f"[{tactics[0].key()}{tactics[0].upcast[0]} / {tactics[1].key()}{tactics[1].upcast[0]}]"
+            f"[{tactics[0].key()} / {tactics[1].key()}]"
         )
 
     log("")

@@ -776,8 +776,8 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
     GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
     ``bits`` stays for devices and interpreters without the PTX path); then, if more
-    than ``max_count`` remain, an even spread within each (block_m, upcast) group so every tile
-    regime stays represented. Fields the kernel does not have are ignored.
+    than ``max_count`` remain, an even spread within each (block_m, upcast, weight_load) group so
+    every tile regime stays represented. Fields the kernel does not have are ignored.
     """
     kept: list[tuple[dict[str, Any], str]] = []
     for t in tactics:
@@ -793,7 +793,7 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
         return [t for _, t in kept]
     groups: dict[tuple[Any, Any], list[str]] = {}
     for d, t in kept:
-        groups.setdefault((d.get("block_m"), d.get("upcast")), []).append(t)
+        groups.setdefault((d.get("block_m"), d.get("upcast"), d.get("weight_load")), []).append(t)
     out: list[str] = []
     per = max(1, max_count // len(groups))
     for key in sorted(groups, key=str):

@@ -22,14 +22,17 @@ Weights are in the ``triton_moe_v1`` layout (docs/triton-moe-layout.md): per exp
 group holding elements j and j+16), ``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]``
 fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
 
-Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only) and the upcast:
-``asm`` (inline PTX, CUDA only, the default), ``bits`` (Triton integer ops, runs in the CPU
-interpreter) and ``dot_scaled`` (``tl.dot_scaled``). Tiles of at most 32 rows swap operands.
+Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only), the upcast
+(``asm``: inline PTX, CUDA only, the default; ``bits``: Triton integer ops, runs in the CPU
+interpreter; ``dot_scaled``: ``tl.dot_scaled``) and how weight tiles are loaded (``ptr``: pointer
+loads the compiler pipelines; ``tma``: the Hopper/Blackwell tensor memory accelerator, one copy per
+tile through a host-built descriptor). Tiles of at most 32 rows swap operands.
 Results are not bitwise deterministic: the combine adds in fp32 atomics in arrival order.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -40,7 +43,7 @@ import triton.language as tl
 from prepkit.kernels.tactic import GemmTactic
 
 WEIGHT_LAYOUT = "triton_moe_v1"
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -163,6 +166,19 @@ def _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD: tl.constexpr, BLOCK_M: tl.c
     return pid_m < total, e, row_start, count_e, pid_m - first_blk
 
 
+@triton.jit
+def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block ``pid_m`` of the grouped picks: (valid, expert as int64, grouped row indices,
+    row mask, pick indices, token indices). A surplus program sees a row count of 0, so its mask is
+    empty and it reads nothing."""
+    valid, e, row_start, count_e, mb = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, BLOCK_M)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count_e
+    rows = (row_start + offs_m).to(tl.int64)
+    f = tl.load(sorted_ptr + rows, mask=m_mask, other=0)
+    return valid, e.to(tl.int64), rows, m_mask, f, (f // TOP_K).to(tl.int64)
+
+
 # --------------------------------------------------------------------------------------------
 # the MXFP4 main loop shared by both GEMMs
 #
@@ -263,6 +279,9 @@ def _mxfp4_step(
     a_ptrs,
     a_mask,
     w_ptrs,
+    w_desc,
+    w_row,
+    w_col,
     s_ptrs,
     n_mask,
     k_rem,
@@ -273,11 +292,13 @@ def _mxfp4_step(
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
     MASK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
-    """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes, ``s_ptrs [BN, G]`` scales,
-    ``a_ptrs [BM, BK/2]`` the activations of the low nibbles (the high ones sit 16 further).
-    ``MASK_K`` only for a last partial step (``k_rem`` elements left): full steps carry no K masks,
-    so their loads stay wide and the compiler can pipeline them."""
+    """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes (or the ``w_desc`` box at
+    ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales, ``a_ptrs [BM, BK/2]`` the activations
+    of the low nibbles (the high ones sit 16 further). ``MASK_K`` only for a last partial step
+    (``k_rem`` elements left): full steps carry no K masks, so their loads stay wide and the
+    compiler can pipeline them. The TMA unit zero-fills a box past the tensor's end by itself."""
     G: tl.constexpr = BLOCK_K // 32
     if MASK_K:
         c_ok = tl.arange(0, BLOCK_K // 2) < k_rem // 2
@@ -289,7 +310,10 @@ def _mxfp4_step(
         w_msk = n_mask[:, None]
         a_msk = a_mask[:, None]
         s_msk = n_mask[:, None]
-    wq = tl.load(w_ptrs, mask=w_msk, other=0)
+    if W_TMA:  # noqa: SIM108 (a constexpr branch; the other one is never compiled)
+        wq = w_desc.load([w_row, w_col])
+    else:
+        wq = tl.load(w_ptrs, mask=w_msk, other=0)
     a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
     a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
     sc = tl.load(s_ptrs, mask=s_msk, other=0)
@@ -311,6 +335,8 @@ def _mxfp4_mainloop(
     a_rows,
     a_mask,
     w_base,
+    w_desc,
+    w_row,
     s_base,
     offs_n,
     n_mask,
@@ -326,12 +352,13 @@ def _mxfp4_mainloop(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
     ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
     (K contiguous, triton_moe_v1 nibble order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
-    of BLOCK_K.
+    of BLOCK_K. With W_TMA the weight tile is the ``w_desc`` box whose first row is ``w_row``.
     """
     G: tl.constexpr = BLOCK_K // 32
     offs_g = tl.arange(0, G)
@@ -364,11 +391,29 @@ def _mxfp4_mainloop(
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
         k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+        w_col = k_lo // 2
         for _ in range(k_lo, k_full, BLOCK_K):
             acc = _mxfp4_step(
-                a_ptrs, a_mask, w_ptrs, s_ptrs, n_mask, BLOCK_K, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, False
+                a_ptrs,
+                a_mask,
+                w_ptrs,
+                w_desc,
+                w_row,
+                w_col,
+                s_ptrs,
+                n_mask,
+                BLOCK_K,
+                acc,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                DOT_FP32,
+                SWAP,
+                False,
+                W_TMA,
             )
             w_ptrs += BLOCK_K // 2
+            w_col += BLOCK_K // 2
             a_ptrs += BLOCK_K
             s_ptrs += G * stride_sk
         if k_full < k_hi:
@@ -376,6 +421,9 @@ def _mxfp4_mainloop(
                 a_ptrs,
                 a_mask,
                 w_ptrs,
+                w_desc,
+                w_row,
+                w_col,
                 s_ptrs,
                 n_mask,
                 k_hi - k_full,
@@ -386,6 +434,7 @@ def _mxfp4_mainloop(
                 DOT_FP32,
                 SWAP,
                 True,
+                W_TMA,
             )
     return acc
 
@@ -398,6 +447,7 @@ def _mxfp4_mainloop(
 def _gemm1_swiglu_kernel(
     x_ptr,
     w_ptr,
+    w_desc,
     s_ptr,
     b_ptr,
     counts_ptr,
@@ -413,6 +463,7 @@ def _gemm1_swiglu_kernel(
     stride_sk,
     stride_be,
     stride_ht,
+    N_STORED,
     alpha,
     limit,
     TOP_K: tl.constexpr,
@@ -423,23 +474,21 @@ def _gemm1_swiglu_kernel(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    valid, e, row_start, count_e, mb = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, BLOCK_M)
+    valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
     if valid:
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count_e
-        f = tl.load(sorted_ptr + row_start + offs_m, mask=m_mask, other=0)
-        tok = (f // TOP_K).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
-        e64 = e.to(tl.int64)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
             x_ptr + tok * stride_xt,
             m_mask,
             w_ptr + e64 * stride_we,
+            w_desc,
+            (e64 * N_STORED + pid_n * BLOCK_N).to(tl.int32),
             s_ptr + e64 * stride_se,
             offs_n,
             n_mask,
@@ -455,10 +504,10 @@ def _gemm1_swiglu_kernel(
             UPCAST,
             DOT_FP32,
             SWAP,
+            W_TMA,
         )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        rows = (row_start + offs_m).to(tl.int64)
         # Rows alternate gate/up, so each pair of tile rows/columns is one (gate, up) unit.
         if SWAP:
             acc += bias[:, None]
@@ -482,6 +531,7 @@ def _gemm1_swiglu_kernel(
 def _gemm2_combine_kernel(
     h_ptr,
     w_ptr,
+    w_desc,
     s_ptr,
     b_ptr,
     counts_ptr,
@@ -498,6 +548,7 @@ def _gemm2_combine_kernel(
     stride_sk,
     stride_be,
     stride_ot,
+    N_STORED,
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -508,17 +559,13 @@ def _gemm2_combine_kernel(
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_TMA: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    valid, e, row_start, count_e, mb = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, BLOCK_M)
+    valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
     if valid:
-        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_mask = offs_m < count_e
-        rows = (row_start + offs_m).to(tl.int64)
-        f = tl.load(sorted_ptr + rows, mask=m_mask, other=0)
-        tok = (f // TOP_K).to(tl.int64)
         gw = tl.load(topk_w_ptr + f, mask=m_mask, other=0.0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -526,12 +573,13 @@ def _gemm2_combine_kernel(
         k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
-        e64 = e.to(tl.int64)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
         acc = _mxfp4_mainloop(
             h_ptr + rows * stride_ht,
             m_mask,
             w_ptr + e64 * stride_we,
+            w_desc,
+            (e64 * N_STORED + pid_n * BLOCK_N).to(tl.int32),
             s_ptr + e64 * stride_se,
             offs_n,
             n_mask,
@@ -547,6 +595,7 @@ def _gemm2_combine_kernel(
             UPCAST,
             DOT_FP32,
             SWAP,
+            W_TMA,
         )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
@@ -599,6 +648,27 @@ def _check_tactic(t: GemmTactic, name: str) -> None:
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if t.block_k % 32 or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
         raise ValueError(f"{name}: tile {t.key()} needs block_k % 32 == 0 and block_m, block_n >= 16")
+
+
+@functools.cache
+def _has_tma(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def weight_descriptor(w_blocks: torch.Tensor, tactic: GemmTactic) -> object | None:
+    """A TMA descriptor of ``w_blocks [E, N, K/2]`` as ``[E*N, K/2]`` with ``[block_n, block_k/2]``
+    boxes when ``tactic`` asks for TMA loads and the tensor allows them (contiguous, 16-byte rows
+    and base, a device with the unit or the interpreter); ``None`` means pointer loads."""
+    if tactic.weight_load != "tma" or tactic.upcast == "dot_scaled":
+        return None
+    if not w_blocks.is_contiguous() or w_blocks.shape[2] % 16 or w_blocks.data_ptr() % 16:
+        return None
+    if not _interpreting() and not (w_blocks.is_cuda and _has_tma(w_blocks.device.index or 0)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = w_blocks.view(-1, w_blocks.shape[2])
+    return TensorDescriptor.from_tensor(flat, [tactic.block_n, tactic.block_k // 2])
 
 
 @dataclass
@@ -708,9 +778,11 @@ def gemm1_swiglu(
     E_local = routing.num_local_experts
     n1 = 2 * valid_intermediate
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    w_desc = weight_descriptor(w13_blocks, tactic)
     _gemm1_swiglu_kernel[grid](
         hidden_states,
         w13_blocks,
+        w13_blocks if w_desc is None else w_desc,
         w13_scales,
         w13_bias,
         routing.counts,
@@ -726,6 +798,7 @@ def gemm1_swiglu(
         w13_scales.stride(1),
         w13_bias.stride(0),
         h1.stride(0),
+        w13_blocks.shape[1],
         swiglu_alpha,
         swiglu_limit,
         TOP_K=routing.top_k,
@@ -736,6 +809,7 @@ def gemm1_swiglu(
         UPCAST=_UPCAST_IDS[tactic.upcast],
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
+        W_TMA=w_desc is not None,
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
     )
@@ -763,9 +837,11 @@ def gemm2_combine(
     E_local = routing.num_local_experts
     has_bias = w2_bias is not None
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
+    w_desc = weight_descriptor(w2_blocks, tactic)
     _gemm2_combine_kernel[grid](
         h1,
         w2_blocks,
+        w2_blocks if w_desc is None else w_desc,
         w2_scales,
         w2_bias if has_bias else out,
         routing.counts,
@@ -782,6 +858,7 @@ def gemm2_combine(
         w2_scales.stride(1),
         w2_bias.stride(0) if has_bias else 0,
         out.stride(0),
+        w2_blocks.shape[1],
         TOP_K=routing.top_k,
         E_PAD=max(16, _next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
@@ -792,6 +869,7 @@ def gemm2_combine(
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
         HAS_BIAS=has_bias,
+        W_TMA=w_desc is not None,
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
     )

@@ -20,6 +20,10 @@ class GemmTactic:
     # bf16 dot; works on every arch) or "dot_scaled" (tl.dot_scaled; native where the arch has
     # block-scaled MMA, emulated by the compiler elsewhere).
     upcast: str = "bits"
+    # How the weight tile reaches shared memory: "ptr" (per-thread async copies) or "tma" (one
+    # tensor-memory-accelerator copy per tile, sm_90+; pointer loads where the weight tensor cannot
+    # be described to the TMA unit, e.g. rows not a multiple of 16 bytes).
+    weight_load: str = "ptr"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -36,4 +40,5 @@ class GemmTactic:
     def key(self) -> str:
         base = f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
         # The default upcast keeps the key of tactics stored before the field existed.
-        return base if self.upcast == "bits" else f"{base}u{self.upcast}"
+        key = base if self.upcast == "bits" else f"{base}u{self.upcast}"
+        return key if self.weight_load == "ptr" else f"{key}l{self.weight_load}"

@@ -23,6 +23,7 @@ NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4)
 SPLIT_K = (1, 2, 4, 8)
 UPCASTS = ("bits", "asm", "dot_scaled")
+WEIGHT_LOADS = ("ptr", "tma")
 
 # Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
 # values per thread the compiler spills, and such a variant never wins.
@@ -71,8 +72,14 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     ):
         if value not in allowed:
             return f"{name}={value} not in {allowed}"
+    if t.weight_load not in WEIGHT_LOADS:
+        return f"unknown weight_load {t.weight_load!r} (expected one of {WEIGHT_LOADS})"
     if t.upcast == "asm" and device.capability < (8, 0):
         return "upcast 'asm' uses bf16x2 FMA (sm_80 and newer)"
+    if t.weight_load == "tma" and device.capability < (9, 0):
+        return "weight_load 'tma' needs the tensor memory accelerator (sm_90 and newer)"
+    if t.weight_load == "tma" and t.upcast == "dot_scaled":
+        return "weight_load 'tma' is not wired to the dot_scaled path"
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
         return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
@@ -93,10 +100,12 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
     add masked rows.
     """
     out = []
-    for bm, bn, bk, w, s, sk, up in itertools.product(
-        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS
+    for bm, bn, bk, w, s, sk, up, wl in itertools.product(
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS
     ):
-        t = GemmTactic(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up)
+        t = GemmTactic(
+            block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl
+        )
         if invalid_reason(t, gemm, device) is not None:
             continue
         if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):
@@ -108,21 +117,28 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
 def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
     """A variant pair that is valid on every device; good, not tuned.
 
-    Picked from sweeps on an H100 (docs/kernel-notes.md, kernel version 2): up to 12 rows per
-    expert run 16 x 64 x 256 tiles with swapped operands and, when the output tiles alone cannot
-    cover the SMs, a K split in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the
-    16-row tiles measured 1.2-1.6x slower). The inline-PTX upcast wins everywhere it can run.
+    Picked from sweeps on an H100 (docs/kernel-notes.md): up to 12 rows per expert run 16-row
+    tiles with swapped operands and, when the output tiles alone cannot cover the SMs, a K split
+    in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the 16-row tiles measured
+    1.2-1.6x slower). The inline-PTX upcast wins everywhere it can run; the few-row tiles load
+    weights through the TMA unit where the device has one (1.1-1.3x over pointer loads).
     """
     active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
     rows = -(-problem.num_tokens * problem.top_k // active)
     upcast = "asm" if device.capability >= (8, 0) else "bits"
     if rows <= 12:
-        g1 = GemmTactic(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, upcast=upcast)
-        tiles = active * -(-problem.hidden // 64)
+        load = "tma" if device.capability >= (9, 0) else "ptr"
+        # With TMA weight loads 128 x 128 tiles with 4 stages won at 8 and 64 tokens; one token (four
+        # experts, too few tiles for 128-row programs) and pointer loads keep 64 x 256.
+        tma_tiles = load == "tma" and problem.num_tokens > 1
+        bn, bk, stages = (128, 128, 4) if tma_tiles else (64, 256, 3)
+        g1 = GemmTactic(16, bn, bk, 4, stages, 1, upcast, load)
+        tiles = active * -(-problem.hidden // bn)
         split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
-        g2 = GemmTactic(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=split, upcast=upcast)
+        g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load)
     else:
-        g1 = GemmTactic(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=3, upcast=upcast)
+        # Measured with pointer loads only (TMA is left to the tuner here).
+        g1 = GemmTactic(64, 256, 64, 4, 3, 1, upcast, "ptr")
         g2 = g1
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 

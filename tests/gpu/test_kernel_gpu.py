@@ -90,6 +90,8 @@ TACTICS = [
     ("m16n64k128w4s3sk1udot_scaled", "m16n128k128w4s3sk2udot_scaled"),
     ("m16n64k128w4s3sk1", "m64n64k128w4s3sk1uasm"),
     ("m128n128k64w8s3sk1uasm", "m16n64k256w4s3sk2uasm"),
+    ("m16n128k128w4s4sk1uasmltma", "m16n256k128w8s3sk4uasmltma"),
+    ("m64n256k64w4s3sk1uasmltma", "m32n128k256w4s2sk2uasmltma"),
 ]
 
 
@@ -98,14 +100,14 @@ def _parse(key: str):
 
     from prepkit.kernels.tactic import GemmTactic
 
-    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(\w+))?", key)
+    m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(bits|asm|dot_scaled))?(?:l(ptr|tma))?", key)
     assert m, key
     bm, bn, bk, w, s, sk = (int(v) for v in m.groups()[:6])
-    return GemmTactic(bm, bn, bk, w, s, sk, m.group(7) or "bits")
+    return GemmTactic(bm, bn, bk, w, s, sk, m.group(7) or "bits", m.group(8) or "ptr")
 
 
 @pytest.mark.parametrize("T", [1, 7, 33, 256])
-@pytest.mark.parametrize("keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128"])
+@pytest.mark.parametrize("keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64"])
 def test_full_size_layer(checkpoint, T, keys):
     from prepkit.kernels.reference import relative_error
     from prepkit.layouts.base import RankSpec

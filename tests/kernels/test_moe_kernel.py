@@ -72,8 +72,18 @@ def test_token_counts(experts, device, T):
         (SMALL, GemmTactic(16, 32, 64, 4, 1, 4)),  # split-K with a partial last split
         (GemmTactic(32, 64, 128, 4, 2, 1), GemmTactic(32, 64, 128, 4, 2, 1)),  # masked K tail
         (GemmTactic(64, 128, 64, 8, 1, 1), GemmTactic(64, 32, 64, 8, 1, 2, "dot_scaled")),
+        # TMA weight tiles: swapped and plain operands, a K split, boxes past the K end and past
+        # the last expert's rows (the unit zero-fills them).
+        (
+            GemmTactic(16, 32, 64, 4, 2, 1, weight_load="tma"),
+            GemmTactic(16, 64, 64, 4, 2, 4, weight_load="tma"),
+        ),
+        (
+            GemmTactic(32, 128, 128, 4, 2, 1, weight_load="tma"),
+            GemmTactic(64, 128, 128, 4, 2, 1, weight_load="tma"),
+        ),
     ],
-    ids=["dot_scaled+split2", "split4", "k128-tail", "m64-mixed"],
+    ids=["dot_scaled+split2", "split4", "k128-tail", "m64-mixed", "tma-split4", "tma-tail-m64"],
 )
 def test_variant_families(experts, device, g1, g2):
     layer, plan = make_layer(experts, TOP_K, device=device)

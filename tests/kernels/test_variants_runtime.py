@@ -33,6 +33,8 @@ def test_enumerated_variants_are_valid_and_cover_every_family(device):
         assert all(invalid_reason(t, gemm, device) is None for t in tactics)
         assert all(shared_mem_bytes(t) <= device.max_shared_mem for t in tactics)
         assert {t.upcast for t in tactics} == {"bits", "asm", "dot_scaled"}
+        assert {t.weight_load for t in tactics} == {"ptr", "tma"}  # every listed GPU has TMA
+        assert not any(t.weight_load == "tma" and t.upcast == "dot_scaled" for t in tactics)
         splits = {t.split_k for t in tactics}
         assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
 
@@ -52,6 +54,20 @@ def test_invalid_reasons_name_the_knob():
     assert "shared memory" in invalid_reason(GemmTactic(128, 256, 256, 8, 4), "gemm1", GB10)
     old = DeviceInfo("old", (7, 5), 40, 65536)
     assert "sm_80" in invalid_reason(GemmTactic(upcast="asm"), "gemm1", old)
+    ampere = DeviceInfo("ampere", (8, 0), 108, 166912)
+    assert "sm_90" in invalid_reason(GemmTactic(weight_load="tma"), "gemm1", ampere)
+    assert "weight_load" in invalid_reason(GemmTactic(weight_load="bulk"), "gemm1", H100)
+
+
+def test_weight_descriptor_only_where_the_tensor_allows_it():
+    from prepkit.kernels.moe_mxfp4 import weight_descriptor
+
+    tma = GemmTactic(16, 32, 64, weight_load="tma")
+    w = torch.zeros((2, 64, 48), dtype=torch.uint8)  # rows of 48 bytes: a multiple of 16
+    assert weight_descriptor(w, tma) is not None
+    assert weight_descriptor(w, GemmTactic(16, 32, 64)) is None  # pointer loads asked for
+    assert weight_descriptor(torch.zeros((2, 64, 40), dtype=torch.uint8), tma) is None  # 40-byte rows
+    assert weight_descriptor(w[:, :, :32], tma) is None  # not contiguous
 
 
 @pytest.mark.parametrize("device", [*DEVICES, DeviceInfo("tiny", (7, 5), 8, 49152)], ids=lambda d: d.name)
@@ -68,6 +84,8 @@ def test_tactic_json_round_trip_and_stable_key():
     assert GemmTactic.from_json(t.to_json()) == t
     assert GemmTactic(16, 64, 128, 4, 3, 2).key() == "m16n64k128w4s3sk2"  # keys stored before upcast
     assert t.key().endswith("uasm")
+    tma = GemmTactic(16, 64, 128, 4, 3, 2, "asm", "tma")
+    assert tma.key() == "m16n64k128w4s3sk2uasmltma" and GemmTactic.from_json(tma.to_json()) == tma
 
 
 def test_layout_ids_agree():
