@@ -107,7 +107,9 @@ def _parse(key: str):
 
 
 @pytest.mark.parametrize("T", [1, 7, 33, 256])
-@pytest.mark.parametrize("keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64"])
+@pytest.mark.parametrize(
+    "keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64"]
+)
 def test_full_size_layer(checkpoint, T, keys):
     from prepkit.kernels.reference import relative_error
     from prepkit.layouts.base import RankSpec

@@ -59,14 +59,16 @@ def test_invalid_reasons_name_the_knob():
     assert "weight_load" in invalid_reason(GemmTactic(weight_load="bulk"), "gemm1", H100)
 
 
-def test_weight_descriptor_only_where_the_tensor_allows_it():
+def test_weight_descriptor_only_where_the_tensor_allows_it(device):
     from prepkit.kernels.moe_mxfp4 import weight_descriptor
 
+    if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the GPU has no TMA unit")
     tma = GemmTactic(16, 32, 64, weight_load="tma")
-    w = torch.zeros((2, 64, 48), dtype=torch.uint8)  # rows of 48 bytes: a multiple of 16
+    w = torch.zeros((2, 64, 48), dtype=torch.uint8, device=device)  # rows of 48 bytes: a multiple of 16
     assert weight_descriptor(w, tma) is not None
     assert weight_descriptor(w, GemmTactic(16, 32, 64)) is None  # pointer loads asked for
-    assert weight_descriptor(torch.zeros((2, 64, 40), dtype=torch.uint8), tma) is None  # 40-byte rows
+    assert weight_descriptor(torch.zeros((2, 64, 40), dtype=torch.uint8, device=device), tma) is None  # 40-byte rows
     assert weight_descriptor(w[:, :, :32], tma) is None  # not contiguous
 
 
