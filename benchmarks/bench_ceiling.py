@@ -1,0 +1,157 @@
+"""How close GEMM1 comes to the streaming ceiling of its own grid.
+
+    python -m benchmarks.bench_ceiling [--tokens 1,8,64]
+
+For each token count it times, per MoE layer of gpt-oss-120b (CUDA graph over 16 rotated routings,
+so replays read their experts from memory):
+
+- ``stream``: a kernel with GEMM1's grid, tiles and K steps that only reads the weight bytes and
+  scales (pointer loads, and TMA loads) and does no math: what this program structure can move;
+- GEMM1 of the bundled kernel with pointer and with TMA weight loads, same tiles.
+
+Each line gives µs, GB/s of weight bytes and the fraction of the device's copy bandwidth measured
+in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth  # noqa: E402
+from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
+from prepkit.kernels.tactic import GemmTactic  # noqa: E402
+
+TILES = ((64, 256, 3), (128, 128, 4))  # (block_n, block_k, stages), 16-row blocks, 4 warps
+
+
+@triton.jit
+def _stream_kernel(
+    w_ptr,
+    w_desc,
+    s_ptr,
+    counts_ptr,
+    out_ptr,
+    N,
+    K,
+    E_LOCAL,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sk,
+    E_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+):
+    """GEMM1's grid and K steps, reading weights and scales only (XOR-folded so nothing is dead)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    valid, e, _, _, _ = k._locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, 16)
+    if valid:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        e64 = e.to(tl.int64)
+        w_ptrs = w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+        s_ptrs = s_ptr + e64 * stride_se + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk + offs_n[:, None]
+        w_row = (e64 * N + pid_n * BLOCK_N).to(tl.int32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.int32)
+        acc_s = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.int32)
+        for k0 in range(0, K // BLOCK_K * BLOCK_K, BLOCK_K):
+            if W_TMA:
+                acc ^= w_desc.load([w_row, k0 // 2]).to(tl.int32)
+            else:
+                acc ^= tl.load(w_ptrs).to(tl.int32)
+            acc_s ^= tl.load(s_ptrs).to(tl.int32)
+            w_ptrs += BLOCK_K // 2
+            s_ptrs += (BLOCK_K // 32) * stride_sk
+        tl.store(out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_s, 1), 0))
+
+
+def _median_ms(fn: Callable[[], object], iters: int = 15) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _graph_us(step: Callable[[torch.Tensor, k.Routing], object], sets: list) -> float:
+    for x, r in sets:
+        step(x, r)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for x, r in sets:
+            step(x, r)
+    return _median_ms(graph.replay) * 1e3 / len(sets)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,8,64")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    n1 = 2 * I
+    w = torch.randint(0, 256, (E, n1, H // 2), generator=g, device=dev, dtype=torch.uint8)
+    s = torch.randint(119, 124, (E, H // 32, n1), generator=g, device=dev, dtype=torch.uint8)
+    bias = torch.randn((E, n1), generator=g, device=dev) * 0.1
+    bw = copy_bandwidth(dev)
+    print(f"device: {torch.cuda.get_device_name()}; copy {bw:.0f} GB/s (read + write)")
+    for T in (int(t) for t in args.tokens.split(",")):
+        sets = []
+        for _ in range(16):
+            logits = torch.randn((T, E), generator=g, device=dev)
+            x = torch.randn((T, H), generator=g, device=dev).to(torch.bfloat16)
+            sets.append((x, k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H)))
+        hit = statistics.mean(int((r.counts > 0).sum()) for _, r in sets)
+        print(f"T={T}: {hit:.1f} experts hit")
+        for bn, bk, stages in TILES:
+            full_bytes = hit * n1 * (H // bk * bk) * (1 / 2 + 1 / 32)  # what the stream kernel reads
+            all_bytes = hit * n1 * H * (1 / 2 + 1 / 32)
+            for load in ("ptr", "tma"):
+                tactic = GemmTactic(16, bn, bk, 4, stages, 1, "asm", load)
+                desc = k.weight_descriptor(w, tactic)
+
+                def stream(x: torch.Tensor, r: k.Routing, t: GemmTactic = tactic, desc: object = desc) -> None:
+                    grid = (k.max_row_blocks(r.num_picks, E, 16), triton.cdiv(n1, t.block_n))
+                    out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=dev)
+                    _stream_kernel[grid](
+                        w, w if desc is None else desc, s, r.counts, out, n1, H, E,
+                        w.stride(0), w.stride(1), s.stride(0), s.stride(1),
+                        E_PAD=128, BLOCK_N=t.block_n, BLOCK_K=t.block_k, W_TMA=desc is not None,
+                        num_warps=t.num_warps, num_stages=t.num_stages,
+                    )  # fmt: skip
+
+                def gemm1(x: torch.Tensor, r: k.Routing, tactic: GemmTactic = tactic) -> None:
+                    k.gemm1_swiglu(r, x, w, s, bias, valid_intermediate=I, tactic=tactic)
+
+                for name, step, nbytes in (("stream", stream, full_bytes), ("gemm1 ", gemm1, all_bytes)):
+                    us = _graph_us(step, sets)
+                    gbs = nbytes / us / 1e3
+                    tile = f"n{bn} k{bk} s{stages}"
+                    print(f"  {name} {load} {tile}: {us:8.1f} us {gbs:6.0f} GB/s {gbs / bw:6.1%} of copy")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
