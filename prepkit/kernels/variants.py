@@ -120,8 +120,9 @@ def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic
     Picked from sweeps on an H100 (docs/kernel-notes.md): up to 12 rows per expert run 16-row
     tiles with swapped operands and, when the output tiles alone cannot cover the SMs, a K split
     in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the 16-row tiles measured
-    1.2-1.6x slower). The inline-PTX upcast wins everywhere it can run; the few-row tiles load
-    weights through the TMA unit where the device has one (1.1-1.3x over pointer loads).
+    1.2-1.6x slower), except GEMM1 with 32 x 256 x 64 TMA tiles up to 24 rows. The inline-PTX
+    upcast wins everywhere it can run; the few-row tiles load weights through the TMA unit where
+    the device has one (1.1-1.3x over pointer loads).
     """
     active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
     rows = -(-problem.num_tokens * problem.top_k // active)
@@ -140,6 +141,9 @@ def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic
         # Measured with pointer loads only (TMA is left to the tuner here).
         g1 = GemmTactic(64, 256, 64, 4, 3, 1, upcast, "ptr")
         g2 = g1
+        if rows <= 24 and device.capability >= (9, 0):
+            # The tuner's GEMM1 pick at 385-768 tokens on an H100, TP 1 and 2: 1.2x over the above.
+            g1 = GemmTactic(32, 256, 64, 4, 4, 1, upcast, "tma")
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 
