@@ -1,12 +1,14 @@
 """The bundled MXFP4 MoE layer in Triton: routing, grouping, GEMM1 + SwiGLU, GEMM2 + combine.
 
-Four launches per layer, all with static grids so a CUDA graph can capture them:
+Four launches per layer (three when one routing program covers every token), all with static
+grids so a CUDA graph can capture them:
 
 1. ``_route_kernel`` (tokens): top-k of the router logits, softmax over the k picks in fp32, an
    atomic per-expert counter whose old value is the pick's rank inside its expert, and zeroing of
    the fp32 output rows that step 4 accumulates into.
 2. ``_scatter_kernel`` (picks): exclusive prefix sum of the counters, then each pick writes its
-   index to ``sorted[start(expert) + rank]``; the rows of one expert become contiguous.
+   index to ``sorted[start(expert) + rank]``; the rows of one expert become contiguous. When step
+   1 runs as a single program it does this itself after a block barrier.
 3. ``_gemm1_swiglu_kernel`` (row blocks x N tiles): gathers token rows, multiplies by the MXFP4
    gate/up rows of the expert, adds the bias and applies the gpt-oss SwiGLU in the epilogue;
    writes bf16 activations in sorted order.
@@ -67,6 +69,7 @@ def _route_kernel(
     topk_w_ptr,
     rank_ptr,
     counts_ptr,
+    sorted_ptr,
     out_ptr,
     T,
     E,
@@ -79,6 +82,8 @@ def _route_kernel(
     BLOCK_T: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    E_LOCAL_PAD: tl.constexpr,
+    PLACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -126,6 +131,26 @@ def _route_kernel(
             mask=t_mask[:, None] & (offs_h < H)[None, :],
         )
 
+    if PLACE:
+        # The only program holds every pick: once its counter updates and stores are done (the
+        # barrier orders them for the whole block), it can place the picks itself.
+        tl.debug_barrier()
+        offs = tl.arange(0, BLOCK_T * TOP_K)
+        _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < T * TOP_K, E_LO, E_LOCAL, E_LOCAL_PAD)
+
+
+@triton.jit
+def _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, f_mask, E_LO, E_LOCAL, E_PAD: tl.constexpr):
+    """``sorted[start(expert) + rank] = pick`` for the picks ``offs``, ``start`` being the exclusive
+    prefix sum of the final per-expert counters."""
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0, volatile=True)
+    local = tl.load(topk_ids_ptr + offs, mask=f_mask, other=-1) - E_LO
+    is_local = f_mask & (local >= 0) & (local < E_LOCAL)
+    start = tl.sum(tl.where(offs_e[None, :] < local[:, None], counts[None, :], 0), axis=1)
+    rank = tl.load(rank_ptr + offs, mask=is_local, other=0)
+    tl.store(sorted_ptr + start + rank, offs, mask=is_local)
+
 
 @triton.jit
 def _scatter_kernel(
@@ -139,16 +164,8 @@ def _scatter_kernel(
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs_e = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    f_mask = offs < TK
-    local = tl.load(topk_ids_ptr + offs, mask=f_mask, other=-1) - E_LO
-    is_local = f_mask & (local >= 0) & (local < E_LOCAL)
-    start = tl.sum(tl.where(offs_e[None, :] < local[:, None], counts[None, :], 0), axis=1)
-    rank = tl.load(rank_ptr + offs, mask=is_local, other=0)
-    tl.store(sorted_ptr + start + rank, offs, mask=is_local)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < TK, E_LO, E_LOCAL, E_PAD)
 
 
 @triton.jit
@@ -715,13 +732,16 @@ def route(
     if T == 0:
         return routing
     e_pad_all = max(16, _next_pow2(E_total))
+    e_pad_local = max(16, _next_pow2(num_local_experts))
     block_t = max(1, min(32, 4096 // e_pad_all))
-    _route_kernel[(triton.cdiv(T, block_t),)](
+    programs = triton.cdiv(T, block_t)
+    _route_kernel[(programs,)](
         router_logits,
         topk_ids,
         topk_w,
         rank,
         counts,
+        sorted_picks,
         out,
         T,
         E_total,
@@ -734,19 +754,22 @@ def route(
         BLOCK_T=block_t,
         E_PAD=e_pad_all,
         BLOCK_H=128,
+        E_LOCAL_PAD=e_pad_local,
+        PLACE=programs == 1,  # one launch fewer for few tokens
     )
-    scatter_block = 128
-    _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
-        topk_ids,
-        rank,
-        counts,
-        sorted_picks,
-        TK,
-        expert_lo,
-        num_local_experts,
-        E_PAD=max(16, _next_pow2(num_local_experts)),
-        BLOCK=scatter_block,
-    )
+    if programs > 1:
+        scatter_block = 128
+        _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
+            topk_ids,
+            rank,
+            counts,
+            sorted_picks,
+            TK,
+            expert_lo,
+            num_local_experts,
+            E_PAD=e_pad_local,
+            BLOCK=scatter_block,
+        )
     return routing
 
 

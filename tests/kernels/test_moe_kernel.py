@@ -168,3 +168,22 @@ def test_reference_routing_matches_kernel_routing(experts, device):
     assert torch.allclose(w.sum(-1), torch.ones(16))
     assert bool((w[:, :-1] >= w[:, 1:]).all())
     assert ids.shape == (16, TOP_K)
+
+
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 70])  # one routing program (picks placed in it) and several
+@pytest.mark.parametrize("expert_lo, local", [(0, E), (2, 3)])
+def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local):
+    from prepkit.kernels.moe_mxfp4 import route
+
+    logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)
+    r = route(logits, top_k=TOP_K, expert_lo=expert_lo, num_local_experts=local, hidden=H)
+    ids = torch.topk(logits.float().cpu(), TOP_K, dim=-1).indices.flatten()
+    assert torch.equal(r.topk_ids.cpu().flatten().long(), ids)
+    is_local = (ids >= expert_lo) & (ids < expert_lo + local)
+    expected_counts = torch.bincount(ids[is_local] - expert_lo, minlength=local)
+    assert torch.equal(r.counts.cpu().long(), expected_counts)
+    n = int(is_local.sum())
+    placed = r.sorted_picks.cpu()[:n].long()
+    assert sorted(placed.tolist()) == torch.nonzero(is_local).flatten().tolist()  # each local pick once
+    experts = ids[placed]
+    assert torch.all(experts[1:] >= experts[:-1])  # grouped by expert, in expert order
