@@ -28,7 +28,7 @@ import triton.language as tl
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth  # noqa: E402
+from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, events_median  # noqa: E402
 from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 
@@ -77,20 +77,6 @@ def _stream_kernel(
         tl.store(out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_s, 1), 0))
 
 
-def _median_ms(fn: Callable[[], object], iters: int = 15) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _graph_us(step: Callable[[torch.Tensor, k.Routing], object], sets: list) -> float:
     for x, r in sets:
         step(x, r)
@@ -99,7 +85,7 @@ def _graph_us(step: Callable[[torch.Tensor, k.Routing], object], sets: list) -> 
     with torch.cuda.graph(graph):
         for x, r in sets:
             step(x, r)
-    return _median_ms(graph.replay) * 1e3 / len(sets)
+    return events_median(graph.replay, iters=15) * 1e3 / len(sets)
 
 
 def main(argv: list[str] | None = None) -> int:

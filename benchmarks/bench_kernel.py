@@ -71,7 +71,7 @@ def synth_layer(device: torch.device, seed: int = 0) -> MoeLayer:
 # --- device ceilings ---------------------------------------------------------------------------
 
 
-def _events_median(fn: Callable[[], object], iters: int = 10, warmup: int = 3) -> float:
+def events_median(fn: Callable[[], object], iters: int = 10, warmup: int = 3) -> float:
     """Median milliseconds of ``fn`` timed with CUDA events."""
     for _ in range(warmup):
         fn()
@@ -90,7 +90,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Device-to-device copy, GB/s counting bytes read plus bytes written."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    ms = _events_median(lambda: dst.copy_(src))
+    ms = events_median(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e6
 
 
@@ -98,7 +98,7 @@ def matmul_rate(device: torch.device, n: int = 8192) -> float:
     """bf16 n x n x n matmul on random data, TFLOP/s."""
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = _events_median(lambda: a @ b)
+    ms = events_median(lambda: a @ b)
     return 2 * n**3 / ms / 1e9
 
 
@@ -139,7 +139,7 @@ def time_layer_graph(
     with torch.cuda.graph(graph):
         for x, logits in inputs:
             moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
-    ms = _events_median(graph.replay, iters=replays, warmup=3)
+    ms = events_median(graph.replay, iters=replays, warmup=3)
     return ms * 1e3 / len(inputs)
 
 
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.baseline:
             x, logits = inputs[0]
             base_us = (
-                _events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits), iters=3, warmup=1) * 1e3
+                events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits), iters=3, warmup=1) * 1e3
             )
         row = {
             "tokens": T,
