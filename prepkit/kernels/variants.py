@@ -139,11 +139,10 @@ def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic
         g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load)
     else:
         # Measured with pointer loads only (TMA is left to the tuner here).
-        g1 = GemmTactic(64, 256, 64, 4, 3, 1, upcast, "ptr")
-        g2 = g1
-        if rows <= 24 and device.capability >= (9, 0):
-            # The tuner's GEMM1 pick at 385-768 tokens on an H100, TP 1 and 2: 1.2x over the above.
-            g1 = GemmTactic(32, 256, 64, 4, 4, 1, upcast, "tma")
+        g2 = GemmTactic(64, 256, 64, 4, 3, 1, upcast, "ptr")
+        # GEMM1 up to 24 rows: the tuner's pick at 385-768 tokens on an H100, TP 1 and 2 (1.2x).
+        few_rows = rows <= 24 and device.capability >= (9, 0)
+        g1 = GemmTactic(32, 256, 64, 4, 4, 1, upcast, "tma") if few_rows else g2
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 
