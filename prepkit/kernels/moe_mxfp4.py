@@ -83,6 +83,7 @@ def _route_kernel(
     E_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     E_LOCAL_PAD: tl.constexpr,
+    PICKS_PAD: tl.constexpr,
     PLACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -135,7 +136,7 @@ def _route_kernel(
         # The only program holds every pick: once its counter updates and stores are done (the
         # barrier orders them for the whole block), it can place the picks itself.
         tl.debug_barrier()
-        offs = tl.arange(0, BLOCK_T * TOP_K)
+        offs = tl.arange(0, PICKS_PAD)  # BLOCK_T * TOP_K rounded up to a power of two
         _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < T * TOP_K, E_LO, E_LOCAL, E_LOCAL_PAD)
 
 
@@ -755,6 +756,7 @@ def route(
         E_PAD=e_pad_all,
         BLOCK_H=128,
         E_LOCAL_PAD=e_pad_local,
+        PICKS_PAD=_next_pow2(block_t * top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
     )
     if programs > 1:

@@ -172,12 +172,13 @@ def test_reference_routing_matches_kernel_routing(experts, device):
 
 @pytest.mark.parametrize("T", [1, 5, 32, 33, 70])  # one routing program (picks placed in it) and several
 @pytest.mark.parametrize("expert_lo, local", [(0, E), (2, 3)])
-def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local):
+@pytest.mark.parametrize("top_k", [TOP_K, 3])
+def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, top_k):
     from prepkit.kernels.moe_mxfp4 import route
 
     logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)
-    r = route(logits, top_k=TOP_K, expert_lo=expert_lo, num_local_experts=local, hidden=H)
-    ids = torch.topk(logits.float().cpu(), TOP_K, dim=-1).indices.flatten()
+    r = route(logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=local, hidden=H)
+    ids = torch.topk(logits.float().cpu(), top_k, dim=-1).indices.flatten()
     assert torch.equal(r.topk_ids.cpu().flatten().long(), ids)
     is_local = (ids >= expert_lo) & (ids < expert_lo + local)
     expected_counts = torch.bincount(ids[is_local] - expert_lo, minlength=local)
