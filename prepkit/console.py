@@ -6,12 +6,13 @@ import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     DownloadColumn,
+    MofNCompleteColumn,
     Progress,
     TaskID,
     TextColumn,
@@ -26,21 +27,25 @@ ProgressFn = Callable[[str, int, int], None]
 
 
 @contextmanager
-def progress(enabled: bool = True, *, transient: bool = False) -> Iterator[ProgressFn]:
-    """Yield an ``on_progress(label, done_bytes, total_bytes)`` callback drawn as rich bars.
+def progress(
+    enabled: bool = True, *, transient: bool = False, unit: Literal["bytes", "count"] = "bytes"
+) -> Iterator[ProgressFn]:
+    """Yield an ``on_progress(label, done, total)`` callback drawn as rich bars: bytes with their
+    speed, or (``unit="count"``) done/total counts with an ETA.
 
     One bar per label; rich draws nothing live when stderr is not a terminal.
     """
     if not enabled:
         yield lambda label, done, total: None
         return
+    if unit == "bytes":
+        columns = (DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+    else:
+        columns = (MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     bars = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        *columns,
         console=err_console,
         transient=transient,
     )

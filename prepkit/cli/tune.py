@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -277,7 +275,7 @@ def _run(
     rec = tdb_mod.RunRecorder(tdb, run_id, env_hash, env)
     status = "aborted"
     try:
-        with _progress(enabled=not quiet) as on_progress:
+        with console.progress(enabled=not quiet, unit="count") as on_progress:
             report = tuning.tune_layer(
                 problems,
                 backends,
@@ -367,41 +365,6 @@ def _print(report: tuning.LayerReport, env: Environment, path: Path, as_json: bo
         if gm:
             console.info(f"layer geomean speedup: {gm:.3f}x")
     click.echo(str(path))
-
-
-@contextmanager
-def _progress(enabled: bool) -> Iterator[tuning.ProgressFn]:
-    """Counts of measurements with an ETA; ``console.progress`` draws bytes, not counts."""
-    if not enabled:
-        yield lambda label, done, total: None
-        return
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    bars = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("ETA"),
-        TimeRemainingColumn(),
-        console=console.err_console,
-    )
-    tasks: dict[str, Any] = {}
-
-    def on_progress(label: str, done: int, total: int) -> None:
-        if label not in tasks:
-            tasks[label] = bars.add_task(label, total=total)
-        bars.update(tasks[label], completed=done, total=total)
-
-    with bars:
-        yield on_progress
 
 
 def _us(v: float | None) -> str:
