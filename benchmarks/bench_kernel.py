@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_kernel [--tokens 1,8,8192] [--sweep] [--baseline/--no-baseline]
 
-Weights are synthesized on the GPU directly in the triton_moe_v1 layout (no disk). Per token count
+Weights are synthesized on the GPU directly in the triton_moe_v2 layout (no disk). Per token count
 it prints the median µs per layer (CUDA graph; cold L2 by rotating input sets whose experts
 differ, so each replay reads its experts from memory), the distinct expert bytes touched and the
 GB/s that makes, TFLOP/s, each as a fraction of the device's copy bandwidth and bf16 matmul rate

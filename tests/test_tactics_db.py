@@ -30,7 +30,7 @@ from prepkit.runtime.tactics import (
 from prepkit.tactics_db import RunRecorder, WinnerRow, env_record, open_db
 
 H100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", sm_count=132, triton_version="3.6.0")
-PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v1")
+PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v2")
 G1, G2 = PROBS["gemm1"], PROBS["gemm2"]
 
 
@@ -176,7 +176,7 @@ def test_no_extends_up_means_default_above(tmp_path: Path) -> None:
         (replace(H100, cc_major=12, cc_minor=0, name="RTX PRO 6000"), G1),  # other compute capability
         (replace(H100, cc_minor=1), G1),
         (H100, replace(G1, kernel_version="2")),  # other kernel version
-        (H100, replace(G1, weight_layout="triton_moe_v2")),  # other layout
+        (H100, replace(G1, weight_layout="triton_moe_v1")),  # other layout
         (H100, replace(G1, role="gemm2")),
         (H100, replace(G1, n=2880)),  # no nearest-shape matching
     ],

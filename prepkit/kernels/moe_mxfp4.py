@@ -19,9 +19,9 @@ grids so a CUDA graph can capture them:
 Every GEMM program finds its (expert, row block) from the per-expert counters alone, so grids are
 sized by an upper bound and surplus programs return at once.
 
-Weights are in the ``triton_moe_v1`` layout (docs/triton-moe-layout.md): per expert,
+Weights are in the ``triton_moe_v2`` layout (docs/triton-moe-layout.md): per expert,
 ``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous, byte j of each 32-element
-group holding elements j and j+16), ``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]``
+group holding elements j and j+16, the group's 16 bytes in MMA fragment order), ``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]``
 fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
 
 Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only), the upcast
@@ -44,8 +44,8 @@ import triton.language as tl
 
 from prepkit.kernels.tactic import GemmTactic
 
-WEIGHT_LAYOUT = "triton_moe_v1"
-KERNEL_VERSION = 3
+WEIGHT_LAYOUT = "triton_moe_v2"
+KERNEL_VERSION = 4
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -200,8 +200,8 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 # --------------------------------------------------------------------------------------------
 # the MXFP4 main loop shared by both GEMMs
 #
-# triton_moe_v1 stores each 32-element scale group as 16 bytes where byte j holds element j (low
-# nibble) and element j + 16 (high nibble). Upcasting a tile therefore yields two bf16 tiles, the
+# triton_moe_v2 stores each 32-element scale group as 16 bytes where byte j holds element j (low
+# nibble) and element j + 16 (high nibble), the bytes in MMA fragment order (``_natural_order``). Upcasting a tile therefore yields two bf16 tiles, the
 # "low" elements (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise
 # function of the bytes: no interleave, no reshape across registers. Each feeds its own dot with
 # the matching half of the activations.
@@ -278,6 +278,15 @@ def _upcast_pair(wq, sc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _natural_order(wq, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BN, BK/2]`` bytes in the layout's fragment order -> column order: stored byte
+    ``4q + 2jh + jl`` of a 16-byte group is column ``8jh + 2q + jl``. Only a register renaming
+    for the compiler: the four bytes a thread needs for its MMA fragment arrive as one word."""
+    wq = tl.reshape(wq, (BLOCK_N, BLOCK_K // 32, 4, 2, 2))
+    return tl.reshape(tl.permute(wq, (0, 1, 3, 2, 4)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
 def _dot(a, b, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:  # noqa: SIM108 (a constexpr branch; one of them is never compiled)
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
@@ -332,6 +341,7 @@ def _mxfp4_step(
         wq = w_desc.load([w_row, w_col])
     else:
         wq = tl.load(w_ptrs, mask=w_msk, other=0)
+    wq = _natural_order(wq, BLOCK_N, BLOCK_K)
     a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
     a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
     sc = tl.load(s_ptrs, mask=s_msk, other=0)
@@ -375,7 +385,7 @@ def _mxfp4_mainloop(
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
     ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
-    (K contiguous, triton_moe_v1 nibble order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
+    (K contiguous, triton_moe_v2 byte order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
     of BLOCK_K. With W_TMA the weight tile is the ``w_desc`` box whose first row is ``w_row``.
     """
     G: tl.constexpr = BLOCK_K // 32
@@ -394,8 +404,10 @@ def _mxfp4_mainloop(
             src = k0 + (offs_kp // 32) * 32 + (offs_kp % 2) * 16 + (offs_kp % 32) // 2
             a = tl.load(a_rows[:, None] + src[None, :], mask=a_mask[:, None] & (src < K)[None, :], other=0.0)
             offs_b = tl.arange(0, BLOCK_K // 2)
+            # Column b of the group sits at byte 4q + 2jh + jl (b = 8jh + 2q + jl) in storage.
+            stored_b = (offs_b // 16) * 16 + ((offs_b % 8) // 2) * 4 + ((offs_b % 16) // 8) * 2 + offs_b % 2
             wq = tl.load(
-                w_base + offs_n[None, :] * stride_wn + k0 // 2 + offs_b[:, None],
+                w_base + offs_n[None, :] * stride_wn + k0 // 2 + stored_b[:, None],
                 mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None],
                 other=0,
             )

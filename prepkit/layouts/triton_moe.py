@@ -1,6 +1,6 @@
 """``--layout triton-moe``: the layout of prepkit's own Triton MXFP4 MoE kernel.
 
-Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v1"``) through
+Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v2"``) through
 ``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
 
 Design, per expert and rank:
@@ -10,6 +10,10 @@ Design, per expert and rank:
     is what lets the SwiGLU run in the GEMM1 epilogue;
   * inside each 32-element group the nibbles are reordered (:func:`shuffle_nibbles`: byte j
     holds elements j and j+16), so the upcast is elementwise;
+  * and the 16 bytes of each group are stored in MMA fragment order (:data:`FRAGMENT_ORDER`):
+    the four bytes one thread feeds to a 16-bit tensor-core fragment (columns 2q, 2q+1, 2q+8,
+    2q+9) are adjacent, so the kernel reads them with one 32-bit shared-memory load
+    (``ldmatrix``) instead of byte pairs it must then repack;
   * E8M0 scales are transposed to ``[K/32, N]`` so a tile's scales are BLOCK_N contiguous bytes
     per K group instead of a few bytes from each of BLOCK_N rows;
   * biases are float32 (exact for bf16 sources), the epilogue adds them without a convert;
@@ -40,7 +44,7 @@ from prepkit.layouts.base import (
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, pack_nibbles, unpack_nibbles
 
-LAYOUT_ID = "triton_moe_v1"
+LAYOUT_ID = "triton_moe_v2"
 SHARDING_RULE = "balanced-32-groups"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
@@ -73,7 +77,7 @@ def intermediate_split(intermediate: int, tp_size: int, tp_rank: int) -> tuple[i
 
 
 def shuffle_nibbles(blocks: torch.Tensor) -> torch.Tensor:
-    """Checkpoint nibble order -> triton_moe_v1 order, per 32-element group (``[..., G, 16]``).
+    """Checkpoint nibble order -> the layout's nibble order, per 32-element group (``[..., G, 16]``).
 
     Checkpoint byte j holds elements 2j (low nibble) and 2j+1 (high); here byte j holds element
     j (low) and element j+16 (high). The kernel then upcasts low and high nibbles into two
@@ -88,6 +92,23 @@ def unshuffle_nibbles(blocks: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`shuffle_nibbles`."""
     codes = torch.cat((blocks & 0x0F, blocks >> 4), dim=-1)
     return pack_nibbles(codes)
+
+
+# Stored byte p of a 16-byte group is byte FRAGMENT_ORDER[p] of the nibble-ordered group. A
+# 16-bit MMA fragment gives thread q of a quad the columns 2q, 2q+1, 2q+8 and 2q+9 of each 16-column
+# step; here those four bytes are stored at 4q .. 4q+3.
+FRAGMENT_ORDER = tuple(8 * jh + 2 * q + jl for q in range(4) for jh in range(2) for jl in range(2))
+_NATURAL_ORDER = tuple(FRAGMENT_ORDER.index(j) for j in range(BLOCK_BYTES))
+
+
+def to_fragment_order(groups: torch.Tensor) -> torch.Tensor:
+    """Reorder the bytes of each 16-byte group (``[..., G, 16]``) into :data:`FRAGMENT_ORDER`."""
+    return groups[..., list(FRAGMENT_ORDER)]
+
+
+def from_fragment_order(groups: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_fragment_order`."""
+    return groups[..., list(_NATURAL_ORDER)]
 
 
 class TritonMoeLayout:
@@ -143,8 +164,8 @@ class TritonMoeLayout:
         H, Ip, El = plan.dims.hidden, plan.padded_intermediate, weights.num_experts
         w13_scales = ops.pad_to(piece.gate_up_proj_scales, (El, 2 * Ip, H // 32))
         w2_scales = ops.pad_to(piece.down_proj_scales, (El, H, Ip // 32))
-        w13_blocks = shuffle_nibbles(piece.gate_up_proj_blocks).flatten(-2)
-        w2_blocks = shuffle_nibbles(piece.down_proj_blocks).flatten(-2)
+        w13_blocks = to_fragment_order(shuffle_nibbles(piece.gate_up_proj_blocks)).flatten(-2)
+        w2_blocks = to_fragment_order(shuffle_nibbles(piece.down_proj_blocks)).flatten(-2)
         return {
             "w13_blocks": ops.pad_to(w13_blocks, (El, 2 * Ip, H // 2)),
             "w13_scales": w13_scales.transpose(1, 2).contiguous(),
@@ -172,13 +193,18 @@ class TritonMoeLayout:
         down = _unpad_checked(tensors["w2_blocks"], (El, H, V // 2), "w2_blocks")
         down_sf = _unpad_checked(tensors["w2_scales"].transpose(1, 2), (El, H, V // 32), "w2_scales")
         return ExpertWeights(
-            gate_up_proj_blocks=unshuffle_nibbles(gate_up.unflatten(-1, (-1, BLOCK_BYTES))),
+            gate_up_proj_blocks=_checkpoint_groups(gate_up),
             gate_up_proj_scales=gate_up_sf,
             gate_up_proj_bias=gate_up_bias,
-            down_proj_blocks=unshuffle_nibbles(down.unflatten(-1, (-1, BLOCK_BYTES))),
+            down_proj_blocks=_checkpoint_groups(down),
             down_proj_scales=down_sf,
             down_proj_bias=_bf16_exact(tensors["w2_bias"], "w2_bias"),
         )
+
+
+def _checkpoint_groups(rows: torch.Tensor) -> torch.Tensor:
+    """Stored rows ``[..., K/2]`` -> checkpoint blocks ``[..., K/32, 16]``."""
+    return unshuffle_nibbles(from_fragment_order(rows.unflatten(-1, (-1, BLOCK_BYTES))))
 
 
 def _unpad_checked(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:

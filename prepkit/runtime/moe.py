@@ -1,6 +1,6 @@
 """``moe(layer, hidden_states, router_logits)``: one gpt-oss MoE layer with the bundled kernel.
 
-A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v1`` layout on the GPU, plus
+A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v2`` layout on the GPU, plus
 the facts the kernel needs (valid intermediate rows, expert range, whether this TP rank adds the
 down bias). Per call the variant pair comes from the layer's tactic lookup (the tuner's database)
 or, when it has none for the problem, from :func:`default_tactics_for`, with one warning per
@@ -23,7 +23,7 @@ from prepkit.kernels.variants import MoeProblem, default_tactics
 
 # Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
 # manifest does not import triton.
-WEIGHT_LAYOUT = "triton_moe_v1"
+WEIGHT_LAYOUT = "triton_moe_v2"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
 TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
@@ -75,7 +75,7 @@ class MoeLayer:
         ``model.layers.3.mlp.experts.``; the suffix decides).
 
         Raises:
-            LayoutError: the layout id is not ``triton_moe_v1``, a tensor is missing, or shapes
+            LayoutError: the layout id is not ``triton_moe_v2``, a tensor is missing, or shapes
                 disagree with each other or with ``valid_intermediate``.
         """
         if layout_id != WEIGHT_LAYOUT:
@@ -120,7 +120,7 @@ class MoeLayer:
         return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
 
     def validate(self) -> None:
-        """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v1`` layer."""
+        """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v2`` layer."""
         El, H, Ip = self.num_local_experts, self.hidden, self.padded_intermediate
         expected = {
             "w13_blocks": ((El, 2 * Ip, H // 2), torch.uint8),
@@ -141,7 +141,7 @@ class MoeLayer:
         if hi - lo != El or not 0 <= lo < hi <= self.num_experts:
             problems.append(f"expert_range {self.expert_range} does not hold {El} of {self.num_experts} experts")
         if problems:
-            raise LayoutError("not a triton_moe_v1 layer: " + "; ".join(problems))
+            raise LayoutError("not a triton_moe_v2 layer: " + "; ".join(problems))
 
     def tactics(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
         """The variant pair for ``num_tokens``: the lookup's, else the default (warned once)."""

@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 
 from prepkit.errors import LayoutError
 from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
-from prepkit.layouts.triton_moe import LAYOUT, intermediate_split, shuffle_nibbles, unshuffle_nibbles
+from prepkit.layouts.triton_moe import (
+    FRAGMENT_ORDER,
+    LAYOUT,
+    from_fragment_order,
+    intermediate_split,
+    shuffle_nibbles,
+    to_fragment_order,
+    unshuffle_nibbles,
+)
 from prepkit.mxfp4 import dequantize
 from tests.kernels.moe_data import random_experts
 
@@ -54,10 +62,11 @@ def test_invert_build_is_the_rank_slice_and_padding_is_zero(experts, tp_size, ep
 
 
 def test_layout_values_dequantize_like_the_checkpoint(experts):
-    """Undoing only the nibble order gives the checkpoint's values (gpt-oss decoder semantics)."""
+    """Undoing only the byte and nibble orders gives the checkpoint's values (gpt-oss decoder
+    semantics)."""
     plan = _plan(1, 1)
     out = LAYOUT.build(experts, plan)
-    blocks = unshuffle_nibbles(out["w2_blocks"].unflatten(-1, (-1, 16)))
+    blocks = unshuffle_nibbles(from_fragment_order(out["w2_blocks"].unflatten(-1, (-1, 16))))
     scales = out["w2_scales"].transpose(1, 2)
     got = dequantize(blocks, scales)
     assert torch.equal(got, dequantize(experts.down_proj_blocks, experts.down_proj_scales))
@@ -72,6 +81,27 @@ def test_nibble_shuffle_round_trips_every_byte():
 
     shuffled = shuffle_nibbles(pack_nibbles(codes))
     assert shuffled.tolist() == [(j % 16) | ((j + 16) % 16) << 4 for j in range(16)]
+
+
+def test_fragment_order_puts_each_threads_mma_columns_together():
+    # A 16-bit MMA fragment gives thread q of a quad the columns 2q, 2q+1, 2q+8, 2q+9 of a
+    # 16-column step: in storage they are the thread's own 4-byte word, in that order.
+    for q in range(4):
+        assert FRAGMENT_ORDER[4 * q : 4 * q + 4] == (2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9)
+    groups = torch.randint(0, 256, (3, 5, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    stored = to_fragment_order(groups)
+    assert not torch.equal(stored, groups)
+    assert torch.equal(from_fragment_order(stored), groups)
+    assert torch.equal(stored[..., 2], groups[..., 8])
+
+
+def test_stored_rows_hold_fragment_ordered_groups(experts):
+    """Byte 16g + p of a stored row is byte FRAGMENT_ORDER[p] of the row's nibble-ordered group g."""
+    out = LAYOUT.build(experts, _plan(1, 1))
+    nibble_ordered = shuffle_nibbles(experts.gate_up_proj_blocks)  # [E, 2I, G, 16]
+    stored = out["w13_blocks"].unflatten(-1, (-1, 16))
+    for p, j in enumerate(FRAGMENT_ORDER):
+        assert torch.equal(stored[..., p], nibble_ordered[..., j]), p
 
 
 @settings(deadline=None, max_examples=60)
@@ -139,4 +169,4 @@ def test_build_rejects_foreign_dims(experts):
 
 def test_protocol_fields():
     assert LAYOUT.name == "triton-moe"
-    assert (LAYOUT.layout_id, LAYOUT.w13_row_order) == ("triton_moe_v1", "interleaved")
+    assert (LAYOUT.layout_id, LAYOUT.w13_row_order) == ("triton_moe_v2", "interleaved")

@@ -104,14 +104,14 @@ def test_wrong_layout_is_refused_naming_both():
         name: getattr(layer, name)
         for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
     }
-    with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v1'"):
+    with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v2'"):
         MoeLayer.from_tensors(
             tensors, layout_id="trtllm_gen_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
         )
     del tensors["w2_scales"]
     with pytest.raises(LayoutError, match="w2_scales"):
         MoeLayer.from_tensors(
-            tensors, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+            tensors, layout_id="triton_moe_v2", num_experts=4, expert_range=(0, 4), valid_intermediate=64
         )
 
 
@@ -122,12 +122,12 @@ def test_prefixed_names_and_shape_checks():
         for n in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
     }
     ok = MoeLayer.from_tensors(
-        prefixed, layout_id="triton_moe_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+        prefixed, layout_id="triton_moe_v2", num_experts=4, expert_range=(0, 4), valid_intermediate=64
     )
     assert ok.hidden == 64 and ok.padded_intermediate == 64
     with pytest.raises(LayoutError, match="expert_range"):
         MoeLayer.from_tensors(
-            prefixed, layout_id="triton_moe_v1", num_experts=8, expert_range=(0, 2), valid_intermediate=64
+            prefixed, layout_id="triton_moe_v2", num_experts=8, expert_range=(0, 2), valid_intermediate=64
         )
 
 
