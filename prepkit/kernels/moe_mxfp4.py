@@ -22,7 +22,8 @@ sized by an upper bound and surplus programs return at once.
 Weights are in the ``triton_moe_v2`` layout (docs/triton-moe-layout.md): per expert,
 ``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous, byte j of each 32-element
 group holding elements j and j+16, the group's 16 bytes in MMA fragment order),
-``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [H, Ip/2]``, ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
+``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [H, Ip/2]``,
+``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
 
 Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only), the upcast
 (``asm``: inline PTX, CUDA only, the default; ``bits``: Triton integer ops, runs in the CPU
@@ -202,9 +203,10 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 #
 # triton_moe_v2 stores each 32-element scale group as 16 bytes where byte j holds element j (low
 # nibble) and element j + 16 (high nibble), the bytes in MMA fragment order (``_natural_order``
-# undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise
-# function of the bytes: no interleave, no reshape across registers. Each feeds its own dot with
-# the matching half of the activations.
+# undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
+# (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
+# bytes: no interleave, no reshape across registers. Each feeds its own dot with the matching half
+# of the activations.
 
 
 @triton.jit
