@@ -769,15 +769,20 @@ def tune_layer(
 # ------------------------------------------------------------------------- candidate space
 
 
-def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None = None) -> list[str]:
+def prune_candidates(
+    tactics: Sequence[str], role: str, *, max_count: int | None = None, seeds: Sequence[str] = ()
+) -> list[str]:
     """Arch-independent pruning of the kernel's valid variants to a sweepable set.
 
     Rules (tactics.md §7.4): at least 2 stages (1 never hides the weight loads); split-K only for
     GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
     ``bits`` stays for devices and interpreters without the PTX path); then, if more
-    than ``max_count`` remain, an even spread within each (block_m, upcast, weight_load) group so
-    every tile regime stays represented. Fields the kernel does not have are ignored.
+    than ``max_count`` remain: first the ``seeds`` (the default tactics) and their neighbours, the
+    variants that differ from a seed in one knob (up to half the budget: the local search an
+    engineer would run by hand, e.g. the default tile with TMA loads or one stage more), then an
+    even spread within each (block_m, upcast, weight_load) group so every tile regime stays
+    represented. Fields the kernel does not have are ignored.
     """
     kept: list[tuple[dict[str, Any], str]] = []
     for t in tactics:
@@ -791,16 +796,47 @@ def prune_candidates(tactics: Sequence[str], role: str, *, max_count: int | None
     kept = [(d, t) for d, t in kept if d.get("upcast") != "bits" or _without_upcast(d) not in asm_tiles]
     if max_count is None or len(kept) <= max_count:
         return [t for _, t in kept]
+    seed_dicts = [json.loads(t) for t in seeds]
+    near = [t for d, t in kept if any(_knobs_apart(d, sd) <= 1 for sd in seed_dicts)]
+    near.sort(key=lambda t: min(_knobs_apart(json.loads(t), sd) for sd in seed_dicts))  # seeds first
+    out = near[: max_count // 2]
+    chosen = set(out)
+    rest = [(d, t) for d, t in kept if t not in chosen]
     groups: dict[tuple[Any, Any], list[str]] = {}
-    for d, t in kept:
+    for d, t in rest:
         groups.setdefault((d.get("block_m"), d.get("upcast"), d.get("weight_load")), []).append(t)
-    out: list[str] = []
-    per = max(1, max_count // len(groups))
-    for key in sorted(groups, key=str):
-        g = groups[key]
-        step = len(g) / per
-        out.extend(g[int(i * step)] for i in range(min(per, len(g))))
-    return out[:max_count] if len(out) > max_count else out
+    # Round robin over the groups, each walked in an evenly spreading order, until the budget is
+    # spent: every group gets its turn before any group gets a second one.
+    walks = [[g[i] for i in _spread_order(len(g))] for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+    budget = max_count - len(out)
+    for turn in range(max((len(w) for w in walks), default=0)):
+        for w in walks:
+            if turn < len(w) and budget > 0:
+                out.append(w[turn])
+                budget -= 1
+    return out
+
+
+def _spread_order(n: int) -> list[int]:
+    """Indices ``0..n-1`` so that every prefix is spread evenly: 0, n/2, n/4, 3n/4, ..."""
+    order: list[int] = []
+    seen: set[int] = set()
+    parts = 1
+    while len(order) < n:
+        for j in range(parts):
+            i = j * n // parts
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        parts *= 2
+        if parts > 2 * n:
+            order.extend(i for i in range(n) if i not in seen)
+            break
+    return order
+
+
+def _knobs_apart(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
+    return sum(a.get(k) != b.get(k) for k in set(a) | set(b))
 
 
 def _without_upcast(d: Mapping[str, Any]) -> str:
@@ -976,7 +1012,9 @@ def kernel_candidates(problem: ProblemKey, device: Any, *, max_count: int | None
     from prepkit.kernels.variants import enumerate_tactics
 
     space = enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))  # type: ignore[arg-type]
-    return prune_candidates([canon(t) for t in space], problem.role, max_count=max_count)
+    default_for = kernel_defaults(problem, device)
+    seeds = sorted({default_for(m) for m in TOKEN_POINTS})
+    return prune_candidates([canon(t) for t in space], problem.role, max_count=max_count, seeds=seeds)
 
 
 def moe_problem(problem: ProblemKey, m: int) -> Any:

@@ -129,6 +129,30 @@ def test_prune_candidates() -> None:
     }
 
 
+def test_prune_keeps_the_defaults_and_their_one_knob_neighbours() -> None:
+    space = [
+        canon({"block_m": bm, "block_n": bn, "num_stages": s, "split_k": 1, "upcast": "asm", "weight_load": wl})
+        for bm in (16, 32, 64, 128)
+        for bn in (32, 64, 128, 256)
+        for s in (2, 3, 4)
+        for wl in ("ptr", "tma")
+    ]
+    seed = canon({"block_m": 64, "block_n": 256, "num_stages": 3, "split_k": 1, "upcast": "asm", "weight_load": "ptr"})
+    tma_twin = canon({**json.loads(seed), "weight_load": "tma"})
+    plain = prune_candidates(space, "gemm1", max_count=24)
+    assert tma_twin not in plain  # the even spread alone misses it
+    kept = prune_candidates(space, "gemm1", max_count=24, seeds=[seed])
+    assert len(kept) == 24 and kept[0] == seed and tma_twin in kept
+    sd = json.loads(seed)
+    neighbours = [t for t in space if sum(v != sd[k] for k, v in json.loads(t).items()) == 1]
+    assert len(neighbours) == 3 + 3 + 2 + 1  # block_m, block_n, stages, weight_load
+    assert set(neighbours) <= set(kept)
+    # every (block_m, upcast, weight_load) group is still represented
+    assert {(json.loads(t)["block_m"], json.loads(t)["weight_load"]) for t in kept} == {
+        (bm, wl) for bm in (16, 32, 64, 128) for wl in ("ptr", "tma")
+    }
+
+
 def test_prune_drops_bits_where_asm_has_the_same_tile() -> None:
     def t(bn: int, upcast: str) -> str:
         return canon({"block_m": 16, "block_n": bn, "num_stages": 3, "split_k": 1, "upcast": upcast})

@@ -59,6 +59,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def _chain_enter(PDL: tl.constexpr):
+    """With programmatic dependent launch (sm_90+), a kernel's programs may start while the kernel
+    before it still runs: wait here until that kernel has finished and its writes are visible, then
+    let the next kernel of the layer start its programs (they wait in turn). This hides the launch
+    gap between the layer's kernels; every kernel waits before it reads anything."""
+    if PDL:
+        tl.inline_asm_elementwise(
+            "griddepcontrol.wait; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+        tl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # routing and grouping
 
@@ -86,7 +101,9 @@ def _route_kernel(
     E_LOCAL_PAD: tl.constexpr,
     PICKS_PAD: tl.constexpr,
     PLACE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _chain_enter(PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
@@ -165,7 +182,9 @@ def _scatter_kernel(
     E_LOCAL,
     E_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _chain_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < TK, E_LO, E_LOCAL, E_PAD)
 
@@ -507,7 +526,9 @@ def _gemm1_swiglu_kernel(
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
     W_TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _chain_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
@@ -592,7 +613,9 @@ def _gemm2_combine_kernel(
     SWAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     W_TMA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    _chain_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -656,6 +679,13 @@ def _gemm2_combine_kernel(
 # launcher
 
 
+def _chain_launch(device: torch.device) -> dict[str, bool]:
+    """Launch arguments for programmatic dependent launch (``_chain_enter``): on CUDA devices of
+    sm_90 and newer, off in the interpreter and elsewhere."""
+    on = device.type == "cuda" and not _interpreting() and _sm90_or_newer(device.index or 0)
+    return {"PDL": on, "launch_pdl": on}
+
+
 def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     """Upper bound of sum over experts of ceil(rows_e / block_m) when the rows sum to at most
     ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
@@ -683,7 +713,8 @@ def _check_tactic(t: GemmTactic, name: str) -> None:
 
 
 @functools.cache
-def _has_tma(device_index: int) -> bool:
+def _sm90_or_newer(device_index: int) -> bool:
+    """The tensor memory accelerator and programmatic dependent launch both start with sm_90."""
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
@@ -695,7 +726,7 @@ def weight_descriptor(w_blocks: torch.Tensor, tactic: GemmTactic) -> object | No
         return None
     if not w_blocks.is_contiguous() or w_blocks.shape[2] % 16 or w_blocks.data_ptr() % 16:
         return None
-    if not _interpreting() and not (w_blocks.is_cuda and _has_tma(w_blocks.device.index or 0)):
+    if not _interpreting() and not (w_blocks.is_cuda and _sm90_or_newer(w_blocks.device.index or 0)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -772,6 +803,7 @@ def route(
         E_LOCAL_PAD=e_pad_local,
         PICKS_PAD=_next_pow2(block_t * top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
+        **_chain_launch(device),
     )
     if programs > 1:
         scatter_block = 128
@@ -785,6 +817,7 @@ def route(
             num_local_experts,
             E_PAD=e_pad_local,
             BLOCK=scatter_block,
+            **_chain_launch(device),
         )
     return routing
 
@@ -849,6 +882,7 @@ def gemm1_swiglu(
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
         W_TMA=w_desc is not None,
+        **_chain_launch(h1.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
     )
@@ -909,6 +943,7 @@ def gemm2_combine(
         SWAP=swaps_operands(tactic),
         HAS_BIAS=has_bias,
         W_TMA=w_desc is not None,
+        **_chain_launch(out.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
     )
