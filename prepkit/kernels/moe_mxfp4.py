@@ -8,7 +8,8 @@ grids so a CUDA graph can capture them:
    the fp32 output rows that step 4 accumulates into.
 2. ``_scatter_kernel`` (picks): exclusive prefix sum of the counters, then each pick writes its
    index to ``sorted[start(expert) + rank]``; the rows of one expert become contiguous. When step
-   1 runs as a single program it does this itself after a block barrier.
+   1 runs as a single program (up to 32 tokens) it groups the picks in registers instead: no
+   atomics, no second launch.
 3. ``_gemm1_swiglu_kernel`` (row blocks x N tiles): gathers token rows, multiplies by the MXFP4
    gate/up rows of the expert, adds the bias and applies the gpt-oss SwiGLU in the epilogue;
    writes bf16 activations in sorted order.
@@ -99,7 +100,7 @@ def _route_kernel(
     E_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
     E_LOCAL_PAD: tl.constexpr,
-    PICKS_PAD: tl.constexpr,
+    TOPK_PAD: tl.constexpr,
     PLACE: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -128,16 +129,20 @@ def _route_kernel(
 
     # Pass 2: the same picks in the same order (largest first, lowest index on ties), stored.
     work = logits
+    picks = tl.full([BLOCK_T, TOPK_PAD], -1, tl.int32)  # PLACE: expert of pick (t, j), -1 for none
     for j in tl.static_range(TOP_K):
         m = tl.max(work, axis=1)
         idx = tl.min(tl.where(work == m[:, None], offs_e[None, :], E_PAD), axis=1)
         flat = offs_t * TOP_K + j
         tl.store(topk_ids_ptr + flat, idx, mask=t_mask)
         tl.store(topk_w_ptr + flat, tl.exp(m - row_max) / denom, mask=t_mask)
-        local = idx - E_LO
-        is_local = t_mask & (local >= 0) & (local < E_LOCAL)
-        rank = tl.atomic_add(counts_ptr + local, tl.full([BLOCK_T], 1, tl.int32), mask=is_local)
-        tl.store(rank_ptr + flat, rank, mask=is_local)
+        if PLACE:
+            picks = tl.where(tl.arange(0, TOPK_PAD)[None, :] == j, tl.where(t_mask, idx, -1)[:, None], picks)
+        else:
+            local = idx - E_LO
+            is_local = t_mask & (local >= 0) & (local < E_LOCAL)
+            rank = tl.atomic_add(counts_ptr + local, tl.full([BLOCK_T], 1, tl.int32), mask=is_local)
+            tl.store(rank_ptr + flat, rank, mask=is_local)
         work = tl.where(offs_e[None, :] == idx[:, None], float("-inf"), work)
 
     # The combine in GEMM2 accumulates into these rows.
@@ -151,11 +156,23 @@ def _route_kernel(
         )
 
     if PLACE:
-        # The only program holds every pick: once its counter updates and stores are done (the
-        # barrier orders them for the whole block), it can place the picks itself.
-        tl.debug_barrier()
-        offs = tl.arange(0, PICKS_PAD)  # BLOCK_T * TOP_K rounded up to a power of two
-        _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < T * TOP_K, E_LO, E_LOCAL, E_LOCAL_PAD)
+        # The only program holds every pick, so it groups them in registers: no counter atomics,
+        # no zeroed counters beforehand, no second pass over memory. A pick's rank inside its
+        # expert is the number of earlier picks of the same expert (pick order).
+        n_picks: tl.constexpr = BLOCK_T * TOPK_PAD
+        local = tl.reshape(picks, (n_picks,)) - E_LO
+        is_local = (local >= 0) & (local < E_LOCAL)
+        offs_p = tl.arange(0, n_picks)
+        pick = (pid * BLOCK_T + offs_p // TOPK_PAD) * TOP_K + offs_p % TOPK_PAD
+        earlier = (local[:, None] == local[None, :]) & (offs_p[None, :] < offs_p[:, None]) & is_local[None, :]
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        offs_le = tl.arange(0, E_LOCAL_PAD)
+        owns = (offs_le[:, None] == local[None, :]) & is_local[None, :]  # [experts, picks]
+        counts = tl.sum(owns.to(tl.int32), axis=1)
+        start = tl.cumsum(counts, axis=0) - counts
+        pick_start = tl.sum(tl.where(owns, start[:, None], 0), axis=0)
+        tl.store(sorted_ptr + pick_start + rank, pick, mask=is_local)
+        tl.store(counts_ptr + offs_le, counts, mask=offs_le < E_LOCAL)
 
 
 @triton.jit
@@ -769,7 +786,13 @@ def route(
     TK = T * top_k
     if out is None:
         out = torch.empty((T, hidden), dtype=torch.float32, device=device)
-    counts = torch.zeros(num_local_experts, dtype=torch.int32, device=device)
+    e_pad_all = max(16, _next_pow2(E_total))
+    e_pad_local = max(16, _next_pow2(num_local_experts))
+    # Up to 32 tokens (128 experts) one program routes them all and groups the picks itself.
+    block_t = max(1, min(32, 4096 // e_pad_all, _next_pow2(T)))
+    programs = triton.cdiv(T, block_t)
+    # Counters start at zero for the atomics of several programs; one program writes them whole.
+    counts = (torch.empty if programs == 1 else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
     topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
     topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
     rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
@@ -777,10 +800,6 @@ def route(
     routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out)
     if T == 0:
         return routing
-    e_pad_all = max(16, _next_pow2(E_total))
-    e_pad_local = max(16, _next_pow2(num_local_experts))
-    block_t = max(1, min(32, 4096 // e_pad_all))
-    programs = triton.cdiv(T, block_t)
     _route_kernel[(programs,)](
         router_logits,
         topk_ids,
@@ -801,7 +820,7 @@ def route(
         E_PAD=e_pad_all,
         BLOCK_H=128,
         E_LOCAL_PAD=e_pad_local,
-        PICKS_PAD=_next_pow2(block_t * top_k),
+        TOPK_PAD=_next_pow2(top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
         **_chain_launch(device),
     )

@@ -188,3 +188,5 @@ def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, 
     assert sorted(placed.tolist()) == torch.nonzero(is_local).flatten().tolist()  # each local pick once
     experts = ids[placed]
     assert torch.all(experts[1:] >= experts[:-1])  # grouped by expert, in expert order
+    if T <= 32:  # one program groups in registers: inside an expert, picks keep their order
+        assert placed.tolist() == sorted(placed.tolist(), key=lambda p: (int(ids[p]), p))
