@@ -176,19 +176,6 @@ def _route_kernel(
 
 
 @triton.jit
-def _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, f_mask, E_LO, E_LOCAL, E_PAD: tl.constexpr):
-    """``sorted[start(expert) + rank] = pick`` for the picks ``offs``, ``start`` being the exclusive
-    prefix sum of the final per-expert counters."""
-    offs_e = tl.arange(0, E_PAD)
-    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0, volatile=True)
-    local = tl.load(topk_ids_ptr + offs, mask=f_mask, other=-1) - E_LO
-    is_local = f_mask & (local >= 0) & (local < E_LOCAL)
-    start = tl.sum(tl.where(offs_e[None, :] < local[:, None], counts[None, :], 0), axis=1)
-    rank = tl.load(rank_ptr + offs, mask=is_local, other=0)
-    tl.store(sorted_ptr + start + rank, offs, mask=is_local)
-
-
-@triton.jit
 def _scatter_kernel(
     topk_ids_ptr,
     rank_ptr,
@@ -201,9 +188,18 @@ def _scatter_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """``sorted[start(expert) + rank] = pick`` for the picks of this block, ``start`` being the
+    exclusive prefix sum of the final per-expert counters."""
     _chain_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    _place_picks(topk_ids_ptr, rank_ptr, counts_ptr, sorted_ptr, offs, offs < TK, E_LO, E_LOCAL, E_PAD)
+    f_mask = offs < TK
+    offs_e = tl.arange(0, E_PAD)
+    counts = tl.load(counts_ptr + offs_e, mask=offs_e < E_LOCAL, other=0)
+    local = tl.load(topk_ids_ptr + offs, mask=f_mask, other=-1) - E_LO
+    is_local = f_mask & (local >= 0) & (local < E_LOCAL)
+    start = tl.sum(tl.where(offs_e[None, :] < local[:, None], counts[None, :], 0), axis=1)
+    rank = tl.load(rank_ptr + offs, mask=is_local, other=0)
+    tl.store(sorted_ptr + start + rank, offs, mask=is_local)
 
 
 @triton.jit
