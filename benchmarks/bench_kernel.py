@@ -217,6 +217,7 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
     routing = k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H)
     h1 = torch.randn((T * TOP_K, I), device=device).to(torch.bfloat16)
     best: dict[str, tuple[float, GemmTactic]] = {}
+    small = layer.small_scales or (False, False)
     for gemm in ("gemm1", "gemm2"):
         fns = []
         for t in sweep_candidates(T, gemm):
@@ -224,12 +225,21 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
 
                 def fn(t: GemmTactic = t) -> object:
                     return k.gemm1_swiglu(
-                        routing, x, layer.w13_blocks, layer.w13_scales, layer.w13_bias, valid_intermediate=I, tactic=t
+                        routing,
+                        x,
+                        layer.w13_blocks,
+                        layer.w13_scales,
+                        layer.w13_bias,
+                        valid_intermediate=I,
+                        tactic=t,
+                        small_scales=small[0],
                     )
             else:
 
                 def fn(t: GemmTactic = t) -> object:
-                    return k.gemm2_combine(routing, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t)
+                    return k.gemm2_combine(
+                        routing, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t, small_scales=small[1]
+                    )
 
             fns.append((t, fn))
         _precompile([fn for _, fn in fns])

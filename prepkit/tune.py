@@ -1162,15 +1162,28 @@ class _GpuBench:
                 for i in range(self.ROTATE)
             ]
             w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
-            h1s = [k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1) for i in range(self.ROTATE)]
+            small1 = (layer.small_scales or (False, False))[0]
+            h1s = [
+                k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1, small_scales=small1)
+                for i in range(self.ROTATE)
+            ]
             self._inputs["routings"], self._inputs["h1s"] = rs, h1s
         rs, h1s = self._inputs["routings"], self._inputs["h1s"]
         t = self.pair(tactic, m)[0 if self.problem.role == "gemm1" else 1]
+        small = layer.small_scales or (False, False)
         if self.problem.role == "gemm1":
-            return (lambda i: k.gemm1_swiglu(rs[i], xs[i], layer.w13_blocks, layer.w13_scales, layer.w13_bias,
-                                             valid_intermediate=self.I, tactic=t)), "gemm1"  # fmt: skip
-        bias = layer.w2_bias if layer.apply_down_bias else None
-        return (lambda i: k.gemm2_combine(rs[i], h1s[i], layer.w2_blocks, layer.w2_scales, bias, tactic=t)), "gemm2"
+            w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
+
+            def run_gemm1(i: int) -> Any:
+                return k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=t, small_scales=small[0])
+
+            return run_gemm1, "gemm1"
+        w2 = (layer.w2_blocks, layer.w2_scales, layer.w2_bias if layer.apply_down_bias else None)
+
+        def run_gemm2(i: int) -> Any:
+            return k.gemm2_combine(rs[i], h1s[i], *w2, tactic=t, small_scales=small[1])
+
+        return run_gemm2, "gemm2"
 
     def _default(self, m: int, idx: int) -> str:
         from prepkit.kernels.variants import default_tactics

@@ -53,8 +53,15 @@ class MoeLayer:
     swiglu_limit: float = 7.0
     tactic_lookup: TacticLookup | None = None
     device_info: DeviceInfo | None = None
+    # (w13, w2): every E8M0 byte <= 128, so the kernel may fold its upcast fix-up into the scale
+    # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Checked once here when not given.
+    small_scales: tuple[bool, bool] | None = None
     _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
     _warned: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.small_scales is None:
+            self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
 
     @classmethod
     def from_tensors(
@@ -227,9 +234,18 @@ def moe(
         gemm2=g2,
         swiglu_alpha=layer.swiglu_alpha,
         swiglu_limit=layer.swiglu_limit,
+        small_scales=layer.small_scales or (False, False),
     )
     target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
+
+
+def scales_are_small(scales: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of ``scales`` is at most 128 (every scale <= 2). One device sync:
+    done once per layer at load. gpt-oss weights sit far below (scales near 2^-8 .. 2^-4)."""
+    if scales.device.type == "meta" or scales.numel() == 0:
+        return False
+    return bool(scales.max() <= 128)
 
 
 def load_moe_layers(

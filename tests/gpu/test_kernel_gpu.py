@@ -192,3 +192,49 @@ def test_sample_of_every_enumerated_variant():
         if not err < TOL:
             failures.append(f"{g1.key()}/{g1.upcast} + {g2.key()}/{g2.upcast}: {err:.3g}")
     assert not failures, failures
+
+
+FOLD_PAIRS = [
+    ("m16n128k128w4s4sk1uasmltma", "m16n128k128w4s4sk2uasmltma"),
+    ("m64n256k64w4s3sk1uasm", "m64n256k64w4s3sk1uasmltma"),
+]
+
+
+@pytest.mark.parametrize("keys", FOLD_PAIRS)
+def test_folded_upcast_gives_the_same_bits(checkpoint, keys):
+    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.layouts.base import RankSpec
+
+    layer, _ = _layer(checkpoint, RankSpec())
+    assert layer.small_scales == (True, True)  # scale bytes 119..123
+    t1, t2 = (_parse(key) for key in keys)
+    x, logits = _inputs(96, seed=11)
+    h1s, outs = [], []
+    for small in (False, True):
+        r = k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H)
+        h1 = k.gemm1_swiglu(r, x, layer.w13_blocks, layer.w13_scales, layer.w13_bias, valid_intermediate=I,
+                            tactic=t1, small_scales=small)  # fmt: skip
+        k.gemm2_combine(r, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t2, small_scales=small)
+        h1s.append(h1)
+        outs.append(r.out.clone())
+    assert torch.equal(h1s[0], h1s[1])
+    # GEMM2 adds the picks with fp32 atomics in arrival order: equal up to that order.
+    assert torch.allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5 * float(outs[0].abs().max()))
+
+
+def test_scales_above_two_keep_the_two_step_upcast(checkpoint):
+    from dataclasses import replace
+
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    big = checkpoint.down_proj_scales.clone()
+    big[:, :7, 3] = 131  # scale 2^4 on a few down-projection groups of every expert
+    ck = replace(checkpoint, down_proj_scales=big)
+    layer, plan = _layer(ck, RankSpec())
+    assert layer.small_scales == (True, False)
+    x, logits = _inputs(7, seed=12)
+    got = moe(layer, x, logits, out_dtype=torch.float32)
+    want = _reference(ck, x, logits, plan, 0)
+    assert torch.isfinite(got).all()
+    assert float((got - want).norm() / want.norm()) < TOL
