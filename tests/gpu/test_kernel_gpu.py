@@ -91,7 +91,7 @@ TACTICS = [
     ("m16n64k128w4s3sk1", "m64n64k128w4s3sk1uasm"),
     ("m128n128k64w8s3sk1uasm", "m16n64k256w4s3sk2uasm"),
     ("m16n128k128w4s4sk1uasmltma", "m16n256k128w8s3sk4uasmltma"),
-    ("m64n256k64w4s3sk1uasmltma", "m32n128k256w4s2sk2uasmltma"),
+    ("m64n256k64w4s3sk1uasmltma", "m32n128k256w4s3sk2uasmltma"),
 ]
 
 

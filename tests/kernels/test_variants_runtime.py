@@ -34,7 +34,7 @@ def test_enumerated_variants_are_valid_and_cover_every_family(device):
         assert all(shared_mem_bytes(t) <= device.max_shared_mem for t in tactics)
         assert {t.upcast for t in tactics} == {"bits", "asm", "dot_scaled"}
         assert {t.weight_load for t in tactics} == {"ptr", "tma"}  # every listed GPU has TMA
-        assert not any(t.weight_load == "tma" and t.upcast == "dot_scaled" for t in tactics)
+        assert not any(t.weight_load == "tma" and (t.upcast == "dot_scaled" or t.num_stages < 3) for t in tactics)
         splits = {t.split_k for t in tactics}
         assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
 
@@ -57,6 +57,16 @@ def test_invalid_reasons_name_the_knob():
     ampere = DeviceInfo("ampere", (8, 0), 108, 166912)
     assert "sm_90" in invalid_reason(GemmTactic(weight_load="tma"), "gemm1", ampere)
     assert "weight_load" in invalid_reason(GemmTactic(weight_load="bulk"), "gemm1", H100)
+    assert "3 stages" in invalid_reason(GemmTactic(num_stages=2, weight_load="tma"), "gemm1", H100)
+
+
+def test_a_default_that_does_not_fit_falls_back_to_pointer_loads_not_two_stage_tma():
+    small_hopper = DeviceInfo("small", (9, 0), 132, 60000)
+    problem = MoeProblem(8, 128, 2880, 2880, 4)
+    for t, gemm in zip(default_tactics(problem, small_hopper), ("gemm1", "gemm2"), strict=True):
+        assert invalid_reason(t, gemm, small_hopper) is None
+        assert t.weight_load == "ptr" and t.num_stages == 2, t
+    assert default_tactics(problem, H100)[0].weight_load == "tma"  # where it fits, TMA stays
 
 
 def test_weight_descriptor_only_where_the_tensor_allows_it(device):
