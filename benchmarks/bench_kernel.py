@@ -217,7 +217,7 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
     routing = k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H)
     h1 = torch.randn((T * TOP_K, I), device=device).to(torch.bfloat16)
     best: dict[str, tuple[float, GemmTactic]] = {}
-    small = layer.small_scales or (False, False)
+    small = layer.small_scales
     for gemm in ("gemm1", "gemm2"):
         fns = []
         for t in sweep_candidates(T, gemm):

@@ -255,45 +255,27 @@ def _fp4_to_f32(code):
 # bf16x2 FMAs with a -0.0 addend (keeps +0 and -0): * 2^126 and * the E8M0 scale ($5, $6), or,
 # when every scale is at most 2^1, one FMA by scale * 2^126 = 2^(s-1) (a power of two, so the
 # product is exact: the same bits as the two steps; tests/kernels/test_upcast_fold.py).
+# Output $i (bf16x2) from a 16-bit-lane word: magnitude bits (after ``shift``) to 8..6, sign to 15.
+_ASM_LANE = """
+    shl.b32 a, {src}, {shift};
+    and.b32 a, a, 0x01C001C0;
+    shl.b32 b, {src}, {sign_shift};
+    and.b32 b, b, 0x80008000;
+    or.b32 ${out}, a, b;
+"""
+# $0, $1: low nibbles of bytes 0-1 / 2-3 (t0 / t1); $2, $3: their high nibbles (4 bits further up).
 _ASM_SPREAD = """
     .reg .b32 t0, t1, a, b, k, z;
-    mov.b32 k, 0x7E807E80;
     mov.b32 z, 0x80008000;
     prmt.b32 t0, $4, 0, 0x4140;
     prmt.b32 t1, $4, 0, 0x4342;
-    shl.b32 a, t0, 6;
-    and.b32 a, a, 0x01C001C0;
-    shl.b32 b, t0, 12;
-    and.b32 b, b, 0x80008000;
-    or.b32 $0, a, b;
-    shl.b32 a, t1, 6;
-    and.b32 a, a, 0x01C001C0;
-    shl.b32 b, t1, 12;
-    and.b32 b, b, 0x80008000;
-    or.b32 $1, a, b;
-    shl.b32 a, t0, 2;
-    and.b32 a, a, 0x01C001C0;
-    shl.b32 b, t0, 8;
-    and.b32 b, b, 0x80008000;
-    or.b32 $2, a, b;
-    shl.b32 a, t1, 2;
-    and.b32 a, a, 0x01C001C0;
-    shl.b32 b, t1, 8;
-    and.b32 b, b, 0x80008000;
-    or.b32 $3, a, b;
-"""
-_ASM_TIMES_2_126 = """
-    fma.rn.bf16x2 $0, $0, k, z;
-    fma.rn.bf16x2 $1, $1, k, z;
-    fma.rn.bf16x2 $2, $2, k, z;
-    fma.rn.bf16x2 $3, $3, k, z;
-"""
-_ASM_TIMES_SCALE = """
-    fma.rn.bf16x2 $0, $0, $5, z;
-    fma.rn.bf16x2 $1, $1, $6, z;
-    fma.rn.bf16x2 $2, $2, $5, z;
-    fma.rn.bf16x2 $3, $3, $6, z;
-"""
+""" + "".join(
+    _ASM_LANE.format(out=out, src=src, shift=shift, sign_shift=shift + 6)
+    for out, (src, shift) in enumerate((("t0", 6), ("t1", 6), ("t0", 2), ("t1", 2)))
+)
+_ASM_TIMES_2_126 = "    mov.b32 k, 0x7E807E80;\n" + "".join(f"    fma.rn.bf16x2 ${i}, ${i}, k, z;\n" for i in range(4))
+# $5 scales bytes 0-1 ($0, $2), $6 bytes 2-3 ($1, $3).
+_ASM_TIMES_SCALE = "".join(f"    fma.rn.bf16x2 ${i}, ${i}, ${5 + i % 2}, z;\n" for i in range(4))
 _ASM_UPCAST: tl.constexpr = tl.constexpr("{" + _ASM_SPREAD + _ASM_TIMES_2_126 + _ASM_TIMES_SCALE + "}")
 _ASM_UPCAST_FOLDED: tl.constexpr = tl.constexpr("{" + _ASM_SPREAD + _ASM_TIMES_SCALE + "}")
 

@@ -54,14 +54,13 @@ class MoeLayer:
     tactic_lookup: TacticLookup | None = None
     device_info: DeviceInfo | None = None
     # (w13, w2): every E8M0 byte <= 128, so the kernel may fold its upcast fix-up into the scale
-    # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Checked once here when not given.
-    small_scales: tuple[bool, bool] | None = None
+    # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Derived from the scales once, at construction.
+    small_scales: tuple[bool, bool] = field(init=False, default=(False, False))
     _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
     _warned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.small_scales is None:
-            self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
+        self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
 
     @classmethod
     def from_tensors(
@@ -234,7 +233,7 @@ def moe(
         gemm2=g2,
         swiglu_alpha=layer.swiglu_alpha,
         swiglu_limit=layer.swiglu_limit,
-        small_scales=layer.small_scales or (False, False),
+        small_scales=layer.small_scales,
     )
     target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
