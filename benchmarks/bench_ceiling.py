@@ -7,6 +7,9 @@ so replays read their experts from memory):
 
 - ``stream``: a kernel with GEMM1's grid, tiles and K steps that only reads the weight bytes and
   scales (pointer loads, and TMA loads) and does no math: what this program structure can move;
+- ``tiled``: the same stream over a copy of the weights stored tile by tile (each
+  ``[block_n, block_k/2]`` step one contiguous block, the last step zero-padded): what a
+  tile-contiguous layout would let the same grid move;
 - GEMM1 of the bundled kernel with pointer and with TMA weight loads, same tiles.
 
 Each line gives µs, GB/s of weight bytes and the fraction of the device's copy bandwidth measured
@@ -53,8 +56,10 @@ def _stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    """GEMM1's grid and K steps, reading weights and scales only (XOR-folded so nothing is dead)."""
+    """GEMM1's grid and K steps, reading weights and scales only (XOR-folded so nothing is dead).
+    TILED: ``w_desc`` describes the tile-by-tile copy as ``[tiles * BLOCK_N, BLOCK_K/2]``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     valid, e, _, _, _ = k._locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, 16)
@@ -66,8 +71,12 @@ def _stream_kernel(
         w_row = (e64 * N + pid_n * BLOCK_N).to(tl.int32)
         acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.int32)
         acc_s = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.int32)
+        if TILED:
+            w_row = ((e64 * (N // BLOCK_N) + pid_n) * tl.cdiv(K, BLOCK_K) * BLOCK_N).to(tl.int32)
         for k0 in range(0, K // BLOCK_K * BLOCK_K, BLOCK_K):
-            if W_TMA:
+            if TILED:
+                acc ^= w_desc.load([w_row + (k0 // BLOCK_K) * BLOCK_N, 0]).to(tl.int32)
+            elif W_TMA:
                 acc ^= w_desc.load([w_row, k0 // 2]).to(tl.int32)
             else:
                 acc ^= tl.load(w_ptrs).to(tl.int32)
@@ -75,6 +84,15 @@ def _stream_kernel(
             w_ptrs += BLOCK_K // 2
             s_ptrs += (BLOCK_K // 32) * stride_sk
         tl.store(out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_s, 1), 0))
+
+
+def _tile_by_tile(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """``w [E, N, K/2]`` as ``[E, N/block_n, ceil(K/block_k), block_n, block_k/2]``, contiguous,
+    the last K step zero-padded: every step of a program one contiguous block."""
+    e, n, half_k = w.shape
+    steps = -(-2 * half_k // block_k)
+    padded = torch.nn.functional.pad(w, (0, steps * block_k // 2 - half_k))
+    return padded.reshape(e, n // block_n, block_n, steps, block_k // 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
 def _graph_us(step: Callable[[torch.Tensor, k.Routing], object], sets: list) -> float:
@@ -114,24 +132,37 @@ def main(argv: list[str] | None = None) -> int:
         for bn, bk, stages in TILES:
             full_bytes = hit * n1 * (H // bk * bk) * (1 / 2 + 1 / 32)  # what the stream kernel reads
             all_bytes = hit * n1 * H * (1 / 2 + 1 / 32)
-            for load in ("ptr", "tma"):
-                tactic = GemmTactic(16, bn, bk, 4, stages, 1, "asm", load)
-                desc = k.weight_descriptor(w, tactic)
+            tiled = _tile_by_tile(w, bn, bk)
+            for load in ("ptr", "tma", "tiled"):
+                tactic = GemmTactic(16, bn, bk, 4, stages, 1, "asm", "ptr" if load == "ptr" else "tma")
+                if load == "tiled":
+                    from triton.tools.tensor_descriptor import TensorDescriptor
 
-                def stream(x: torch.Tensor, r: k.Routing, t: GemmTactic = tactic, desc: object = desc) -> None:
+                    desc = TensorDescriptor.from_tensor(tiled.view(-1, bk // 2), [bn, bk // 2])
+                else:
+                    desc = k.weight_descriptor(w, tactic)
+
+                is_tiled = load == "tiled"
+
+                def stream(
+                    x: torch.Tensor, r: k.Routing, t: GemmTactic = tactic, desc: object = desc, til: bool = is_tiled
+                ) -> None:
                     grid = (k.max_row_blocks(r.num_picks, E, 16), triton.cdiv(n1, t.block_n))
                     out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=dev)
                     _stream_kernel[grid](
                         w, w if desc is None else desc, s, r.counts, out, n1, H, E,
                         w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-                        E_PAD=128, BLOCK_N=t.block_n, BLOCK_K=t.block_k, W_TMA=desc is not None,
+                        E_PAD=128, BLOCK_N=t.block_n, BLOCK_K=t.block_k, W_TMA=desc is not None, TILED=til,
                         num_warps=t.num_warps, num_stages=t.num_stages,
                     )  # fmt: skip
 
                 def gemm1(x: torch.Tensor, r: k.Routing, tactic: GemmTactic = tactic) -> None:
                     k.gemm1_swiglu(r, x, w, s, bias, valid_intermediate=I, tactic=tactic)
 
-                for name, step, nbytes in (("stream", stream, full_bytes), ("gemm1 ", gemm1, all_bytes)):
+                steps = [("stream", stream, full_bytes)]
+                if load != "tiled":  # the kernel reads the real layout only
+                    steps.append(("gemm1 ", gemm1, all_bytes))
+                for name, step, nbytes in steps:
                     us = _graph_us(step, sets)
                     gbs = nbytes / us / 1e3
                     tile = f"n{bn} k{bk} s{stages}"

@@ -30,7 +30,9 @@ Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only),
 (``asm``: inline PTX, CUDA only, the default; ``bits``: Triton integer ops, runs in the CPU
 interpreter; ``dot_scaled``: ``tl.dot_scaled``) and how weight tiles are loaded (``ptr``: pointer
 loads the compiler pipelines; ``tma``: the Hopper/Blackwell tensor memory accelerator, one copy per
-tile through a host-built descriptor). Tiles of at most 32 rows swap operands.
+tile through a host-built descriptor) and how the K loop ends (``tail``: unmasked steps, then one
+masked step after the loop; ``masked``: every step masked, one pipelined loop). Tiles of at most
+32 rows swap operands.
 Results are not bitwise deterministic: the combine adds in fp32 atomics in arrival order.
 """
 
@@ -355,10 +357,12 @@ def _mxfp4_step(
     ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales, ``a_ptrs [BM, BK/2]`` the activations
     of the low nibbles (the high ones sit 16 further). ``MASK_K`` only for a last partial step
     (``k_rem`` elements left): full steps carry no K masks, so their loads stay wide and the
-    compiler can pipeline them. The TMA unit zero-fills a box past the tensor's end by itself."""
+    compiler can pipeline them. The TMA unit zero-fills a box past the tensor's end by itself.
+    K is a multiple of 32 (a scale group), so masks go by whole groups: 16 bytes, 16 activations
+    on each side, which keeps the masked loads vectorized."""
     G: tl.constexpr = BLOCK_K // 32
     if MASK_K:
-        c_ok = tl.arange(0, BLOCK_K // 2) < k_rem // 2
+        c_ok = tl.arange(0, BLOCK_K // 2) // 16 < k_rem // 32
         g_ok = tl.arange(0, G) < k_rem // 32
         w_msk = n_mask[:, None] & c_ok[None, :]
         a_msk = a_mask[:, None] & c_ok[None, :]
@@ -411,12 +415,15 @@ def _mxfp4_mainloop(
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
     W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
 ):
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
     ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
     (K contiguous, triton_moe_v2 byte order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
     of BLOCK_K. With W_TMA the weight tile is the ``w_desc`` box whose first row is ``w_row``.
+    MASK_ALL (``k_loop="masked"``) masks every step, so a partial last step stays inside the
+    pipelined loop instead of following it with loads nothing prefetched.
     """
     G: tl.constexpr = BLOCK_K // 32
     offs_g = tl.arange(0, G)
@@ -450,9 +457,9 @@ def _mxfp4_mainloop(
         a_ptrs = a_rows[:, None] + (k_lo + col)[None, :]
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
-        k_full = k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+        k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
         w_col = k_lo // 2
-        for _ in range(k_lo, k_full, BLOCK_K):
+        for k0 in range(k_lo, k_full, BLOCK_K):
             acc = _mxfp4_step(
                 a_ptrs,
                 a_mask,
@@ -462,14 +469,14 @@ def _mxfp4_mainloop(
                 w_col,
                 s_ptrs,
                 n_mask,
-                BLOCK_K,
+                k_hi - k0,
                 acc,
                 BLOCK_N,
                 BLOCK_K,
                 UPCAST,
                 DOT_FP32,
                 SWAP,
-                False,
+                MASK_ALL,
                 W_TMA,
             )
             w_ptrs += BLOCK_K // 2
@@ -535,6 +542,7 @@ def _gemm1_swiglu_kernel(
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
     W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -567,6 +575,7 @@ def _gemm1_swiglu_kernel(
             DOT_FP32,
             SWAP,
             W_TMA,
+            MASK_ALL,
         )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -622,6 +631,7 @@ def _gemm2_combine_kernel(
     SWAP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -660,6 +670,7 @@ def _gemm2_combine_kernel(
             DOT_FP32,
             SWAP,
             W_TMA,
+            MASK_ALL,
         )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
@@ -726,6 +737,8 @@ def _next_pow2(x: int) -> int:
 def _check_tactic(t: GemmTactic, name: str) -> None:
     if t.upcast not in _UPCAST_IDS:
         raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
+    if t.k_loop not in ("tail", "masked"):
+        raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected 'tail' or 'masked')")
     if t.upcast == "asm" and _interpreting():
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if t.block_k % 32 or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
@@ -906,6 +919,7 @@ def gemm1_swiglu(
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
         W_TMA=w_desc is not None,
+        MASK_ALL=tactic.k_loop == "masked",
         **_chain_launch(h1.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
@@ -969,6 +983,7 @@ def gemm2_combine(
         SWAP=swaps_operands(tactic),
         HAS_BIAS=has_bias,
         W_TMA=w_desc is not None,
+        MASK_ALL=tactic.k_loop == "masked",
         **_chain_launch(out.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,

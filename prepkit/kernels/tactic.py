@@ -24,9 +24,17 @@ class GemmTactic:
     # tensor-memory-accelerator copy per tile, sm_90+; pointer loads where the weight tensor cannot
     # be described to the TMA unit, e.g. rows not a multiple of 16 bytes).
     weight_load: str = "ptr"
+    # How the K loop ends when K is not a multiple of block_k: "tail" (full steps without masks,
+    # then one masked step after the loop, whose loads the compiler cannot prefetch) or "masked"
+    # (every step masked, one loop the compiler pipelines to its last step).
+    k_loop: str = "tail"
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        raw = asdict(self)
+        if raw["k_loop"] == "tail":
+            # Tactics stored before the field existed keep their JSON, so tactic DB rows still match.
+            del raw["k_loop"]
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> GemmTactic:
@@ -41,4 +49,5 @@ class GemmTactic:
         base = f"m{self.block_m}n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}sk{self.split_k}"
         # The default upcast keeps the key of tactics stored before the field existed.
         key = base if self.upcast == "bits" else f"{base}u{self.upcast}"
-        return key if self.weight_load == "ptr" else f"{key}l{self.weight_load}"
+        key = key if self.weight_load == "ptr" else f"{key}l{self.weight_load}"
+        return key if self.k_loop == "tail" else f"{key}k{self.k_loop}"

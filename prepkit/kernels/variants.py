@@ -24,6 +24,7 @@ NUM_STAGES = (1, 2, 3, 4)
 SPLIT_K = (1, 2, 4, 8)
 UPCASTS = ("bits", "asm", "dot_scaled")
 WEIGHT_LOADS = ("ptr", "tma")
+K_LOOPS = ("tail", "masked")
 
 # Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
 # values per thread the compiler spills, and such a variant never wins.
@@ -74,6 +75,10 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
             return f"{name}={value} not in {allowed}"
     if t.weight_load not in WEIGHT_LOADS:
         return f"unknown weight_load {t.weight_load!r} (expected one of {WEIGHT_LOADS})"
+    if t.k_loop not in K_LOOPS:
+        return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
+    if t.k_loop != "tail" and t.upcast == "dot_scaled":
+        return "k_loop 'masked' is the dot_scaled path's only loop (it masks every step): use 'tail'"
     if t.upcast == "asm" and device.capability < (8, 0):
         return "upcast 'asm' uses bf16x2 FMA (sm_80 and newer)"
     if t.weight_load == "tma" and device.capability < (9, 0):
@@ -81,10 +86,10 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     if t.weight_load == "tma" and t.upcast == "dot_scaled":
         return "weight_load 'tma' is not wired to the dot_scaled path"
     if t.weight_load == "tma" and t.num_stages < 3:
-        # Since kernel v4 (folded upcast) the 16 x 128 x 128 two-stage TMA variants fail the tuner's
-        # numerics check on H100 and H200 (triton 3.6; docs/kernel-notes.md), and no two-stage TMA
-        # variant ever won: excluded until the cause is found.
-        return "weight_load 'tma' needs at least 3 stages (two-stage TMA variants failed numerics checks)"
+        # Two stages give the TMA weight tile a single buffer, refilled while the step that read it
+        # may still be in flight: on H100 (triton 3.6) such variants return run-to-run different,
+        # wrong rows (docs/kernel-notes.md). Three stages and more are exact.
+        return "weight_load 'tma' needs at least 3 stages (with 2 the single TMA buffer races)"
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
         return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
@@ -105,12 +110,13 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
     add masked rows.
     """
     out = []
-    for bm, bn, bk, w, s, sk, up, wl in itertools.product(
-        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS
+    for bm, bn, bk, w, s, sk, up, wl, kl in itertools.product(
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS, K_LOOPS
     ):
         t = GemmTactic(
-            block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl
-        )
+            block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl,
+            k_loop=kl,
+        )  # fmt: skip
         if invalid_reason(t, gemm, device) is not None:
             continue
         if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):

@@ -82,8 +82,26 @@ def test_token_counts(experts, device, T):
             GemmTactic(32, 128, 128, 4, 2, 1, weight_load="tma"),
             GemmTactic(64, 128, 128, 4, 2, 1, weight_load="tma"),
         ),
+        # Every step masked: the partial last K step inside the loop, with and without a K split.
+        (
+            GemmTactic(32, 64, 128, 4, 2, 1, k_loop="masked"),
+            GemmTactic(16, 32, 128, 4, 2, 4, k_loop="masked"),
+        ),
+        (
+            GemmTactic(16, 32, 128, 4, 2, 1, weight_load="tma", k_loop="masked"),
+            GemmTactic(64, 64, 128, 4, 2, 2, weight_load="tma", k_loop="masked"),
+        ),
     ],
-    ids=["dot_scaled+split2", "split4", "k128-tail", "m64-mixed", "tma-split4", "tma-tail-m64"],
+    ids=[
+        "dot_scaled+split2",
+        "split4",
+        "k128-tail",
+        "m64-mixed",
+        "tma-split4",
+        "tma-tail-m64",
+        "masked-split4",
+        "tma-masked-split2",
+    ],  # fmt: skip
 )
 def test_variant_families(experts, device, g1, g2):
     layer, plan = make_layer(experts, TOP_K, device=device)

@@ -35,6 +35,8 @@ def test_enumerated_variants_are_valid_and_cover_every_family(device):
         assert {t.upcast for t in tactics} == {"bits", "asm", "dot_scaled"}
         assert {t.weight_load for t in tactics} == {"ptr", "tma"}  # every listed GPU has TMA
         assert not any(t.weight_load == "tma" and (t.upcast == "dot_scaled" or t.num_stages < 3) for t in tactics)
+        assert {t.k_loop for t in tactics} == {"tail", "masked"}
+        assert not any(t.k_loop == "masked" and t.upcast == "dot_scaled" for t in tactics)
         splits = {t.split_k for t in tactics}
         assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
 
@@ -58,6 +60,9 @@ def test_invalid_reasons_name_the_knob():
     assert "sm_90" in invalid_reason(GemmTactic(weight_load="tma"), "gemm1", ampere)
     assert "weight_load" in invalid_reason(GemmTactic(weight_load="bulk"), "gemm1", H100)
     assert "3 stages" in invalid_reason(GemmTactic(num_stages=2, weight_load="tma"), "gemm1", H100)
+    assert "k_loop" in invalid_reason(GemmTactic(k_loop="unrolled"), "gemm1", H100)
+    assert "dot_scaled" in invalid_reason(GemmTactic(upcast="dot_scaled", k_loop="masked"), "gemm2", H100)
+    assert invalid_reason(GemmTactic(k_loop="masked"), "gemm2", H100) is None
 
 
 def test_a_default_that_does_not_fit_falls_back_to_pointer_loads_not_two_stage_tma():
@@ -98,6 +103,11 @@ def test_tactic_json_round_trip_and_stable_key():
     assert t.key().endswith("uasm")
     tma = GemmTactic(16, 64, 128, 4, 3, 2, "asm", "tma")
     assert tma.key() == "m16n64k128w4s3sk2uasmltma" and GemmTactic.from_json(tma.to_json()) == tma
+    # The default K loop leaves JSON and key as they were before the field, so stored rows match.
+    assert "k_loop" not in tma.to_json()
+    masked = GemmTactic(16, 64, 128, 4, 3, 2, "asm", "tma", "masked")
+    assert masked.key() == "m16n64k128w4s3sk2uasmltmakmasked" and GemmTactic.from_json(masked.to_json()) == masked
+    assert '"k_loop": "masked"' in masked.to_json()
 
 
 def test_layout_ids_agree():
