@@ -355,9 +355,9 @@ def _mxfp4_step(
 ):
     """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes (or the ``w_desc`` box at
     ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales, ``a_ptrs [BM, BK/2]`` the activations
-    of the low nibbles (the high ones sit 16 further). ``MASK_K`` only for a last partial step
-    (``k_rem`` elements left): full steps carry no K masks, so their loads stay wide and the
-    compiler can pipeline them. The TMA unit zero-fills a box past the tensor's end by itself.
+    of the low nibbles (the high ones sit 16 further). ``MASK_K``: mask K past ``k_rem`` elements
+    left (the last partial step; with ``k_loop="masked"`` every step, whose masks are then all
+    true but the last). The TMA unit zero-fills a box past the tensor's end by itself.
     K is a multiple of 32 (a scale group), so masks go by whole groups: 16 bytes, 16 activations
     on each side, which keeps the masked loads vectorized."""
     G: tl.constexpr = BLOCK_K // 32

@@ -86,9 +86,9 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     if t.weight_load == "tma" and t.upcast == "dot_scaled":
         return "weight_load 'tma' is not wired to the dot_scaled path"
     if t.weight_load == "tma" and t.num_stages < 3:
-        # Two stages give the TMA weight tile a single buffer, refilled while the step that read it
-        # may still be in flight: on H100 (triton 3.6) such variants return run-to-run different,
-        # wrong rows (docs/kernel-notes.md). Three stages and more are exact.
+        # Two stages give the TMA weight tile a single shared-memory buffer; on H100 (triton 3.6)
+        # such variants return wrong rows that change from launch to launch (docs/kernel-notes.md;
+        # the GPU launch-stability test catches it). Three stages and more are exact.
         return "weight_load 'tma' needs at least 3 stages (with 2 the single TMA buffer races)"
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
