@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ import triton.language as tl
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, events_median  # noqa: E402
+from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, graph_us_per_set  # noqa: E402
 from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 
@@ -95,17 +94,6 @@ def _tile_by_tile(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     return padded.reshape(e, n // block_n, block_n, steps, block_k // 2).permute(0, 1, 3, 2, 4).contiguous()
 
 
-def _graph_us(step: Callable[[torch.Tensor, k.Routing], object], sets: list) -> float:
-    for x, r in sets:
-        step(x, r)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, r in sets:
-            step(x, r)
-    return events_median(graph.replay, iters=15) * 1e3 / len(sets)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", default="1,8,64")
@@ -163,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                 if load != "tiled":  # the kernel reads the real layout only
                     steps.append(("gemm1 ", gemm1, all_bytes))
                 for name, step, nbytes in steps:
-                    us = _graph_us(step, sets)
+                    us = graph_us_per_set(step, sets, replays=15)
                     gbs = nbytes / us / 1e3
                     tile = f"n{bn} k{bk} s{stages}"
                     print(f"  {name} {load} {tile}: {us:8.1f} us {gbs:6.0f} GB/s {gbs / bw:6.1%} of copy")

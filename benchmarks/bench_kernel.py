@@ -121,6 +121,23 @@ def rotation_sets(T: int) -> int:
     return 16 if T <= 128 else 8 if T <= 2048 else 4
 
 
+def graph_us_per_set(step: Callable[..., object], sets: list[tuple], replays: int = 20) -> float:
+    """Median µs per input set: one CUDA graph runs ``step(*s)`` once for each of ``sets``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for s in sets:  # compile and warm up outside the capture
+            step(*s)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for s in sets:
+            step(*s)
+    ms = events_median(graph.replay, iters=replays, warmup=3)
+    return ms * 1e3 / len(sets)
+
+
 def time_layer_graph(
     layer: MoeLayer,
     inputs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -128,19 +145,11 @@ def time_layer_graph(
     replays: int = 20,
 ) -> float:
     """Median µs per layer: one CUDA graph runs the layer once per input set."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for x, logits in inputs:  # compile and warm up outside the capture
-            moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for x, logits in inputs:
-            moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
-    ms = events_median(graph.replay, iters=replays, warmup=3)
-    return ms * 1e3 / len(inputs)
+
+    def step(x: torch.Tensor, logits: torch.Tensor) -> None:
+        moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
+
+    return graph_us_per_set(step, inputs, replays)
 
 
 def distinct_experts(inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
