@@ -6,10 +6,12 @@ For each token count it times, per MoE layer of gpt-oss-120b (CUDA graph over 16
 so replays read their experts from memory):
 
 - ``stream``: a kernel with GEMM1's grid, tiles and K steps that only reads the weight bytes and
-  scales (pointer loads, and TMA loads) and does no math: what this program structure can move;
-- ``tiled``: the same stream over a copy of the weights stored tile by tile (each
-  ``[block_n, block_k/2]`` step one contiguous block, the last step zero-padded): what a
-  tile-contiguous layout would let the same grid move;
+  scales (pointer loads, and TMA loads) and does no math: what this program structure can move,
+  from three byte orders of the same weights:
+  ``rows`` (checkpoint rows, K contiguous: the layout before triton_moe_v3),
+  ``panels`` (the triton_moe_v3 K panels the kernel reads) and
+  ``tiled`` (a copy stored tile by tile, each ``[block_n, block_k/2]`` step one contiguous block:
+  the order no single layout can give every tile size);
 - GEMM1 of the bundled kernel with pointer and with TMA weight loads, same tiles.
 
 Each line gives µs, GB/s of weight bytes and the fraction of the device's copy bandwidth measured
@@ -33,8 +35,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, graph_us_per_set  # noqa: E402
 from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
+from prepkit.layouts.triton_moe import to_panels  # noqa: E402
 
 TILES = ((64, 256, 3), (128, 128, 4))  # (block_n, block_k, stages), 16-row blocks, 4 warps
+ORDERS = (("rows", "ptr"), ("rows", "tma"), ("panels", "ptr"), ("panels", "tma"), ("tiled", "tma"))
 
 
 @triton.jit
@@ -55,10 +59,11 @@ def _stream_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     W_TMA: tl.constexpr,
-    TILED: tl.constexpr,
+    ORDER: tl.constexpr,
 ):
     """GEMM1's grid and K steps, reading weights and scales only (XOR-folded so nothing is dead).
-    TILED: ``w_desc`` describes the tile-by-tile copy as ``[tiles * BLOCK_N, BLOCK_K/2]``."""
+    ORDER 0: rows ``[E, N, K/2]``; 1: panels ``[E, K/256, N, 128]``; 2: tile by tile, ``w_desc``
+    describing it as ``[tiles * BLOCK_N, BLOCK_K/2]`` (TMA only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     valid, e, _, _, _ = k._locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, 16)
@@ -67,20 +72,28 @@ def _stream_kernel(
         e64 = e.to(tl.int64)
         w_ptrs = w_ptr + e64 * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
         s_ptrs = s_ptr + e64 * stride_se + tl.arange(0, BLOCK_K // 32)[None, :] * stride_sk + offs_n[:, None]
+        panels = tl.cdiv(K, 256)
         w_row = (e64 * N + pid_n * BLOCK_N).to(tl.int32)
         acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.int32)
         acc_s = tl.zeros([BLOCK_N, BLOCK_K // 32], dtype=tl.int32)
-        if TILED:
+        if ORDER == 1:
+            w_row = (e64 * N * panels + pid_n * BLOCK_N).to(tl.int32)
+        if ORDER == 2:
             w_row = ((e64 * (N // BLOCK_N) + pid_n) * tl.cdiv(K, BLOCK_K) * BLOCK_N).to(tl.int32)
         for k0 in range(0, K // BLOCK_K * BLOCK_K, BLOCK_K):
-            if TILED:
+            if ORDER == 2:
                 acc ^= w_desc.load([w_row + (k0 // BLOCK_K) * BLOCK_N, 0]).to(tl.int32)
+            elif ORDER == 1:
+                if W_TMA:
+                    acc ^= w_desc.load([w_row + (k0 // 256) * N, (k0 % 256) // 2]).to(tl.int32)
+                else:
+                    w_off = tl.multiple_of((k0 // 256) * N * 128 + (k0 % 256) // 2, 16)
+                    acc ^= tl.load(w_ptrs + w_off).to(tl.int32)
             elif W_TMA:
                 acc ^= w_desc.load([w_row, k0 // 2]).to(tl.int32)
             else:
-                acc ^= tl.load(w_ptrs).to(tl.int32)
+                acc ^= tl.load(w_ptrs + k0 // 2).to(tl.int32)
             acc_s ^= tl.load(s_ptrs).to(tl.int32)
-            w_ptrs += BLOCK_K // 2
             s_ptrs += (BLOCK_K // 32) * stride_sk
         tl.store(out_ptr + pid_m * tl.num_programs(1) + pid_n, tl.sum(tl.sum(acc, 1), 0) + tl.sum(tl.sum(acc_s, 1), 0))
 
@@ -101,10 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     n1 = 2 * I
-    w = torch.randint(0, 256, (E, n1, H // 2), generator=g, device=dev, dtype=torch.uint8)
+    rows = torch.randint(0, 256, (E, n1, H // 2), generator=g, device=dev, dtype=torch.uint8)
+    panels = to_panels(rows)
     s = torch.randint(119, 124, (E, H // 32, n1), generator=g, device=dev, dtype=torch.uint8)
     bias = torch.randn((E, n1), generator=g, device=dev) * 0.1
     bw = copy_bandwidth(dev)
@@ -120,41 +136,46 @@ def main(argv: list[str] | None = None) -> int:
         for bn, bk, stages in TILES:
             full_bytes = hit * n1 * (H // bk * bk) * (1 / 2 + 1 / 32)  # what the stream kernel reads
             all_bytes = hit * n1 * H * (1 / 2 + 1 / 32)
-            tiled = _tile_by_tile(w, bn, bk)
-            for load in ("ptr", "tma", "tiled"):
-                tactic = GemmTactic(16, bn, bk, 4, stages, 1, "asm", "ptr" if load == "ptr" else "tma")
-                if load == "tiled":
-                    from triton.tools.tensor_descriptor import TensorDescriptor
-
+            tiled = _tile_by_tile(rows, bn, bk)
+            for order, load in ORDERS:
+                tactic = GemmTactic(16, bn, bk, 4, stages, 1, "asm", load)
+                w = {"rows": rows, "panels": panels, "tiled": tiled}[order]
+                if order == "tiled":
                     desc = TensorDescriptor.from_tensor(tiled.view(-1, bk // 2), [bn, bk // 2])
+                elif load == "tma":
+                    desc = TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk // 2])
                 else:
-                    desc = k.weight_descriptor(w, tactic)
-
-                is_tiled = load == "tiled"
+                    desc = None
+                order_id = ("rows", "panels", "tiled").index(order)
 
                 def stream(
-                    x: torch.Tensor, r: k.Routing, t: GemmTactic = tactic, desc: object = desc, til: bool = is_tiled
+                    x: torch.Tensor,
+                    r: k.Routing,
+                    t: GemmTactic = tactic,
+                    w: torch.Tensor = w,
+                    desc: object = desc,
+                    order_id: int = order_id,
                 ) -> None:
                     grid = (k.max_row_blocks(r.num_picks, E, 16), triton.cdiv(n1, t.block_n))
                     out = torch.empty(grid[0] * grid[1], dtype=torch.int32, device=dev)
                     _stream_kernel[grid](
                         w, w if desc is None else desc, s, r.counts, out, n1, H, E,
-                        w.stride(0), w.stride(1), s.stride(0), s.stride(1),
-                        E_PAD=128, BLOCK_N=t.block_n, BLOCK_K=t.block_k, W_TMA=desc is not None, TILED=til,
+                        w.stride(0), 128 if order_id else w.stride(1), s.stride(0), s.stride(1),
+                        E_PAD=128, BLOCK_N=t.block_n, BLOCK_K=t.block_k, W_TMA=desc is not None, ORDER=order_id,
                         num_warps=t.num_warps, num_stages=t.num_stages,
                     )  # fmt: skip
 
                 def gemm1(x: torch.Tensor, r: k.Routing, tactic: GemmTactic = tactic) -> None:
-                    k.gemm1_swiglu(r, x, w, s, bias, valid_intermediate=I, tactic=tactic)
+                    k.gemm1_swiglu(r, x, panels, s, bias, valid_intermediate=I, tactic=tactic)
 
                 steps = [("stream", stream, full_bytes)]
-                if load != "tiled":  # the kernel reads the real layout only
+                if order == "panels":  # the kernel reads its own layout only
                     steps.append(("gemm1 ", gemm1, all_bytes))
                 for name, step, nbytes in steps:
                     us = graph_us_per_set(step, sets, replays=15)
                     gbs = nbytes / us / 1e3
                     tile = f"n{bn} k{bk} s{stages}"
-                    print(f"  {name} {load} {tile}: {us:8.1f} us {gbs:6.0f} GB/s {gbs / bw:6.1%} of copy")
+                    print(f"  {name} {order:6} {load}: {tile}: {us:8.1f} us {gbs:6.0f} GB/s {gbs / bw:6.1%} of copy")
     return 0
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_kernel [--tokens 1,8,8192] [--sweep] [--baseline/--no-baseline]
 
-Weights are synthesized on the GPU directly in the triton_moe_v2 layout (no disk). Per token count
+Weights are synthesized on the GPU directly in the triton_moe_v3 layout (no disk). Per token count
 it prints the median µs per layer (CUDA graph; cold L2 by rotating input sets whose experts
 differ, so each replay reads its experts from memory), the distinct expert bytes touched and the
 GB/s that makes, TFLOP/s, each as a fraction of the device's copy bandwidth and bf16 matmul rate
@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from prepkit.kernels.device import DeviceInfo  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.kernels.variants import MoeProblem, default_tactics  # noqa: E402
+from prepkit.layouts.triton_moe import to_panels  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -37,7 +38,8 @@ FP4_LUT = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0,
 
 
 def expert_bytes(hidden: int = H, intermediate: int = I) -> int:
-    """Bytes of one expert in the layout: fp4 values, E8M0 scales, fp32 biases."""
+    """Bytes of one expert the layer reads: fp4 values (checkpoint K, not the panels' zero tail),
+    E8M0 scales, fp32 biases."""
     w13 = 2 * intermediate * (hidden // 2 + hidden // 32 + 4)
     w2 = hidden * (intermediate // 2 + intermediate // 32 + 4)
     return w13 + w2
@@ -55,10 +57,10 @@ def synth_layer(device: torch.device, seed: int = 0) -> MoeLayer:
         return torch.randint(lo, hi, shape, generator=g, device=device, dtype=torch.uint8)
 
     return MoeLayer(
-        w13_blocks=u8((E, 2 * I, H // 2), 0, 256),
+        w13_blocks=to_panels(u8((E, 2 * I, H // 2), 0, 256)),
         w13_scales=u8((E, H // 32, 2 * I), 119, 124),
         w13_bias=torch.randn((E, 2 * I), generator=g, device=device) * 0.1,
-        w2_blocks=u8((E, H, I // 2), 0, 256),
+        w2_blocks=to_panels(u8((E, H, I // 2), 0, 256)),
         w2_scales=u8((E, I // 32, H), 119, 124),
         w2_bias=torch.randn((E, H), generator=g, device=device) * 0.1,
         num_experts=E,
@@ -158,8 +160,9 @@ def distinct_experts(inputs: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     return sum(counts) / len(counts)
 
 
-def dequant_layout(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``[N, K/2]`` fp4 bytes and ``[K/32, N]`` E8M0 -> bf16 ``[N, K]`` (plain torch)."""
+def dequant_layout(panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``[K/256, N, 128]`` fp4 panels and ``[K/32, N]`` E8M0 -> bf16 ``[N, K]`` (plain torch)."""
+    blocks = panels.transpose(0, 1).flatten(1)[:, : scales.shape[0] * 16]
     lut = torch.tensor(FP4_LUT, device=blocks.device, dtype=torch.float32)
     codes = torch.stack((blocks & 0xF, blocks >> 4), dim=-1).flatten(-2).long()
     vals = lut[codes].unflatten(-1, (-1, 32))

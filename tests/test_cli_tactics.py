@@ -99,7 +99,7 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
     from prepkit.runtime.tactics import gpt_oss_problems
 
-    probs = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v2")
+    probs = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")
     table = TacticTable.load(probs["gemm1"], H100_ENV, user_db=db, bundled_db=False)
     assert table.tier == "exact" and table.tactic_for(3) and table.tactic_for(100_000)
 

@@ -30,7 +30,7 @@ from prepkit.runtime.tactics import (
 from prepkit.tactics_db import RunRecorder, WinnerRow, env_record, open_db
 
 H100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", sm_count=132, triton_version="3.6.0")
-PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v2")
+PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")
 G1, G2 = PROBS["gemm1"], PROBS["gemm2"]
 
 

@@ -29,7 +29,7 @@ from prepkit.tune import (
 )
 from tests.test_tactics_db import H100
 
-PROB = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v2")["gemm2"]
+PROB = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")["gemm2"]
 POINTS = (1, 2, 8, 64, 512, 8192)
 
 

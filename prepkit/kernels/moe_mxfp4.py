@@ -20,10 +20,11 @@ grids so a CUDA graph can capture them:
 Every GEMM program finds its (expert, row block) from the per-expert counters alone, so grids are
 sized by an upper bound and surplus programs return at once.
 
-Weights are in the ``triton_moe_v2`` layout (docs/triton-moe-layout.md): per expert,
-``w13_blocks [2*Ip, H/2]`` (rows gate/up interleaved, K contiguous, byte j of each 32-element
-group holding elements j and j+16, the group's 16 bytes in MMA fragment order),
-``w13_scales [H/32, 2*Ip]`` (N contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [H, Ip/2]``,
+Weights are in the ``triton_moe_v3`` layout (docs/triton-moe-layout.md): per expert,
+``w13_blocks [ceil(H/256), 2*Ip, 128]`` (K panels of 256 elements, each ``[N, 128]`` bytes; rows
+gate/up interleaved, byte j of each 32-element group holding elements j and j+16, the group's 16
+bytes in MMA fragment order, the last panel zero-padded), ``w13_scales [H/32, 2*Ip]`` (N
+contiguous), ``w13_bias [2*Ip]`` fp32, ``w2_blocks [ceil(Ip/256), H, 128]``,
 ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
 
 Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only), the upcast
@@ -47,9 +48,11 @@ import triton
 import triton.language as tl
 
 from prepkit.kernels.tactic import GemmTactic
+from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
-WEIGHT_LAYOUT = "triton_moe_v2"
-KERNEL_VERSION = 4
+WEIGHT_LAYOUT = "triton_moe_v3"
+KERNEL_VERSION = 5
+
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -235,7 +238,7 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 # --------------------------------------------------------------------------------------------
 # the MXFP4 main loop shared by both GEMMs
 #
-# triton_moe_v2 stores each 32-element scale group as 16 bytes where byte j holds element j (low
+# triton_moe_v3 stores each 32-element scale group as 16 bytes where byte j holds element j (low
 # nibble) and element j + 16 (high nibble), the bytes in MMA fragment order (``_natural_order``
 # undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
 # (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
@@ -402,7 +405,7 @@ def _mxfp4_mainloop(
     s_base,
     offs_n,
     n_mask,
-    stride_wn,
+    panel_rows,
     stride_sk,
     k_lo,
     k_hi,
@@ -416,12 +419,15 @@ def _mxfp4_mainloop(
     SWAP: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
 ):
     """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
 
-    ``a_rows [BM]`` are pointers to the first element of each activation row; W is MXFP4 rows
-    (K contiguous, triton_moe_v2 byte order) with scales ``[K/32, N]``. ``k_lo`` is a multiple
-    of BLOCK_K. With W_TMA the weight tile is the ``w_desc`` box whose first row is ``w_row``.
+    ``a_rows [BM]`` are pointers to the first element of each activation row; W is one expert's
+    MXFP4 weights in K panels (``[K/PANEL_K, panel_rows, PANEL_BYTES]`` bytes at ``w_base``,
+    triton_moe_v3 byte order) with scales ``[K/32, N]``. ``k_lo`` is a multiple of BLOCK_K, which
+    divides PANEL_K, so a step never crosses a panel. With W_TMA the weight tile is the ``w_desc``
+    box whose first row is ``w_row`` in panel 0; panel p sits ``p * panel_rows`` rows further.
     MASK_ALL (``k_loop="masked"``) masks every step, so a partial last step stays inside the
     pipelined loop instead of following it with loads nothing prefetched.
     """
@@ -443,8 +449,9 @@ def _mxfp4_mainloop(
             offs_b = tl.arange(0, BLOCK_K // 2)
             # Column b of the group sits at byte 4q + 2jh + jl (b = 8jh + 2q + jl) in storage.
             stored_b = (offs_b // 16) * 16 + ((offs_b % 8) // 2) * 4 + ((offs_b % 16) // 8) * 2 + offs_b % 2
+            w_off = tl.multiple_of((k0 // PANEL_K) * panel_rows * (PANEL_K // 2) + (k0 % PANEL_K) // 2, 16)
             wq = tl.load(
-                w_base + offs_n[None, :] * stride_wn + k0 // 2 + stored_b[:, None],
+                w_base + offs_n[None, :] * (PANEL_K // 2) + w_off + stored_b[:, None],
                 mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None],
                 other=0,
             )
@@ -453,20 +460,23 @@ def _mxfp4_mainloop(
         offs_c = tl.arange(0, BLOCK_K // 2)
         # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
         col = (offs_c // 16) * 32 + offs_c % 16
-        w_ptrs = w_base + offs_n[:, None] * stride_wn + (k_lo // 2 + offs_c)[None, :]
+        w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
+        panel_bytes = panel_rows * (PANEL_K // 2)
         a_ptrs = a_rows[:, None] + (k_lo + col)[None, :]
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
         k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-        w_col = k_lo // 2
         for k0 in range(k_lo, k_full, BLOCK_K):
+            # Panel k0 // PANEL_K, column (k0 % PANEL_K) / 2 inside it. The hint keeps the pointer
+            # loads 16 bytes wide: the compiler cannot see that the offset stays group-aligned.
+            w_off = tl.multiple_of((k0 // PANEL_K) * panel_bytes + (k0 % PANEL_K) // 2, 16)
             acc = _mxfp4_step(
                 a_ptrs,
                 a_mask,
-                w_ptrs,
+                w_tile + w_off,
                 w_desc,
-                w_row,
-                w_col,
+                w_row + (k0 // PANEL_K) * panel_rows,
+                (k0 % PANEL_K) // 2,
                 s_ptrs,
                 n_mask,
                 k_hi - k0,
@@ -479,18 +489,17 @@ def _mxfp4_mainloop(
                 MASK_ALL,
                 W_TMA,
             )
-            w_ptrs += BLOCK_K // 2
-            w_col += BLOCK_K // 2
             a_ptrs += BLOCK_K
             s_ptrs += G * stride_sk
         if k_full < k_hi:
+            w_off = tl.multiple_of((k_full // PANEL_K) * panel_bytes + (k_full % PANEL_K) // 2, 16)
             acc = _mxfp4_step(
                 a_ptrs,
                 a_mask,
-                w_ptrs,
+                w_tile + w_off,
                 w_desc,
-                w_row,
-                w_col,
+                w_row + (k_full // PANEL_K) * panel_rows,
+                (k_full % PANEL_K) // 2,
                 s_ptrs,
                 n_mask,
                 k_hi - k_full,
@@ -525,12 +534,12 @@ def _gemm1_swiglu_kernel(
     E_LOCAL,
     stride_xt,
     stride_we,
-    stride_wn,
     stride_se,
     stride_sk,
     stride_be,
     stride_ht,
     N_STORED,
+    K_PANELS,
     alpha,
     limit,
     TOP_K: tl.constexpr,
@@ -543,6 +552,7 @@ def _gemm1_swiglu_kernel(
     SWAP: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -558,11 +568,11 @@ def _gemm1_swiglu_kernel(
             m_mask,
             w_ptr + e64 * stride_we,
             w_desc,
-            (e64 * N_STORED + pid_n * BLOCK_N).to(tl.int32),
+            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
             s_ptr + e64 * stride_se,
             offs_n,
             n_mask,
-            stride_wn,
+            N_STORED,
             stride_sk,
             0,
             K,
@@ -576,6 +586,7 @@ def _gemm1_swiglu_kernel(
             SWAP,
             W_TMA,
             MASK_ALL,
+            PANEL_K,
         )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
@@ -614,12 +625,12 @@ def _gemm2_combine_kernel(
     E_LOCAL,
     stride_ht,
     stride_we,
-    stride_wn,
     stride_se,
     stride_sk,
     stride_be,
     stride_ot,
     N_STORED,
+    K_PANELS,
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -632,6 +643,7 @@ def _gemm2_combine_kernel(
     HAS_BIAS: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -653,11 +665,11 @@ def _gemm2_combine_kernel(
             m_mask,
             w_ptr + e64 * stride_we,
             w_desc,
-            (e64 * N_STORED + pid_n * BLOCK_N).to(tl.int32),
+            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
             s_ptr + e64 * stride_se,
             offs_n,
             n_mask,
-            stride_wn,
+            N_STORED,
             stride_sk,
             k_lo,
             k_hi,
@@ -671,6 +683,7 @@ def _gemm2_combine_kernel(
             SWAP,
             W_TMA,
             MASK_ALL,
+            PANEL_K,
         )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
@@ -741,8 +754,20 @@ def _check_tactic(t: GemmTactic, name: str) -> None:
         raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected 'tail' or 'masked')")
     if t.upcast == "asm" and _interpreting():
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
-    if t.block_k % 32 or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
-        raise ValueError(f"{name}: tile {t.key()} needs block_k % 32 == 0 and block_m, block_n >= 16")
+    if PANEL_K % t.block_k or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
+        raise ValueError(
+            f"{name}: tile {t.key()} needs block_k in (32, 64, 128, 256) (a divisor of the "
+            f"{PANEL_K}-element K panel) and block_m, block_n >= 16"
+        )
+
+
+def _check_panels(w_blocks: torch.Tensor, k: int, name: str) -> None:
+    """``w_blocks`` must be ``[E, K_panels, N, PANEL_BYTES]`` with enough panels for ``k``."""
+    if w_blocks.dim() != 4 or w_blocks.shape[3] != PANEL_BYTES or w_blocks.shape[1] * PANEL_K < k:
+        raise ValueError(
+            f"{name}: weights {list(w_blocks.shape)} are not [E, K/{PANEL_K}, N, {PANEL_BYTES}] panels "
+            f"covering K = {k} (triton_moe_v3)"
+        )
 
 
 @functools.cache
@@ -752,18 +777,19 @@ def _sm90_or_newer(device_index: int) -> bool:
 
 
 def weight_descriptor(w_blocks: torch.Tensor, tactic: GemmTactic) -> object | None:
-    """A TMA descriptor of ``w_blocks [E, N, K/2]`` as ``[E*N, K/2]`` with ``[block_n, block_k/2]``
-    boxes when ``tactic`` asks for TMA loads and the tensor allows them (contiguous, 16-byte rows
-    and base, a device with the unit or the interpreter); ``None`` means pointer loads."""
+    """A TMA descriptor of the panels ``w_blocks [E, K_panels, N, PANEL_BYTES]`` as
+    ``[E*K_panels*N, PANEL_BYTES]`` with ``[block_n, block_k/2]`` boxes when ``tactic`` asks for
+    TMA loads and the tensor allows them (contiguous, 16-byte aligned base, a device with the unit
+    or the interpreter); ``None`` means pointer loads."""
     if tactic.weight_load != "tma" or tactic.upcast == "dot_scaled":
         return None
-    if not w_blocks.is_contiguous() or w_blocks.shape[2] % 16 or w_blocks.data_ptr() % 16:
+    if not w_blocks.is_contiguous() or w_blocks.shape[-1] % 16 or w_blocks.data_ptr() % 16:
         return None
     if not _interpreting() and not (w_blocks.is_cuda and _sm90_or_newer(w_blocks.device.index or 0)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    flat = w_blocks.view(-1, w_blocks.shape[2])
+    flat = w_blocks.view(-1, w_blocks.shape[-1])
     return TensorDescriptor.from_tensor(flat, [tactic.block_n, tactic.block_k // 2])
 
 
@@ -876,8 +902,9 @@ def gemm1_swiglu(
     if tactic.split_k != 1:
         raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
     T, H = hidden_states.shape
-    if w13_blocks.shape[2] * 2 != H:
-        raise ValueError(f"w13 is for hidden {w13_blocks.shape[2] * 2}, activations have {H}")
+    _check_panels(w13_blocks, H, "w13_blocks")
+    if w13_scales.shape[1] * 32 != H:
+        raise ValueError(f"w13 is for hidden {w13_scales.shape[1] * 32}, activations have {H}")
     if hidden_states.stride(1) != 1:
         raise ValueError("hidden_states must be contiguous in its last dim")
     TK = routing.num_picks
@@ -902,11 +929,11 @@ def gemm1_swiglu(
         E_local,
         hidden_states.stride(0),
         w13_blocks.stride(0),
-        w13_blocks.stride(1),
         w13_scales.stride(0),
         w13_scales.stride(1),
         w13_bias.stride(0),
         h1.stride(0),
+        w13_blocks.shape[2],
         w13_blocks.shape[1],
         swiglu_alpha,
         swiglu_limit,
@@ -920,6 +947,7 @@ def gemm1_swiglu(
         SWAP=swaps_operands(tactic),
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",
+        PANEL_K=PANEL_K,
         **_chain_launch(h1.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
@@ -945,8 +973,9 @@ def gemm2_combine(
     if TK == 0:
         return out
     H = out.shape[1]
-    if w2_blocks.shape[1] != H:
-        raise ValueError(f"w2 is for hidden {w2_blocks.shape[1]}, the output has {H}")
+    _check_panels(w2_blocks, h1.shape[1], "w2_blocks")
+    if w2_blocks.shape[2] != H:
+        raise ValueError(f"w2 is for hidden {w2_blocks.shape[2]}, the output has {H}")
     E_local = routing.num_local_experts
     has_bias = w2_bias is not None
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
@@ -966,11 +995,11 @@ def gemm2_combine(
         E_local,
         h1.stride(0),
         w2_blocks.stride(0),
-        w2_blocks.stride(1),
         w2_scales.stride(0),
         w2_scales.stride(1),
         w2_bias.stride(0) if has_bias else 0,
         out.stride(0),
+        w2_blocks.shape[2],
         w2_blocks.shape[1],
         TOP_K=routing.top_k,
         E_PAD=max(16, _next_pow2(E_local)),
@@ -984,6 +1013,7 @@ def gemm2_combine(
         HAS_BIAS=has_bias,
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",
+        PANEL_K=PANEL_K,
         **_chain_launch(out.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,

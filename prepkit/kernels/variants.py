@@ -18,7 +18,8 @@ GEMMS: tuple[Gemm, ...] = ("gemm1", "gemm2")
 
 BLOCK_M = (16, 32, 64, 128)
 BLOCK_N = (32, 64, 128, 256)
-BLOCK_K = (64, 128, 256, 512)
+# Divisors of the layout's 256-element K panel (a K step never crosses a panel).
+BLOCK_K = (64, 128, 256)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (1, 2, 3, 4)
 SPLIT_K = (1, 2, 4, 8)

@@ -1,13 +1,17 @@
 """``--layout triton-moe``: the layout of prepkit's own Triton MXFP4 MoE kernel.
 
-Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v2"``) through
+Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v3"``) through
 ``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
 
 Design, per expert and rank:
-  * weights keep the checkpoint's row form (output row major, K contiguous, gate/up rows
-    interleaved), so any BLOCK_N x BLOCK_K tile is a strided 2-D load and every tile size the
-    tuner tries reads the same bytes; a BLOCK_N tile of w13 holds whole (gate, up) pairs, which
-    is what lets the SwiGLU run in the GEMM1 epilogue;
+  * weights keep the checkpoint's output rows (gate/up rows interleaved, so a BLOCK_N tile of
+    w13 holds whole (gate, up) pairs and the SwiGLU runs in the GEMM1 epilogue), cut along K into
+    panels of :data:`PANEL_K` elements stored one after the other (:func:`to_panels`): panel p is
+    ``[N, PANEL_BYTES]`` contiguous bytes. A kernel tile at one K step (BLOCK_K dividing PANEL_K)
+    is then ``BLOCK_N`` rows of one contiguous ``BLOCK_N * PANEL_BYTES`` block instead of
+    ``BLOCK_N`` short runs spread over ``BLOCK_N`` full rows: fewer DRAM pages per step, which
+    measured 1.1x more streamed bandwidth on an H100. The last panel is zero-padded, as
+    TensorRT-LLM pads its MXFP4 K to 3072 for hidden 2880;
   * inside each 32-element group the nibbles are reordered (:func:`shuffle_nibbles`: byte j
     holds elements j and j+16), so the upcast is elementwise;
   * and the 16 bytes of each group are stored in MMA fragment order (:data:`FRAGMENT_ORDER`):
@@ -44,9 +48,42 @@ from prepkit.layouts.base import (
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, pack_nibbles, unpack_nibbles
 
-LAYOUT_ID = "triton_moe_v2"
+LAYOUT_ID = "triton_moe_v3"
 SHARDING_RULE = "balanced-32-groups"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+# K elements per weight panel; every K step the kernel takes (32 .. 256) divides it.
+PANEL_K = 256
+PANEL_BYTES = PANEL_K // 2
+
+
+def num_panels(k: int) -> int:
+    """Panels that hold ``k`` elements (the last one partly padding)."""
+    return ops.ceil_div(k, PANEL_K)
+
+
+def to_panels(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows ``[..., N, K/2]`` -> panels ``[..., ceil(K/PANEL_K), N, PANEL_BYTES]``: panel p holds
+    bytes ``[p*PANEL_BYTES, (p+1)*PANEL_BYTES)`` of every row, zero past the row's end."""
+    *lead, n, row_bytes = rows.shape
+    p = ops.ceil_div(row_bytes, PANEL_BYTES)
+    padded = ops.pad_to(rows, (*lead, n, p * PANEL_BYTES))
+    return padded.unflatten(-1, (p, PANEL_BYTES)).transpose(-3, -2).contiguous()
+
+
+def from_panels(panels: torch.Tensor, row_bytes: int, name: str = "weights") -> torch.Tensor:
+    """Inverse of :func:`to_panels`: ``[..., P, N, PANEL_BYTES]`` -> ``[..., N, row_bytes]``.
+
+    Raises:
+        LayoutError: ``P`` panels do not fit ``row_bytes`` exactly, or the padding is not zero.
+    """
+    *lead, p, n, width = panels.shape
+    if width != PANEL_BYTES or p != ops.ceil_div(row_bytes, PANEL_BYTES):
+        raise LayoutError(
+            f"{name}: panels {list(panels.shape)} do not hold rows of {row_bytes} bytes "
+            f"(expected [..., {ops.ceil_div(row_bytes, PANEL_BYTES)}, N, {PANEL_BYTES}])"
+        )
+    rows = panels.transpose(-3, -2).flatten(-2)
+    return _unpad_checked(rows, (*lead, n, row_bytes), name)
 
 
 def intermediate_split(intermediate: int, tp_size: int, tp_rank: int) -> tuple[int, int, int]:
@@ -115,7 +152,7 @@ class TritonMoeLayout:
     name = "triton-moe"
     layout_id = LAYOUT_ID
     w13_row_order = "interleaved"
-    summary = "prepkit's Triton MXFP4 MoE kernel (any CUDA arch): checkpoint rows, [K/32, N] scales"
+    summary = "prepkit's Triton MXFP4 MoE kernel (any CUDA arch): 256-wide K panels, [K/32, N] scales"
     uses_options: tuple[str, ...] = ()
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
@@ -127,10 +164,14 @@ class TritonMoeLayout:
         El = E_hi - E_lo
         u8, f32 = torch.uint8, torch.float32
         tensors = {
-            "w13_blocks": TensorSpec((El, 2 * Ip, H // 2), u8, ("E", "2*Ip", "H/2")),
+            "w13_blocks": TensorSpec(
+                (El, num_panels(H), 2 * Ip, PANEL_BYTES), u8, ("E", f"ceil(H/{PANEL_K})", "2*Ip", str(PANEL_BYTES))
+            ),
             "w13_scales": TensorSpec((El, H // 32, 2 * Ip), u8, ("E", "H/32", "2*Ip")),
             "w13_bias": TensorSpec((El, 2 * Ip), f32, ("E", "2*Ip")),
-            "w2_blocks": TensorSpec((El, H, Ip // 2), u8, ("E", "H", "Ip/2")),
+            "w2_blocks": TensorSpec(
+                (El, num_panels(Ip), H, PANEL_BYTES), u8, ("E", f"ceil(Ip/{PANEL_K})", "H", str(PANEL_BYTES))
+            ),
             "w2_scales": TensorSpec((El, Ip // 32, H), u8, ("E", "Ip/32", "H")),
             "w2_bias": TensorSpec((El, H), f32, ("E", "H")),
         }
@@ -140,6 +181,7 @@ class TritonMoeLayout:
             "valid_intermediate_size": hi - lo,
             "intermediate_size": Ip,
             "w13_rows": "interleaved: row 2i gate_i, row 2i+1 up_i",
+            "weights": f"K panels of {PANEL_K} elements: [E, K_panels, N, {PANEL_BYTES}] bytes, last panel zero-padded",
             "scales": "uint8 E8M0, transposed to [K/32, N] per expert",
             "w2_bias": "whole on every rank; added by TP rank 0 only",
             "w2_bias_tp_rank": 0,
@@ -167,10 +209,10 @@ class TritonMoeLayout:
         w13_blocks = to_fragment_order(shuffle_nibbles(piece.gate_up_proj_blocks)).flatten(-2)
         w2_blocks = to_fragment_order(shuffle_nibbles(piece.down_proj_blocks)).flatten(-2)
         return {
-            "w13_blocks": ops.pad_to(w13_blocks, (El, 2 * Ip, H // 2)),
+            "w13_blocks": to_panels(ops.pad_to(w13_blocks, (El, 2 * Ip, H // 2))),
             "w13_scales": w13_scales.transpose(1, 2).contiguous(),
             "w13_bias": ops.pad_to(piece.gate_up_proj_bias.float(), (El, 2 * Ip)),
-            "w2_blocks": ops.pad_to(w2_blocks, (El, H, Ip // 2)),
+            "w2_blocks": to_panels(ops.pad_to(w2_blocks, (El, H, Ip // 2))),
             "w2_scales": w2_scales.transpose(1, 2).contiguous(),
             "w2_bias": piece.down_proj_bias.float().contiguous(),
         }
@@ -187,10 +229,12 @@ class TritonMoeLayout:
                 raise LayoutError(f"{name}: shape {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
         assert El is not None
         H, V = plan.dims.hidden, plan.valid_intermediate
-        gate_up = _unpad_checked(tensors["w13_blocks"], (El, 2 * V, H // 2), "w13_blocks")
+        Ip = plan.padded_intermediate
+        w13_rows = from_panels(tensors["w13_blocks"], H // 2, "w13_blocks")
+        gate_up = _unpad_checked(w13_rows, (El, 2 * V, H // 2), "w13_blocks")
         gate_up_sf = _unpad_checked(tensors["w13_scales"].transpose(1, 2), (El, 2 * V, H // 32), "w13_scales")
         gate_up_bias = _bf16_exact(_unpad_checked(tensors["w13_bias"], (El, 2 * V), "w13_bias"), "w13_bias")
-        down = _unpad_checked(tensors["w2_blocks"], (El, H, V // 2), "w2_blocks")
+        down = _unpad_checked(from_panels(tensors["w2_blocks"], Ip // 2, "w2_blocks"), (El, H, V // 2), "w2_blocks")
         down_sf = _unpad_checked(tensors["w2_scales"].transpose(1, 2), (El, H, V // 32), "w2_scales")
         return ExpertWeights(
             gate_up_proj_blocks=_checkpoint_groups(gate_up),

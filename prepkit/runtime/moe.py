@@ -1,6 +1,6 @@
 """``moe(layer, hidden_states, router_logits)``: one gpt-oss MoE layer with the bundled kernel.
 
-A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v2`` layout on the GPU, plus
+A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v3`` layout on the GPU, plus
 the facts the kernel needs (valid intermediate rows, expert range, whether this TP rank adds the
 down bias). Per call the variant pair comes from the layer's tactic lookup (the tuner's database)
 or, when it has none for the problem, from :func:`default_tactics_for`, with one warning per
@@ -20,10 +20,11 @@ from prepkit.errors import DeviceError, LayoutError
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import MoeProblem, default_tactics
+from prepkit.layouts.triton_moe import PANEL_BYTES, num_panels
 
 # Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
 # manifest does not import triton.
-WEIGHT_LAYOUT = "triton_moe_v2"
+WEIGHT_LAYOUT = "triton_moe_v3"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
 TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
@@ -38,10 +39,10 @@ def default_tactics_for(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTa
 class MoeLayer:
     """One layer's experts for one rank, ready for :func:`moe`."""
 
-    w13_blocks: torch.Tensor  # [El, 2*Ip, H/2] uint8
+    w13_blocks: torch.Tensor  # [El, ceil(H/256), 2*Ip, 128] uint8 (K panels)
     w13_scales: torch.Tensor  # [El, H/32, 2*Ip] uint8
     w13_bias: torch.Tensor  # [El, 2*Ip] fp32
-    w2_blocks: torch.Tensor  # [El, H, Ip/2] uint8
+    w2_blocks: torch.Tensor  # [El, ceil(Ip/256), H, 128] uint8 (K panels)
     w2_scales: torch.Tensor  # [El, Ip/32, H] uint8
     w2_bias: torch.Tensor  # [El, H] fp32
     num_experts: int  # E over all ranks (router width)
@@ -81,7 +82,7 @@ class MoeLayer:
         ``model.layers.3.mlp.experts.``; the suffix decides).
 
         Raises:
-            LayoutError: the layout id is not ``triton_moe_v2``, a tensor is missing, or shapes
+            LayoutError: the layout id is not ``triton_moe_v3``, a tensor is missing, or shapes
                 disagree with each other or with ``valid_intermediate``.
         """
         if layout_id != WEIGHT_LAYOUT:
@@ -112,7 +113,7 @@ class MoeLayer:
 
     @property
     def hidden(self) -> int:
-        return self.w2_blocks.shape[1]
+        return self.w2_scales.shape[2]
 
     @property
     def num_local_experts(self) -> int:
@@ -120,19 +121,19 @@ class MoeLayer:
 
     @property
     def padded_intermediate(self) -> int:
-        return self.w13_blocks.shape[1] // 2
+        return self.w13_blocks.shape[2] // 2
 
     def problem(self, num_tokens: int) -> MoeProblem:
         return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
 
     def validate(self) -> None:
-        """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v2`` layer."""
+        """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v3`` layer."""
         El, H, Ip = self.num_local_experts, self.hidden, self.padded_intermediate
         expected = {
-            "w13_blocks": ((El, 2 * Ip, H // 2), torch.uint8),
+            "w13_blocks": ((El, num_panels(H), 2 * Ip, PANEL_BYTES), torch.uint8),
             "w13_scales": ((El, H // 32, 2 * Ip), torch.uint8),
             "w13_bias": ((El, 2 * Ip), torch.float32),
-            "w2_blocks": ((El, H, Ip // 2), torch.uint8),
+            "w2_blocks": ((El, num_panels(Ip), H, PANEL_BYTES), torch.uint8),
             "w2_scales": ((El, Ip // 32, H), torch.uint8),
             "w2_bias": ((El, H), torch.float32),
         }
@@ -147,7 +148,7 @@ class MoeLayer:
         if hi - lo != El or not 0 <= lo < hi <= self.num_experts:
             problems.append(f"expert_range {self.expert_range} does not hold {El} of {self.num_experts} experts")
         if problems:
-            raise LayoutError("not a triton_moe_v2 layer: " + "; ".join(problems))
+            raise LayoutError("not a triton_moe_v3 layer: " + "; ".join(problems))
 
     def tactics(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
         """The variant pair for ``num_tokens``: the lookup's, else the default (warned once)."""

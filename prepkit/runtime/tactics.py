@@ -64,7 +64,7 @@ MIN_READABLE_SCHEMA = 1
 
 ROLES = ("gemm1", "gemm2")
 KERNEL_NAME = "moe_mxfp4"  # prepkit.kernels.moe_mxfp4
-WEIGHT_LAYOUT = "triton_moe_v2"
+WEIGHT_LAYOUT = "triton_moe_v3"
 
 
 def _series() -> tuple[int, ...]:

@@ -24,7 +24,7 @@ def _problems():
     return gpt_oss_problems(
         kernel="moe_mxfp4",
         kernel_version=str(KERNEL_VERSION),
-        weight_layout="triton_moe_v2",
+        weight_layout="triton_moe_v3",
         num_experts=16,
         hidden=512,
         intermediate=512,

@@ -63,5 +63,5 @@ def test_prepared_shards_run_and_match_the_source(source: Path, tmp_path: Path) 
 def test_a_shard_set_of_another_layout_is_refused(source: Path, tmp_path: Path) -> None:
     out = tmp_path / "gen"
     _prepare(source, out, "--layout", "trtllm-gen")
-    with pytest.raises(LayoutError, match="trtllm_gen_v1.*triton_moe_v2|triton_moe_v2.*trtllm_gen_v1"):
+    with pytest.raises(LayoutError, match="trtllm_gen_v1.*triton_moe_v3|triton_moe_v3.*trtllm_gen_v1"):
         load_moe_layers(out, rank=0, device=DEVICE)

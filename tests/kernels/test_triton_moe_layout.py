@@ -1,4 +1,4 @@
-"""The triton-moe layout: exact inverse, zero padding, TP/EP splits, nibble order."""
+"""The triton-moe layout: exact inverse, zero padding, TP/EP splits, K panels, nibble order."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
 from prepkit.layouts.triton_moe import (
     FRAGMENT_ORDER,
     LAYOUT,
+    PANEL_BYTES,
     from_fragment_order,
+    from_panels,
     intermediate_split,
     shuffle_nibbles,
     to_fragment_order,
+    to_panels,
     unshuffle_nibbles,
 )
 from prepkit.mxfp4 import dequantize
@@ -50,7 +53,8 @@ def test_invert_build_is_the_rank_slice_and_padding_is_zero(experts, tp_size, ep
             assert torch.equal(getattr(back, role), t), (spec, role)
         # Nonzero bytes are exactly the source's nonzero nibbles/scales: padding stays zero.
         v = plan.valid_intermediate
-        assert torch.count_nonzero(out["w13_blocks"][:, 2 * v :]) == 0
+        assert torch.count_nonzero(out["w13_blocks"][:, :, 2 * v :]) == 0
+        assert torch.count_nonzero(out["w13_blocks"][..., H // 2 :]) == 0  # the last panel's tail
         assert torch.count_nonzero(out["w2_scales"][:, v // 32 :]) == 0
         if spec.ep_rank == 0:
             pieces.append(back)
@@ -66,7 +70,8 @@ def test_layout_values_dequantize_like_the_checkpoint(experts):
     semantics)."""
     plan = _plan(1, 1)
     out = LAYOUT.build(experts, plan)
-    blocks = unshuffle_nibbles(from_fragment_order(out["w2_blocks"].unflatten(-1, (-1, 16))))
+    rows = from_panels(out["w2_blocks"], I // 2)
+    blocks = unshuffle_nibbles(from_fragment_order(rows.unflatten(-1, (-1, 16))))
     scales = out["w2_scales"].transpose(1, 2)
     got = dequantize(blocks, scales)
     assert torch.equal(got, dequantize(experts.down_proj_blocks, experts.down_proj_scales))
@@ -99,7 +104,7 @@ def test_stored_rows_hold_fragment_ordered_groups(experts):
     """Byte 16g + p of a stored row is byte FRAGMENT_ORDER[p] of the row's nibble-ordered group g."""
     out = LAYOUT.build(experts, _plan(1, 1))
     nibble_ordered = shuffle_nibbles(experts.gate_up_proj_blocks)  # [E, 2I, G, 16]
-    stored = out["w13_blocks"].unflatten(-1, (-1, 16))
+    stored = from_panels(out["w13_blocks"], H // 2).unflatten(-1, (-1, 16))
     for p, j in enumerate(FRAGMENT_ORDER):
         assert torch.equal(stored[..., p], nibble_ordered[..., j]), p
 
@@ -128,7 +133,8 @@ def test_gpt_oss_full_size_plans_on_meta():
     assert sorted(set(sizes[8])) == [352, 384] and sum(sizes[8]) == 2880
     plan = _plan(8, 2, 7, 1, dims=dims)
     assert plan.expert_range == (64, 128)
-    assert plan.tensors["w13_blocks"].shape == (64, 768, 1440)
+    assert plan.tensors["w13_blocks"].shape == (64, 12, 768, 128)  # 2880 = 11.25 panels of 256
+    assert plan.tensors["w2_blocks"].shape == (64, 2, 2880, 128)  # 384 = 1.5 panels
     assert plan.tensors["w2_scales"].shape == (64, 12, 2880)
     # build runs on meta tensors at full size (no memory): shapes match the plan
     from prepkit.layouts.base import ExpertWeights
@@ -149,7 +155,11 @@ def test_invert_rejects_nonzero_padding_and_foreign_bias(experts):
     out = LAYOUT.build(experts, plan)
     bad = dict(out)
     bad["w13_blocks"] = out["w13_blocks"].clone()
-    bad["w13_blocks"][0, -1, 0] = 7
+    bad["w13_blocks"][0, 0, -1, 0] = 7  # a padded row
+    with pytest.raises(LayoutError, match="w13_blocks: padding"):
+        LAYOUT.invert(bad, plan)
+    bad["w13_blocks"] = out["w13_blocks"].clone()
+    bad["w13_blocks"][0, 0, 0, H // 2] = 7  # past K in the last panel
     with pytest.raises(LayoutError, match="w13_blocks: padding"):
         LAYOUT.invert(bad, plan)
     bad = dict(out)
@@ -169,4 +179,29 @@ def test_build_rejects_foreign_dims(experts):
 
 def test_protocol_fields():
     assert LAYOUT.name == "triton-moe"
-    assert (LAYOUT.layout_id, LAYOUT.w13_row_order) == ("triton_moe_v2", "interleaved")
+    assert (LAYOUT.layout_id, LAYOUT.w13_row_order) == ("triton_moe_v3", "interleaved")
+
+
+@settings(deadline=None, max_examples=40)
+@given(n=st.integers(1, 40), groups=st.integers(1, 40), lead=st.integers(1, 3))
+def test_panels_round_trip_and_keep_each_k_step_contiguous(n, groups, lead):
+    row_bytes = 16 * groups
+    rows = torch.randint(1, 256, (lead, n, row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    panels = to_panels(rows)
+    p = -(-row_bytes // PANEL_BYTES)
+    assert panels.shape == (lead, p, n, PANEL_BYTES) and panels.is_contiguous()
+    assert torch.equal(from_panels(panels, row_bytes), rows)
+    assert torch.count_nonzero(panels) == torch.count_nonzero(rows)  # padding is zero
+    # Byte c of row r lives at offset ((e * P + c // 128) * N + r) * 128 + c % 128 of the flat
+    # tensor: a [rows, K step] tile is one contiguous run when the step divides the panel.
+    flat = panels.flatten()
+    e, r, c = lead - 1, n - 1, row_bytes - 1
+    assert flat[((e * p + c // PANEL_BYTES) * n + r) * PANEL_BYTES + c % PANEL_BYTES] == rows[e, r, c]
+    step = rows[0, :, :32] if row_bytes >= 32 else rows[0, :, :row_bytes]
+    assert torch.equal(flat[: n * PANEL_BYTES].view(n, PANEL_BYTES)[:, : step.shape[1]], step)
+
+
+def test_from_panels_names_the_tensor_when_the_panel_count_is_wrong():
+    panels = to_panels(torch.ones((2, 8, 300), dtype=torch.uint8))  # 3 panels
+    with pytest.raises(LayoutError, match=r"w2_blocks: panels \[2, 3, 8, 128\] do not hold rows of 100 bytes"):
+        from_panels(panels, 100, "w2_blocks")

@@ -80,11 +80,13 @@ def test_weight_descriptor_only_where_the_tensor_allows_it(device):
     if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the GPU has no TMA unit")
     tma = GemmTactic(16, 32, 64, weight_load="tma")
-    w = torch.zeros((2, 64, 48), dtype=torch.uint8, device=device)  # rows of 48 bytes: a multiple of 16
+    w = torch.zeros((2, 3, 64, 128), dtype=torch.uint8, device=device)  # [E, K panels, N, 128]
     assert weight_descriptor(w, tma) is not None
     assert weight_descriptor(w, GemmTactic(16, 32, 64)) is None  # pointer loads asked for
-    assert weight_descriptor(torch.zeros((2, 64, 40), dtype=torch.uint8, device=device), tma) is None  # 40-byte rows
+    unaligned = torch.zeros(w.numel() + 1, dtype=torch.uint8, device=device)[1:].view(w.shape)
+    assert weight_descriptor(unaligned, tma) is None  # base not 16-byte aligned
     assert weight_descriptor(w[:, :, :32], tma) is None  # not contiguous
+    assert weight_descriptor(w[..., :40].contiguous(), tma) is None  # 40-byte rows
 
 
 @pytest.mark.parametrize("device", [*DEVICES, DeviceInfo("tiny", (7, 5), 8, 49152)], ids=lambda d: d.name)
@@ -124,14 +126,14 @@ def test_wrong_layout_is_refused_naming_both():
         name: getattr(layer, name)
         for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
     }
-    with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v2'"):
+    with pytest.raises(LayoutError, match="'trtllm_gen_v1'.*'triton_moe_v3'"):
         MoeLayer.from_tensors(
             tensors, layout_id="trtllm_gen_v1", num_experts=4, expert_range=(0, 4), valid_intermediate=64
         )
     del tensors["w2_scales"]
     with pytest.raises(LayoutError, match="w2_scales"):
         MoeLayer.from_tensors(
-            tensors, layout_id="triton_moe_v2", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+            tensors, layout_id="triton_moe_v3", num_experts=4, expert_range=(0, 4), valid_intermediate=64
         )
 
 
@@ -142,12 +144,12 @@ def test_prefixed_names_and_shape_checks():
         for n in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
     }
     ok = MoeLayer.from_tensors(
-        prefixed, layout_id="triton_moe_v2", num_experts=4, expert_range=(0, 4), valid_intermediate=64
+        prefixed, layout_id="triton_moe_v3", num_experts=4, expert_range=(0, 4), valid_intermediate=64
     )
     assert ok.hidden == 64 and ok.padded_intermediate == 64
     with pytest.raises(LayoutError, match="expert_range"):
         MoeLayer.from_tensors(
-            prefixed, layout_id="triton_moe_v2", num_experts=8, expert_range=(0, 2), valid_intermediate=64
+            prefixed, layout_id="triton_moe_v3", num_experts=8, expert_range=(0, 2), valid_intermediate=64
         )
 
 
