@@ -11,6 +11,8 @@ import contextlib
 import pytest
 import torch
 
+from prepkit.mxfp4 import FP4_VALUES
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
@@ -102,7 +104,9 @@ def _parse(key: str):
     from prepkit.kernels.tactic import GemmTactic
 
     m = re.fullmatch(
-        r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(bits|asm|dot_scaled))?(?:l(ptr|tma))?(?:k(tail|masked))?", key
+        r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(bits|asm|dot_scaled))?(?:l(ptr|tma))?"
+        r"(?:k(tail|masked))?",
+        key,
     )
     assert m, key
     bm, bn, bk, w, s, sk = (int(v) for v in m.groups()[:6])
@@ -111,7 +115,9 @@ def _parse(key: str):
 
 @pytest.mark.parametrize("T", [1, 7, 33, 256])
 @pytest.mark.parametrize(
-    "keys", TACTICS, ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64", "masked"]
+    "keys",
+    TACTICS,
+    ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64", "masked"],
 )
 def test_full_size_layer(checkpoint, T, keys):
     from prepkit.kernels.reference import relative_error
@@ -280,3 +286,28 @@ def test_gemm1_gives_the_same_bits_in_every_launch(checkpoint, key):
         got = run(t)
         bad = int((got != want).sum())
         assert bad == 0, f"{key}, launch {launch}: {bad} values differ from pointer loads"
+
+
+@pytest.mark.parametrize(("upcast", "scale_hi"), [(2, 231), (3, 129)])
+def test_inline_ptx_upcast_matches_the_integer_one_for_every_byte(upcast, scale_hi):
+    """Every byte value (both nibbles, both signs) under many scales: the inline-PTX upcast (2; 3
+    folds the scale) gives the bits of the integer one (scales kept where both are exact: no bf16
+    subnormals, and at most 2^1 for the folded multiplier)."""
+    from tests.gpu.upcast_probe import upcast_tile
+
+    n, c = 64, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    w = (torch.arange(n * c, device="cuda") % 256).to(torch.uint8).view(n, c)
+    s = torch.randint(20, scale_hi, (n, c), generator=g, device="cuda", dtype=torch.uint8)
+    got = {}
+    for u in (0, upcast):
+        lo, hi = (torch.empty((n, c), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        upcast_tile[(1,)](w, s, lo, hi, UPCAST=u, N=n, C=c)
+        got[u] = (lo, hi)
+    for ref, out in zip(got[0], got[upcast], strict=True):
+        assert torch.equal(ref.view(torch.int16), out.view(torch.int16))
+    # The integer path against plain arithmetic: low nibble j, high nibble j + 16 of each byte.
+    values = torch.tensor(FP4_VALUES, device="cuda")
+    mult = torch.exp2(s.float() - 127)
+    assert torch.equal(got[0][0].float(), values[(w & 0xF).long()] * mult)
+    assert torch.equal(got[0][1].float(), values[(w >> 4).long()] * mult)

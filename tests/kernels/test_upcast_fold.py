@@ -52,3 +52,38 @@ def test_layer_checks_its_scales_once():
     assert scales_are_small(torch.full((2, 3), 128, dtype=torch.uint8))
     assert not scales_are_small(torch.empty((0, 3), dtype=torch.uint8))
     assert not scales_are_small(torch.empty((2, 3), dtype=torch.uint8, device="meta"))
+
+
+def _spread_model(w: torch.Tensor) -> list[torch.Tensor]:
+    """The integer steps of the PTX upcast (``_ASM_SPREAD``) on 32-bit words ``w`` (int64 holding
+    uint32): prmt 0x4140 / 0x4342 (bytes to the low byte of 16-bit lanes), then per output the
+    magnitude shifted to bits 8..6 and the sign to bit 15, each masked."""
+    full = 0xFFFFFFFF
+    byte = [(w >> (8 * i)) & 0xFF for i in range(4)]
+    t0 = byte[0] | (byte[1] << 16)
+    t1 = byte[2] | (byte[3] << 16)
+    return [
+        (((t << shift) & full) & 0x01C001C0) | (((t << (shift + 6)) & full) & 0x80008000)
+        for t, shift in ((t0, 6), (t1, 6), (t0, 2), (t1, 2))
+    ]
+
+
+def test_ptx_bit_placement_isolates_every_nibble():
+    """Every pair of bytes, in both lanes: each 16-bit lane holds exactly the sign (bit 15) and
+    magnitude (bits 8..6) of its own nibble, with no bits from the other nibble or the other lane."""
+    pairs = torch.arange(1 << 16, dtype=torch.int64)
+    w = pairs | (pairs.flip(0) << 16)  # bytes 2-3 run the pairs backwards
+    out = _spread_model(w)
+    byte = [(w >> (8 * i)) & 0xFF for i in range(4)]
+
+    def raw(code: torch.Tensor) -> torch.Tensor:
+        return ((code & 8) << 12) | ((code & 7) << 6)
+
+    for reg, (b_lo_lane, b_hi_lane), nibble_shift in (
+        (out[0], (byte[0], byte[1]), 0),
+        (out[1], (byte[2], byte[3]), 0),
+        (out[2], (byte[0], byte[1]), 4),
+        (out[3], (byte[2], byte[3]), 4),
+    ):
+        assert torch.equal(reg & 0xFFFF, raw((b_lo_lane >> nibble_shift) & 0xF))
+        assert torch.equal(reg >> 16, raw((b_hi_lane >> nibble_shift) & 0xF))
