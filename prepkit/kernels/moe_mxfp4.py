@@ -53,7 +53,6 @@ from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 WEIGHT_LAYOUT = "triton_moe_v3"
 KERNEL_VERSION = 5
 
-
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
