@@ -84,10 +84,10 @@ def _stream_kernel(
             if ORDER == 2:
                 acc ^= w_desc.load([w_row + (k0 // BLOCK_K) * BLOCK_N, 0]).to(tl.int32)
             elif ORDER == 1:
+                w_off, w_row_off, w_col = k._panel_step(k0, N, 256)
                 if W_TMA:
-                    acc ^= w_desc.load([w_row + (k0 // 256) * N, (k0 % 256) // 2]).to(tl.int32)
+                    acc ^= w_desc.load([w_row + w_row_off, w_col]).to(tl.int32)
                 else:
-                    w_off = tl.multiple_of((k0 // 256) * N * 128 + (k0 % 256) // 2, 16)
                     acc ^= tl.load(w_ptrs + w_off).to(tl.int32)
             elif W_TMA:
                 acc ^= w_desc.load([w_row, k0 // 2]).to(tl.int32)

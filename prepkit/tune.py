@@ -1157,12 +1157,12 @@ class _GpuBench:
             return (lambda i: moe(layer, xs[i], ls[i], tactics=tactics)), "layer"
         g1, _ = self.pair(None, m, [self._default(m, 0), self._default(m, 1)])
         small = layer.small_scales
+        w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
         if "routings" not in self._inputs:
             rs = [
                 k.route(ls[i], top_k=self.top_k, expert_lo=0, num_local_experts=self.E, hidden=self.H)
                 for i in range(self.ROTATE)
             ]
-            w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
             h1s = [
                 k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1, small_scales=small[0])
                 for i in range(self.ROTATE)
@@ -1171,7 +1171,6 @@ class _GpuBench:
         rs, h1s = self._inputs["routings"], self._inputs["h1s"]
         t = self.pair(tactic, m)[0 if self.problem.role == "gemm1" else 1]
         if self.problem.role == "gemm1":
-            w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
 
             def run_gemm1(i: int) -> Any:
                 return k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=t, small_scales=small[0])

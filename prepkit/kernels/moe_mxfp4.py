@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.variants import K_LOOPS
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 WEIGHT_LAYOUT = "triton_moe_v3"
@@ -395,6 +396,17 @@ def _mxfp4_step(
 
 
 @triton.jit
+def _panel_step(k, panel_rows, PANEL_K: tl.constexpr):
+    """Where the K step starting at element ``k`` lies in one expert's panels
+    (``[K/PANEL_K, panel_rows, PANEL_K/2]`` bytes): its byte offset, and the TMA box's row offset
+    and column. The hint keeps pointer loads 16 bytes wide: the compiler cannot see that the
+    offset stays group-aligned."""
+    panel = k // PANEL_K
+    col = (k % PANEL_K) // 2
+    return tl.multiple_of(panel * panel_rows * (PANEL_K // 2) + col, 16), panel * panel_rows, col
+
+
+@triton.jit
 def _mxfp4_mainloop(
     a_rows,
     a_mask,
@@ -448,7 +460,7 @@ def _mxfp4_mainloop(
             offs_b = tl.arange(0, BLOCK_K // 2)
             # Column b of the group sits at byte 4q + 2jh + jl (b = 8jh + 2q + jl) in storage.
             stored_b = (offs_b // 16) * 16 + ((offs_b % 8) // 2) * 4 + ((offs_b % 16) // 8) * 2 + offs_b % 2
-            w_off = tl.multiple_of((k0 // PANEL_K) * panel_rows * (PANEL_K // 2) + (k0 % PANEL_K) // 2, 16)
+            w_off, _, _ = _panel_step(k0, panel_rows, PANEL_K)
             wq = tl.load(
                 w_base + offs_n[None, :] * (PANEL_K // 2) + w_off + stored_b[:, None],
                 mask=n_mask[None, :] & (k0 // 2 + offs_b < K // 2)[:, None],
@@ -460,22 +472,19 @@ def _mxfp4_mainloop(
         # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
         col = (offs_c // 16) * 32 + offs_c % 16
         w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
-        panel_bytes = panel_rows * (PANEL_K // 2)
         a_ptrs = a_rows[:, None] + (k_lo + col)[None, :]
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
         k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
         for k0 in range(k_lo, k_full, BLOCK_K):
-            # Panel k0 // PANEL_K, column (k0 % PANEL_K) / 2 inside it. The hint keeps the pointer
-            # loads 16 bytes wide: the compiler cannot see that the offset stays group-aligned.
-            w_off = tl.multiple_of((k0 // PANEL_K) * panel_bytes + (k0 % PANEL_K) // 2, 16)
+            w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K)
             acc = _mxfp4_step(
                 a_ptrs,
                 a_mask,
                 w_tile + w_off,
                 w_desc,
-                w_row + (k0 // PANEL_K) * panel_rows,
-                (k0 % PANEL_K) // 2,
+                w_row + w_row_off,
+                w_col,
                 s_ptrs,
                 n_mask,
                 k_hi - k0,
@@ -491,14 +500,14 @@ def _mxfp4_mainloop(
             a_ptrs += BLOCK_K
             s_ptrs += G * stride_sk
         if k_full < k_hi:
-            w_off = tl.multiple_of((k_full // PANEL_K) * panel_bytes + (k_full % PANEL_K) // 2, 16)
+            w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K)
             acc = _mxfp4_step(
                 a_ptrs,
                 a_mask,
                 w_tile + w_off,
                 w_desc,
-                w_row + (k_full // PANEL_K) * panel_rows,
-                (k_full % PANEL_K) // 2,
+                w_row + w_row_off,
+                w_col,
                 s_ptrs,
                 n_mask,
                 k_hi - k_full,
@@ -749,8 +758,8 @@ def _next_pow2(x: int) -> int:
 def _check_tactic(t: GemmTactic, name: str) -> None:
     if t.upcast not in _UPCAST_IDS:
         raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
-    if t.k_loop not in ("tail", "masked"):
-        raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected 'tail' or 'masked')")
+    if t.k_loop not in K_LOOPS:
+        raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})")
     if t.upcast == "asm" and _interpreting():
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if PANEL_K % t.block_k or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:

@@ -16,11 +16,14 @@ def _bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16)
 
 
-def _raw_values() -> torch.Tensor:
+def _raw_bits(codes: torch.Tensor) -> torch.Tensor:
     # What the PTX builds from each code: sign at bit 15, magnitude bits e1 e0 m at bits 8..6,
-    # i.e. the fp4 value times 2^-126.
-    codes = torch.arange(16, dtype=torch.int32)
-    return _bf16_from_bits(((codes & 8) << 12) | ((codes & 7) << 6))
+    # i.e. the bf16 bits of the fp4 value times 2^-126.
+    return ((codes & 8) << 12) | ((codes & 7) << 6)
+
+
+def _raw_values() -> torch.Tensor:
+    return _bf16_from_bits(_raw_bits(torch.arange(16, dtype=torch.int32)))
 
 
 def test_folded_scale_is_bit_exact_for_scales_up_to_two():
@@ -75,15 +78,11 @@ def test_ptx_bit_placement_isolates_every_nibble():
     w = pairs | (pairs.flip(0) << 16)  # bytes 2-3 run the pairs backwards
     out = _spread_model(w)
     byte = [(w >> (8 * i)) & 0xFF for i in range(4)]
-
-    def raw(code: torch.Tensor) -> torch.Tensor:
-        return ((code & 8) << 12) | ((code & 7) << 6)
-
     for reg, (b_lo_lane, b_hi_lane), nibble_shift in (
         (out[0], (byte[0], byte[1]), 0),
         (out[1], (byte[2], byte[3]), 0),
         (out[2], (byte[0], byte[1]), 4),
         (out[3], (byte[2], byte[3]), 4),
     ):
-        assert torch.equal(reg & 0xFFFF, raw((b_lo_lane >> nibble_shift) & 0xF))
-        assert torch.equal(reg >> 16, raw((b_hi_lane >> nibble_shift) & 0xF))
+        assert torch.equal(reg & 0xFFFF, _raw_bits((b_lo_lane >> nibble_shift) & 0xF))
+        assert torch.equal(reg >> 16, _raw_bits((b_hi_lane >> nibble_shift) & 0xF))
