@@ -52,7 +52,7 @@ from prepkit.kernels.variants import K_LOOPS
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 WEIGHT_LAYOUT = "triton_moe_v3"
-KERNEL_VERSION = 5
+KERNEL_VERSION = 6
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -708,12 +708,19 @@ def _gemm2_combine_kernel(
             )
         else:
             acc = (acc + bias[None, :]) * gw[:, None]
-            tl.atomic_add(
-                out_ptr + tok[:, None] * stride_ot + offs_n[None, :],
-                acc,
-                mask=m_mask[:, None] & n_mask[None, :],
-                sem="relaxed",
-            )
+            # One atomic add per column half: the output addresses of a whole 64 x 256 tile do
+            # not fit in registers next to the accumulator (the compiler spilled them).
+            acc_lo, acc_hi = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            offs_half = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+            rows_out = out_ptr + tok[:, None] * stride_ot
+            _add_columns(rows_out, offs_half, acc_lo, m_mask, N)
+            _add_columns(rows_out, offs_half + BLOCK_N // 2, acc_hi, m_mask, N)
+
+
+@triton.jit
+def _add_columns(rows_out, offs_n, vals, m_mask, N):
+    """``rows_out[m, offs_n] += vals[m, :]`` for the rows in ``m_mask`` and columns below ``N``."""
+    tl.atomic_add(rows_out + offs_n[None, :], vals, mask=m_mask[:, None] & (offs_n < N)[None, :], sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------

@@ -91,6 +91,9 @@ def test_token_counts(experts, device, T):
             GemmTactic(16, 32, 128, 4, 2, 1, weight_load="tma", k_loop="masked"),
             GemmTactic(64, 64, 128, 4, 2, 2, weight_load="tma", k_loop="masked"),
         ),
+        # GEMM2 adds a 64-row tile in two column halves: with 256 columns over H = 64 the first
+        # half is partly past H and the second wholly.
+        (SMALL, GemmTactic(64, 256, 64, 4, 1, 1)),
     ],
     ids=[
         "dot_scaled+split2",
@@ -101,6 +104,7 @@ def test_token_counts(experts, device, T):
         "tma-tail-m64",
         "masked-split4",
         "tma-masked-split2",
+        "m64-halves-past-h",
     ],  # fmt: skip
 )
 def test_variant_families(experts, device, g1, g2):
