@@ -40,7 +40,7 @@ FLAKY_REPO = "testorg/flaky-gpt-oss"
 MOVING_REPO = "testorg/moving-gpt-oss"  # gets a new commit during a test
 BIG_REPO = "testorg/big-gpt-oss"  # one shard large enough to interrupt while it streams
 BIG_SHARD = "model-00000-of-00002.safetensors"
-BIG_SHARD_BYTES = 48 * 2**20
+BIG_SHARD_BYTES = 16 * 2**20
 SHARD = "model-00001-of-00002.safetensors"
 DEFAULT_FILES = {
     "config.json",
@@ -387,9 +387,17 @@ def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
 
     dest = tmp_path / "model"
     args = fetch_args(hub, dest, "--workers", "1", repo=BIG_REPO)
-    # The fetch runs at the lowest CPU priority so that, on a busy machine, this process still sees
-    # the shard streaming and signals it before the download can finish.
-    cmd = [sys.executable, "-c", "import os; os.nice(19); from prepkit.cli import main; main()", *args]
+    # A process started with SIGINT ignored (e.g. by make in a background job) passes that on to its
+    # children; the fetch gets the default handler back, as from a terminal.
+    child = "\n".join(
+        (
+            "import signal",
+            "signal.signal(signal.SIGINT, signal.default_int_handler)",
+            "from prepkit.cli import main",
+            "main()",
+        )
+    )
+    cmd = [sys.executable, "-c", child, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     partial_dir = dest / ".cache" / "huggingface" / "download"
     deadline = time.monotonic() + 60
