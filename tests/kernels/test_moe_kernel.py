@@ -212,3 +212,16 @@ def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, 
     assert torch.all(experts[1:] >= experts[:-1])  # grouped by expert, in expert order
     if T <= 32:  # one program groups in registers: inside an expert, picks keep their order
         assert placed.tolist() == sorted(placed.tolist(), key=lambda p: (int(ids[p]), p))
+
+
+@pytest.mark.parametrize("T", [3, 40])  # one routing program, and several
+def test_routing_zeroes_every_output_column(device, T):
+    """Output rows are zeroed in column chunks of 128 by their own programs; 300 columns leave a
+    partial last chunk."""
+    from prepkit.kernels.moe_mxfp4 import route
+
+    hidden = 300
+    logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)
+    out = torch.full((T, hidden), float("nan"), device=device)
+    route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=hidden, out=out)
+    assert bool((out == 0).all())
