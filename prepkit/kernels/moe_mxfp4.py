@@ -122,55 +122,8 @@ def _route_kernel(
         tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32),
         mask=t_mask[:, None] & (offs_h < H)[None, :],
     )
-    if tl.program_id(1) == 0:
-        _route_block(
-            logits_ptr,
-            topk_ids_ptr,
-            topk_w_ptr,
-            rank_ptr,
-            counts_ptr,
-            sorted_ptr,
-            T,
-            E,
-            stride_lt,
-            E_LO,
-            E_LOCAL,
-            pid,
-            offs_t,
-            t_mask,
-            TOP_K,
-            BLOCK_T,
-            E_PAD,
-            E_LOCAL_PAD,
-            TOPK_PAD,
-            PLACE,
-        )
-
-
-@triton.jit
-def _route_block(
-    logits_ptr,
-    topk_ids_ptr,
-    topk_w_ptr,
-    rank_ptr,
-    counts_ptr,
-    sorted_ptr,
-    T,
-    E,
-    stride_lt,
-    E_LO,
-    E_LOCAL,
-    pid,
-    offs_t,
-    t_mask,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    E_PAD: tl.constexpr,
-    E_LOCAL_PAD: tl.constexpr,
-    TOPK_PAD: tl.constexpr,
-    PLACE: tl.constexpr,
-):
-    """Top-k, softmax and grouping of the tokens ``offs_t`` (see ``_route_kernel``)."""
+    if tl.program_id(1) != 0:
+        return  # the other column chunks only zero
     offs_e = tl.arange(0, E_PAD)
     e_mask = offs_e < E
     logits = tl.load(
