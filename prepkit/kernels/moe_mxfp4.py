@@ -53,7 +53,7 @@ from prepkit.kernels.variants import K_LOOPS
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 WEIGHT_LAYOUT = "triton_moe_v3"
-KERNEL_VERSION = 6
+KERNEL_VERSION = 7
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
@@ -243,8 +243,12 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 # nibble) and element j + 16 (high nibble), the bytes in MMA fragment order (``_natural_order``
 # undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
 # (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
-# bytes: no interleave, no reshape across registers. Each feeds its own dot with the matching half
-# of the activations.
+# bytes: no interleave, no reshape across registers. Swapped tiles (the weights are the MMA's
+# register operand) feed each half to its own dot with the matching half of the activations. The
+# other tiles put the halves back side by side and run one dot over the whole step on activations
+# in natural order: their weight operand goes through shared memory anyway, where the joined order
+# costs nothing, and one dot of depth BLOCK_K instead of two of BLOCK_K/2 makes large-T GEMMs
+# 1.03-1.18x faster (kernel v7, docs/kernel-notes.md).
 
 
 @triton.jit
@@ -358,8 +362,9 @@ def _mxfp4_step(
     W_TMA: tl.constexpr,
 ):
     """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes (or the ``w_desc`` box at
-    ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales, ``a_ptrs [BM, BK/2]`` the activations
-    of the low nibbles (the high ones sit 16 further). ``MASK_K``: mask K past ``k_rem`` elements
+    ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales; ``a_ptrs`` the activations: when
+    SWAP ``[BM, BK/2]`` those of the low nibbles (the high ones sit 16 further), else the whole
+    ``[BM, BK]`` step in natural order. ``MASK_K``: mask K past ``k_rem`` elements
     left (the last partial step; with ``k_loop="masked"`` every step, whose masks are then all
     true but the last). The TMA unit zero-fills a box past the tensor's end by itself.
     K is a multiple of 32 (a scale group), so masks go by whole groups: 16 bytes, 16 activations
@@ -369,7 +374,10 @@ def _mxfp4_step(
         c_ok = tl.arange(0, BLOCK_K // 2) // 16 < k_rem // 32
         g_ok = tl.arange(0, G) < k_rem // 32
         w_msk = n_mask[:, None] & c_ok[None, :]
-        a_msk = a_mask[:, None] & c_ok[None, :]
+        if SWAP:
+            a_msk = a_mask[:, None] & c_ok[None, :]
+        else:
+            a_msk = a_mask[:, None] & (tl.arange(0, BLOCK_K) // 32 < k_rem // 32)[None, :]
         s_msk = n_mask[:, None] & g_ok[None, :]
     else:
         w_msk = n_mask[:, None]
@@ -380,8 +388,11 @@ def _mxfp4_step(
     else:
         wq = tl.load(w_ptrs, mask=w_msk, other=0)
     wq = _natural_order(wq, BLOCK_N, BLOCK_K)
-    a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
-    a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
+    if SWAP:
+        a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
+        a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
+    else:
+        a = tl.load(a_ptrs, mask=a_msk, other=0.0)
     sc = tl.load(s_ptrs, mask=s_msk, other=0)
     # One scale per byte: byte c of the step belongs to group c // 16.
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
@@ -391,8 +402,10 @@ def _mxfp4_step(
         acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
         acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
     else:
-        acc = _dot(a_lo, tl.trans(w_lo), acc, DOT_FP32)
-        acc = _dot(a_hi, tl.trans(w_hi), acc, DOT_FP32)
+        # Group g's low half (elements 32g + j) and high half (32g + 16 + j) side by side.
+        w = tl.join(tl.reshape(w_lo, (BLOCK_N, G, 16)), tl.reshape(w_hi, (BLOCK_N, G, 16)))
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+        acc = _dot(a, tl.trans(w), acc, DOT_FP32)
     return acc
 
 
@@ -470,10 +483,12 @@ def _mxfp4_mainloop(
             acc = tl.dot_scaled(a, None, "bf16", wq, sc, "e2m1", acc)
     else:
         offs_c = tl.arange(0, BLOCK_K // 2)
-        # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
-        col = (offs_c // 16) * 32 + offs_c % 16
         w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
-        a_ptrs = a_rows[:, None] + (k_lo + col)[None, :]
+        if SWAP:
+            # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
+            a_ptrs = a_rows[:, None] + (k_lo + (offs_c // 16) * 32 + offs_c % 16)[None, :]
+        else:
+            a_ptrs = a_rows[:, None] + (k_lo + tl.arange(0, BLOCK_K))[None, :]
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
         k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
