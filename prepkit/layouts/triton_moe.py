@@ -61,6 +61,26 @@ def num_panels(k: int) -> int:
     return ops.ceil_div(k, PANEL_K)
 
 
+def tensor_specs(num_local_experts: int, hidden: int, padded_intermediate: int) -> dict[str, TensorSpec]:
+    """The six tensors of one layer and rank (docs/triton-moe-layout.md §2), for ``El`` local
+    experts, hidden ``H`` and padded intermediate ``Ip``: what ``plan_rank`` writes and what the
+    runtime checks before it launches the kernel."""
+    El, H, Ip = num_local_experts, hidden, padded_intermediate
+    u8, f32 = torch.uint8, torch.float32
+    return {
+        "w13_blocks": TensorSpec(
+            (El, num_panels(H), 2 * Ip, PANEL_BYTES), u8, ("E", f"ceil(H/{PANEL_K})", "2*Ip", str(PANEL_BYTES))
+        ),
+        "w13_scales": TensorSpec((El, H // 32, 2 * Ip), u8, ("E", "H/32", "2*Ip")),
+        "w13_bias": TensorSpec((El, 2 * Ip), f32, ("E", "2*Ip")),
+        "w2_blocks": TensorSpec(
+            (El, num_panels(Ip), H, PANEL_BYTES), u8, ("E", f"ceil(Ip/{PANEL_K})", "H", str(PANEL_BYTES))
+        ),
+        "w2_scales": TensorSpec((El, Ip // 32, H), u8, ("E", "Ip/32", "H")),
+        "w2_bias": TensorSpec((El, H), f32, ("E", "H")),
+    }
+
+
 def to_panels(rows: torch.Tensor) -> torch.Tensor:
     """Byte rows ``[..., N, K/2]`` -> panels ``[..., ceil(K/PANEL_K), N, PANEL_BYTES]``: panel p holds
     bytes ``[p*PANEL_BYTES, (p+1)*PANEL_BYTES)`` of every row, zero past the row's end."""
@@ -161,20 +181,7 @@ class TritonMoeLayout:
         if H % BLOCK_ELEMS or I % BLOCK_ELEMS:
             raise LayoutError(f"hidden {H} and intermediate {I} must be multiples of {BLOCK_ELEMS} for MXFP4")
         lo, hi, Ip = intermediate_split(I, spec.tp_size, spec.tp_rank)
-        El = E_hi - E_lo
-        u8, f32 = torch.uint8, torch.float32
-        tensors = {
-            "w13_blocks": TensorSpec(
-                (El, num_panels(H), 2 * Ip, PANEL_BYTES), u8, ("E", f"ceil(H/{PANEL_K})", "2*Ip", str(PANEL_BYTES))
-            ),
-            "w13_scales": TensorSpec((El, H // 32, 2 * Ip), u8, ("E", "H/32", "2*Ip")),
-            "w13_bias": TensorSpec((El, 2 * Ip), f32, ("E", "2*Ip")),
-            "w2_blocks": TensorSpec(
-                (El, num_panels(Ip), H, PANEL_BYTES), u8, ("E", f"ceil(Ip/{PANEL_K})", "H", str(PANEL_BYTES))
-            ),
-            "w2_scales": TensorSpec((El, Ip // 32, H), u8, ("E", "Ip/32", "H")),
-            "w2_bias": TensorSpec((El, H), f32, ("E", "H")),
-        }
+        tensors = tensor_specs(E_hi - E_lo, H, Ip)
         facts = {
             "engine": "prepkit Triton MXFP4 MoE kernel (prepkit.kernels.moe_mxfp4)",
             "valid_hidden_size": H,

@@ -20,7 +20,7 @@ from prepkit.errors import DeviceError, LayoutError
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import MoeProblem, default_tactics
-from prepkit.layouts.triton_moe import PANEL_BYTES, num_panels
+from prepkit.layouts.triton_moe import tensor_specs
 
 # Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
 # manifest does not import triton.
@@ -128,20 +128,12 @@ class MoeLayer:
 
     def validate(self) -> None:
         """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v3`` layer."""
-        El, H, Ip = self.num_local_experts, self.hidden, self.padded_intermediate
-        expected = {
-            "w13_blocks": ((El, num_panels(H), 2 * Ip, PANEL_BYTES), torch.uint8),
-            "w13_scales": ((El, H // 32, 2 * Ip), torch.uint8),
-            "w13_bias": ((El, 2 * Ip), torch.float32),
-            "w2_blocks": ((El, num_panels(Ip), H, PANEL_BYTES), torch.uint8),
-            "w2_scales": ((El, Ip // 32, H), torch.uint8),
-            "w2_bias": ((El, H), torch.float32),
-        }
+        El, Ip = self.num_local_experts, self.padded_intermediate
         problems = []
-        for name, (shape, dtype) in expected.items():
+        for name, spec in tensor_specs(El, self.hidden, Ip).items():
             t = getattr(self, name)
-            if tuple(t.shape) != shape or t.dtype != dtype:
-                problems.append(f"{name}: {list(t.shape)} {t.dtype}, expected {list(shape)} {dtype}")
+            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                problems.append(f"{name}: {list(t.shape)} {t.dtype}, expected {list(spec.shape)} {spec.dtype}")
         if not 0 < self.valid_intermediate <= Ip or self.valid_intermediate % 32:
             problems.append(f"valid_intermediate {self.valid_intermediate} must be a multiple of 32 in (0, {Ip}]")
         lo, hi = self.expert_range

@@ -153,6 +153,24 @@ def test_prefixed_names_and_shape_checks():
         )
 
 
+def test_wrong_shapes_and_dtypes_are_refused_naming_the_tensor():
+    layer, _ = make_layer(random_experts(4, 64, 96, seed=0), 2)
+    tensors = {
+        name: getattr(layer, name)
+        for name in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+    }
+    tensors["w2_scales"] = tensors["w2_scales"][:, :2]  # one K group of the down projection short
+    tensors["w13_bias"] = tensors["w13_bias"].to(torch.bfloat16)
+    with pytest.raises(LayoutError) as err:
+        MoeLayer.from_tensors(
+            tensors, layout_id="triton_moe_v3", num_experts=4, expert_range=(0, 4), valid_intermediate=96
+        )
+    msg = str(err.value)
+    assert "w2_scales: [4, 2, 64] torch.uint8, expected [4, 3, 64] torch.uint8" in msg
+    assert "w13_bias: [4, 192] torch.bfloat16, expected [4, 192] torch.float32" in msg
+    assert "w13_blocks" not in msg and "w2_blocks" not in msg
+
+
 def test_lookup_is_used_and_default_warns_once():
     layer, _ = make_layer(random_experts(4, 64, 64, seed=0), 2)
     with pytest.warns(UserWarning, match="no tuned tactic"):
