@@ -465,6 +465,31 @@ class TacticsDB:
             )
         }
 
+    def past_winners(self, gpu_name: str, problem: ProblemKey) -> list[str]:
+        """Winning tactic JSONs of the same GEMM (kernel name, role, dims, dtypes) measured on a GPU
+        of this name under any kernel version or layout, newest run first. Rows of another kernel
+        version never match a lookup; the tuner measures them first, so a tile that won before
+        is not lost to a shorter search."""
+        rows = self.db.query(
+            """
+            SELECT t.params_json, MAX(r.started_at) AS last_run FROM winner w
+            JOIN env e USING (env_hash)
+            JOIN problem p USING (problem_hash)
+            JOIN kernel k ON k.kernel_hash = p.kernel_hash
+            JOIN tactic t ON t.tactic_hash = w.tactic_hash
+            JOIN tuning_run r ON r.run_id = w.run_id
+            WHERE e.gpu_name = ? AND k.name = ? AND k.role = ? AND p.num_experts = ? AND p.top_k = ?
+              AND p.n = ? AND p.k = ? AND p.act_dtype = ? AND p.w_dtype = ? AND p.out_dtype = ?
+              AND p.activation = ?
+            GROUP BY t.params_json ORDER BY last_run DESC, t.params_json
+            """,
+            [
+                gpu_name, problem.kernel, problem.role, problem.num_experts, problem.top_k, problem.n,
+                problem.k, problem.act_dtype, problem.w_dtype, problem.out_dtype, problem.activation,
+            ],
+        )  # fmt: skip
+        return [r["params_json"] for r in rows]
+
     # -- views -------------------------------------------------------------------------------
 
     def counts(self) -> dict[str, int]:

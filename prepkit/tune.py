@@ -777,9 +777,9 @@ def prune_candidates(
     Rules (tactics.md §7.4): at least 2 stages (1 never hides the weight loads); split-K only for
     GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
-    ``bits`` stays for devices and interpreters without the PTX path); then, if more
-    than ``max_count`` remain: first the ``seeds`` (the default tactics) and their neighbours, the
-    variants that differ from a seed in one knob (up to half the budget: the local search an
+    ``bits`` stays for devices and interpreters without the PTX path); then, if more than
+    ``max_count`` remain: first the ``seeds`` (the default tactics and earlier winners) and their
+    neighbours, the variants that differ from a seed in one knob (up to half the budget: the local search an
     engineer would run by hand, e.g. the default tile with TMA loads or one stage more), then an
     even spread within each (block_m, upcast, weight_load) group so every tile regime stays
     represented. Fields the kernel does not have are ignored.
@@ -1007,14 +1007,19 @@ def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
     return default_for
 
 
-def kernel_candidates(problem: ProblemKey, device: Any, *, max_count: int | None = None) -> list[str]:
-    """The bundled kernel's valid variants for ``problem`` on ``device``, pruned for sweeping."""
+def kernel_candidates(
+    problem: ProblemKey, device: Any, *, max_count: int | None = None, past_winners: Sequence[str] = ()
+) -> list[str]:
+    """The bundled kernel's valid variants for ``problem`` on ``device``, pruned for sweeping.
+    ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
+    the defaults where the current space still holds them; stale ones are dropped."""
     from prepkit.kernels.variants import enumerate_tactics
 
-    space = enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))  # type: ignore[arg-type]
+    space = [canon(t) for t in enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))]  # type: ignore[arg-type]
     default_for = kernel_defaults(problem, device)
-    seeds = sorted({default_for(m) for m in TOKEN_POINTS})
-    return prune_candidates([canon(t) for t in space], problem.role, max_count=max_count, seeds=seeds)
+    in_space = set(space)
+    seeds = sorted({default_for(m) for m in TOKEN_POINTS} | {canon(t) for t in past_winners if canon(t) in in_space})
+    return prune_candidates(space, problem.role, max_count=max_count, seeds=seeds)
 
 
 def moe_problem(problem: ProblemKey, m: int) -> Any:

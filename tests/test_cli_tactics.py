@@ -108,6 +108,30 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
     assert all(not b.calls or all(op != "time" for op, _, _ in b.calls) for b in fake_gpu)
 
 
+def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path, monkeypatch) -> None:
+    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.runtime.tactics import gpt_oss_problems
+    from prepkit.tactics_db import WinnerRow, env_record, open_db
+    from prepkit.tune import kernel_candidates
+
+    monkeypatch.setattr(tune_cli, "bundled_db_path", lambda: None)  # only the DB written here
+    old = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="0", weight_layout="triton_moe_v3")["gemm1"]
+    now = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")
+    budget = kernel_candidates(now["gemm1"], KH100, max_count=8)
+    past = next(t for t in kernel_candidates(now["gemm1"], KH100) if t not in budget and '"block_n":32' not in t)
+    db = tmp_path / "t.db"
+    with open_db(db) as tdb:
+        env_hash = tdb.put_env(env_record(H100_ENV, package_version="0"))
+        run = tdb.start_run(env_hash, timing_method={}, search_space={}, token_points=[1, 8])
+        tdb.put_problem(old)
+        tdb.replace_winners(env_hash, old.problem_hash(), run, [WinnerRow(1, 8192, past, True)])
+        tdb.finish_run(run, "complete")
+    r = invoke("tune", "--db", str(db), "--tokens", "1,8", "--max-candidates", "8", "-q")
+    assert r.exit_code == 0, r.output
+    timed = {t for b in fake_gpu for op, t, _ in b.calls if op == "time"}
+    assert past in timed
+
+
 def test_tune_human_output_and_two_gpus(fake_gpu, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     r = invoke("tune", "--db", str(db), "--tokens", "1,2,8", "--gpus", "0,1", "--max-candidates", "8", "-q")

@@ -331,6 +331,24 @@ def test_adapter_for_the_moe_runtime(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ merge
 
 
+def test_past_winners_span_kernel_versions_not_gpus_or_shapes(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    fill(path, winners=[WinnerRow(1, 8, tac(16), False), WinnerRow(9, 8192, tac(64), True)])
+    fill(path, winners=[WinnerRow(1, 8192, tac(32), True)], problem=replace(G1, kernel_version="2"))
+    fill(path, env=replace(H100, name="NVIDIA H200"), winners=[WinnerRow(1, 8192, tac(128), True)])
+    fill(path, winners=[WinnerRow(1, 8192, tac(256), True)], problem=G2)
+    with open_db(path) as tdb:
+
+        def past(gpu: str, problem: Any) -> list[int]:
+            return [json.loads(t)["block_m"] for t in tdb.past_winners(gpu, problem)]
+
+        got = past(H100.name, replace(G1, kernel_version="3"))
+        assert got[0] == 32  # the newest run first
+        assert sorted(got) == [16, 32, 64]
+        assert past("NVIDIA H200", G1) == [128]
+        assert past("NVIDIA GB10", G1) == []
+
+
 def test_merge_unions_rows_and_keeps_newer_winner_sets(tmp_path: Path) -> None:
     a, b = tmp_path / "a.db", tmp_path / "b.db"
     env_a = fill(a, winners=[WinnerRow(1, 8, tac(16), False), WinnerRow(9, 64, tac(32), False)])

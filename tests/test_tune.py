@@ -153,6 +153,21 @@ def test_prune_keeps_the_defaults_and_their_one_knob_neighbours() -> None:
     }
 
 
+def test_candidates_measure_past_winners_the_space_still_holds() -> None:
+    from prepkit.kernels.device import H100 as H100_INFO
+    from prepkit.tune import kernel_candidates
+
+    g1 = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="9", weight_layout="triton_moe_v3")["gemm1"]
+    plain = kernel_candidates(g1, H100_INFO, max_count=24)
+    every = kernel_candidates(g1, H100_INFO)
+    missed = [t for t in every if t not in plain]
+    assert missed  # the budget leaves tiles out
+    past, stale = missed[len(missed) // 2], canon({"block_m": 16, "block_n": 48, "num_stages": 3})
+    seeded = kernel_candidates(g1, H100_INFO, max_count=24, past_winners=[stale, past])
+    assert len(seeded) == 24 and past in seeded and stale not in seeded
+    assert seeded.index(past) < 12  # among the seeds, before the even spread
+
+
 def test_prune_drops_bits_where_asm_has_the_same_tile() -> None:
     def t(bn: int, upcast: str) -> str:
         return canon({"block_m": 16, "block_n": bn, "num_stages": 3, "split_k": 1, "upcast": upcast})

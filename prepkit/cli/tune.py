@@ -15,12 +15,13 @@ from prepkit import tactics_db as tdb_mod
 from prepkit import tune as tuning
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
-from prepkit.errors import DeviceError, RecipeError
+from prepkit.errors import DeviceError, RecipeError, TacticsError
 from prepkit.runtime.tactics import (
     KERNEL_NAME,
     WEIGHT_LAYOUT,
     Environment,
     ProblemKey,
+    bundled_db_path,
     gpt_oss_problems,
     user_db_path,
 )
@@ -148,7 +149,8 @@ def _parse_gpus(spec: str | None) -> list[int] | None:
     type=click.IntRange(min=1),
     default=64,
     show_default=True,
-    help="Variants per GEMM after pruning.",
+    help="Variants per GEMM after pruning (the defaults and earlier winners on this GPU model, from --db "
+    "and the bundled DB, come first).",
 )
 @click.option(
     "--check-workers",
@@ -273,13 +275,16 @@ def _run(
         cmdline=shlex.join(["prepkit", *sys.argv[1:]]),
     )
     rec = tdb_mod.RunRecorder(tdb, run_id, env_hash, env)
+    past = {p: _past_winners(tdb, env.name, p) for p in problems}
     status = "aborted"
     try:
         with console.progress(enabled=not quiet, unit="count") as on_progress:
             report = tuning.tune_layer(
                 problems,
                 backends,
-                candidates_for=lambda p: tuning.kernel_candidates(p, info, max_count=max_candidates),
+                candidates_for=lambda p: tuning.kernel_candidates(
+                    p, info, max_count=max_candidates, past_winners=past[p]
+                ),
                 default_for=lambda p: tuning.kernel_defaults(p, info),
                 config=config,
                 previous=rec.previous,
@@ -292,6 +297,20 @@ def _run(
     finally:
         tdb.finish_run(run_id, status, notes=_layer_notes(report) if status != "aborted" else None)
     return report
+
+
+def _past_winners(tdb: tdb_mod.TacticsDB, gpu_name: str, problem: ProblemKey) -> list[str]:
+    """Earlier winners of ``problem`` on this GPU model, from the DB being written and the bundled
+    one (any kernel version): the sweep measures them first, so a shorter search keeps them."""
+    found = tdb.past_winners(gpu_name, problem)
+    bundled = bundled_db_path()
+    if bundled is not None and bundled.resolve() != Path(tdb.path).resolve():
+        try:
+            with tdb_mod.open_db_readonly(bundled) as shipped:
+                found += [t for t in shipped.past_winners(gpu_name, problem) if t not in found]
+        except TacticsError:
+            pass  # an unreadable shipped DB only costs the seeds; the runtime reports it on lookup
+    return found
 
 
 def _layer_notes(report: tuning.LayerReport) -> str:
