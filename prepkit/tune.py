@@ -1018,7 +1018,7 @@ def kernel_candidates(
     space = [canon(t) for t in enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))]  # type: ignore[arg-type]
     default_for = kernel_defaults(problem, device)
     in_space = set(space)
-    seeds = sorted({default_for(m) for m in TOKEN_POINTS} | {canon(t) for t in past_winners if canon(t) in in_space})
+    seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))
     return prune_candidates(space, problem.role, max_count=max_count, seeds=seeds)
 
 

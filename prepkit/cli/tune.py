@@ -275,7 +275,7 @@ def _run(
         cmdline=shlex.join(["prepkit", *sys.argv[1:]]),
     )
     rec = tdb_mod.RunRecorder(tdb, run_id, env_hash, env)
-    past = {p: _past_winners(tdb, env.name, p) for p in problems}
+    past = _past_winners(tdb, env.name, problems)
     status = "aborted"
     try:
         with console.progress(enabled=not quiet, unit="count") as on_progress:
@@ -299,15 +299,16 @@ def _run(
     return report
 
 
-def _past_winners(tdb: tdb_mod.TacticsDB, gpu_name: str, problem: ProblemKey) -> list[str]:
-    """Earlier winners of ``problem`` on this GPU model, from the DB being written and the bundled
+def _past_winners(tdb: tdb_mod.TacticsDB, gpu_name: str, problems: list[ProblemKey]) -> dict[ProblemKey, list[str]]:
+    """Earlier winners of each problem on this GPU model, from the DB being written and the bundled
     one (any kernel version): the sweep measures them first, so a shorter search keeps them."""
-    found = tdb.past_winners(gpu_name, problem)
+    found = {p: tdb.past_winners(gpu_name, p) for p in problems}
     bundled = bundled_db_path()
     if bundled is not None and bundled.resolve() != Path(tdb.path).resolve():
         try:
             with tdb_mod.open_db_readonly(bundled) as shipped:
-                found += [t for t in shipped.past_winners(gpu_name, problem) if t not in found]
+                for p, tactics in found.items():
+                    tactics += [t for t in shipped.past_winners(gpu_name, p) if t not in tactics]
         except TacticsError:
             pass  # an unreadable shipped DB only costs the seeds; the runtime reports it on lookup
     return found
