@@ -34,7 +34,9 @@ interpreter; ``dot_scaled``: ``tl.dot_scaled``) and how weight tiles are loaded 
 loads the compiler pipelines; ``tma``: the Hopper/Blackwell tensor memory accelerator, one copy per
 tile through a host-built descriptor) and how the K loop ends (``tail``: unmasked steps, then one
 masked step after the loop; ``masked``: every step masked, one pipelined loop). Tiles of at most
-32 rows swap operands.
+32 rows swap operands; they run each K step as two dots, one per half of the scale groups
+(``swapped_dot="split"``), or as one dot on the halves joined in registers (``"joined"``, what
+tiles of more rows always do).
 Results are not bitwise deterministic: the combine adds in fp32 atomics in arrival order.
 """
 
@@ -49,7 +51,7 @@ import triton
 import triton.language as tl
 
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import K_LOOPS
+from prepkit.kernels.variants import K_LOOPS, MAX_SWAPPED_ROWS, SWAPPED_DOTS
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 WEIGHT_LAYOUT = "triton_moe_v3"
@@ -244,11 +246,13 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 # undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
 # (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
 # bytes: no interleave, no reshape across registers. Swapped tiles (the weights are the MMA's
-# register operand) feed each half to its own dot with the matching half of the activations. The
-# other tiles put the halves back side by side and run one dot over the whole step on activations
-# in natural order: their weight operand goes through shared memory anyway, where the joined order
-# costs nothing, and one dot of depth BLOCK_K instead of two of BLOCK_K/2 makes large-T GEMMs
-# 1.03-1.18x faster (kernel v7, docs/kernel-notes.md).
+# register operand) feed each half to its own dot with the matching half of the activations, or,
+# with ``swapped_dot="joined"``, join the halves in registers first (1.03-1.12x for GEMM2's
+# 16 x 128 x 128 tile from 12 tokens on, slower on 256-deep tiles: a knob for the tuner). The
+# other tiles always put the halves back side by side and run one dot over the whole step on
+# activations in natural order: their weight operand goes through shared memory anyway, where the
+# joined order costs nothing, and one dot of depth BLOCK_K instead of two of BLOCK_K/2 makes
+# large-T GEMMs 1.03-1.18x faster (kernel v7, docs/kernel-notes.md).
 
 
 @triton.jit
@@ -358,13 +362,15 @@ def _mxfp4_step(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
     MASK_K: tl.constexpr,
     W_TMA: tl.constexpr,
 ):
     """One K step on 2-D tiles: ``w_ptrs [BN, BK/2]`` bytes (or the ``w_desc`` box at
     ``[w_row, w_col]`` when W_TMA), ``s_ptrs [BN, G]`` scales; ``a_ptrs`` the activations: when
-    SWAP ``[BM, BK/2]`` those of the low nibbles (the high ones sit 16 further), else the whole
-    ``[BM, BK]`` step in natural order. ``MASK_K``: mask K past ``k_rem`` elements
+    JOIN the whole ``[BM, BK]`` step in natural order for one dot on the weight halves joined
+    into group order, else ``[BM, BK/2]`` those of the low nibbles (the high ones sit 16 further)
+    for one dot per half (swapped tiles only). ``MASK_K``: mask K past ``k_rem`` elements
     left (the last partial step; with ``k_loop="masked"`` every step, whose masks are then all
     true but the last). The TMA unit zero-fills a box past the tensor's end by itself.
     K is a multiple of 32 (a scale group), so masks go by whole groups: 16 bytes, 16 activations
@@ -374,10 +380,10 @@ def _mxfp4_step(
         c_ok = tl.arange(0, BLOCK_K // 2) // 16 < k_rem // 32
         g_ok = tl.arange(0, G) < k_rem // 32
         w_msk = n_mask[:, None] & c_ok[None, :]
-        if SWAP:
-            a_msk = a_mask[:, None] & c_ok[None, :]
-        else:
+        if JOIN:
             a_msk = a_mask[:, None] & (tl.arange(0, BLOCK_K) // 32 < k_rem // 32)[None, :]
+        else:
+            a_msk = a_mask[:, None] & c_ok[None, :]
         s_msk = n_mask[:, None] & g_ok[None, :]
     else:
         w_msk = n_mask[:, None]
@@ -388,24 +394,27 @@ def _mxfp4_step(
     else:
         wq = tl.load(w_ptrs, mask=w_msk, other=0)
     wq = _natural_order(wq, BLOCK_N, BLOCK_K)
-    if SWAP:
+    if JOIN:
+        a = tl.load(a_ptrs, mask=a_msk, other=0.0)
+    else:
         a_lo = tl.load(a_ptrs, mask=a_msk, other=0.0)
         a_hi = tl.load(a_ptrs + 16, mask=a_msk, other=0.0)
-    else:
-        a = tl.load(a_ptrs, mask=a_msk, other=0.0)
     sc = tl.load(s_ptrs, mask=s_msk, other=0)
     # One scale per byte: byte c of the step belongs to group c // 16.
     sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, G, 16)), (BLOCK_N, BLOCK_K // 2))
     w_lo, w_hi = _upcast_pair(wq, sc, UPCAST)
-    if SWAP:
-        # Few rows: the weight tile is the MMA's M side, the tokens its N side.
-        acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
-        acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
-    else:
+    if JOIN:
         # Group g's low half (elements 32g + j) and high half (32g + 16 + j) side by side.
         w = tl.join(tl.reshape(w_lo, (BLOCK_N, G, 16)), tl.reshape(w_hi, (BLOCK_N, G, 16)))
         w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
-        acc = _dot(a, tl.trans(w), acc, DOT_FP32)
+        if SWAP:  # noqa: SIM108 (a constexpr branch; the other one is never compiled)
+            # Few rows: the weight tile is the MMA's M side, the tokens its N side.
+            acc = _dot(w, tl.trans(a), acc, DOT_FP32)
+        else:
+            acc = _dot(a, tl.trans(w), acc, DOT_FP32)
+    else:
+        acc = _dot(w_lo, tl.trans(a_lo), acc, DOT_FP32)
+        acc = _dot(w_hi, tl.trans(a_hi), acc, DOT_FP32)
     return acc
 
 
@@ -442,11 +451,13 @@ def _mxfp4_mainloop(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
 ):
-    """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP).
+    """``acc += A[:, k_lo:k_hi] @ W[offs_n, k_lo:k_hi]^T`` (``acc`` is ``[BN, BM]`` when SWAP;
+    JOIN: one dot per K step, see :func:`_mxfp4_step`).
 
     ``a_rows [BM]`` are pointers to the first element of each activation row; W is one expert's
     MXFP4 weights in K panels (``[K/PANEL_K, panel_rows, PANEL_BYTES]`` bytes at ``w_base``,
@@ -484,11 +495,11 @@ def _mxfp4_mainloop(
     else:
         offs_c = tl.arange(0, BLOCK_K // 2)
         w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
-        if SWAP:
+        if JOIN:
+            a_ptrs = a_rows[:, None] + (k_lo + tl.arange(0, BLOCK_K))[None, :]
+        else:
             # Byte c of a step holds element 32 * (c // 16) + c % 16 in its low nibble.
             a_ptrs = a_rows[:, None] + (k_lo + (offs_c // 16) * 32 + offs_c % 16)[None, :]
-        else:
-            a_ptrs = a_rows[:, None] + (k_lo + tl.arange(0, BLOCK_K))[None, :]
         s_ptrs = s_base + (k_lo // 32 + offs_g)[None, :] * stride_sk + offs_n[:, None]
         k_hi = tl.maximum(k_hi, k_lo)
         k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
@@ -510,6 +521,7 @@ def _mxfp4_mainloop(
                 UPCAST,
                 DOT_FP32,
                 SWAP,
+                JOIN,
                 MASK_ALL,
                 W_TMA,
             )
@@ -533,6 +545,7 @@ def _mxfp4_mainloop(
                 UPCAST,
                 DOT_FP32,
                 SWAP,
+                JOIN,
                 True,
                 W_TMA,
             )
@@ -574,6 +587,7 @@ def _gemm1_swiglu_kernel(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
@@ -608,6 +622,7 @@ def _gemm1_swiglu_kernel(
             UPCAST,
             DOT_FP32,
             SWAP,
+            JOIN,
             W_TMA,
             MASK_ALL,
             PANEL_K,
@@ -664,6 +679,7 @@ def _gemm2_combine_kernel(
     UPCAST: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
@@ -705,6 +721,7 @@ def _gemm2_combine_kernel(
             UPCAST,
             DOT_FP32,
             SWAP,
+            JOIN,
             W_TMA,
             MASK_ALL,
             PANEL_K,
@@ -771,7 +788,13 @@ def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
 def swaps_operands(t: GemmTactic) -> bool:
     """Tiles of at most 32 rows run as ``W @ A^T``: the weight tile fills the MMA's 64-row side
     and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
-    return t.block_m <= 32 and t.upcast != "dot_scaled"
+    return t.block_m <= MAX_SWAPPED_ROWS and t.upcast != "dot_scaled"
+
+
+def joins_halves(t: GemmTactic) -> bool:
+    """One dot per K step on the weight halves joined into group order: always on tiles that do
+    not swap operands, by the ``swapped_dot`` knob on those that do."""
+    return not swaps_operands(t) or t.swapped_dot == "joined"
 
 
 def _next_pow2(x: int) -> int:
@@ -783,6 +806,8 @@ def _check_tactic(t: GemmTactic, name: str) -> None:
         raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
     if t.k_loop not in K_LOOPS:
         raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})")
+    if t.swapped_dot not in SWAPPED_DOTS:
+        raise ValueError(f"{name}: unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})")
     if t.upcast == "asm" and _interpreting():
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if PANEL_K % t.block_k or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
@@ -981,6 +1006,7 @@ def gemm1_swiglu(
         UPCAST=upcast_id(tactic, small_scales),
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
+        JOIN=joins_halves(tactic),
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",
         PANEL_K=PANEL_K,
@@ -1046,6 +1072,7 @@ def gemm2_combine(
         UPCAST=upcast_id(tactic, small_scales),
         DOT_FP32=_interpreting(),
         SWAP=swaps_operands(tactic),
+        JOIN=joins_halves(tactic),
         HAS_BIAS=has_bias,
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",

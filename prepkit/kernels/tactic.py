@@ -28,12 +28,19 @@ class GemmTactic:
     # then one masked step after the loop, whose loads the compiler cannot prefetch) or "masked"
     # (every step masked, one loop the compiler pipelines to its last step).
     k_loop: str = "tail"
+    # How a swapped tile (block_m <= 32, weights as the MMA's M side) multiplies one K step: "split"
+    # (two dots of half depth, on the low and on the high halves of the scale groups, as the
+    # layout's bytes hold them) or "joined" (the halves joined back into group order in registers,
+    # one dot of full depth). Tiles of more rows always join.
+    swapped_dot: str = "split"
 
     def to_json(self) -> str:
         raw = asdict(self)
         if raw["k_loop"] == "tail":
             # Tactics stored before the field existed keep their JSON, so tactic DB rows still match.
             del raw["k_loop"]
+        if raw["swapped_dot"] == "split":
+            del raw["swapped_dot"]
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -50,4 +57,5 @@ class GemmTactic:
         # The default upcast keeps the key of tactics stored before the field existed.
         key = base if self.upcast == "bits" else f"{base}u{self.upcast}"
         key = key if self.weight_load == "ptr" else f"{key}l{self.weight_load}"
-        return key if self.k_loop == "tail" else f"{key}k{self.k_loop}"
+        key = key if self.k_loop == "tail" else f"{key}k{self.k_loop}"
+        return key if self.swapped_dot == "split" else f"{key}d{self.swapped_dot}"

@@ -26,6 +26,9 @@ SPLIT_K = (1, 2, 4, 8)
 UPCASTS = ("bits", "asm", "dot_scaled")
 WEIGHT_LOADS = ("ptr", "tma")
 K_LOOPS = ("tail", "masked")
+SWAPPED_DOTS = ("split", "joined")
+# Tiles of at most this many rows swap operands (the weight tile is the MMA's M side).
+MAX_SWAPPED_ROWS = 32
 
 # Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
 # values per thread the compiler spills, and such a variant never wins.
@@ -78,6 +81,14 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
         return f"unknown weight_load {t.weight_load!r} (expected one of {WEIGHT_LOADS})"
     if t.k_loop not in K_LOOPS:
         return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
+    if t.swapped_dot not in SWAPPED_DOTS:
+        return f"unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})"
+    if t.swapped_dot != "split" and (t.block_m > MAX_SWAPPED_ROWS or t.upcast == "dot_scaled"):
+        # Larger tiles always join and dot_scaled has its own operand order: one variant each.
+        return (
+            f"swapped_dot {t.swapped_dot!r} only applies to tiles that swap operands "
+            f"(block_m <= {MAX_SWAPPED_ROWS}, not dot_scaled)"
+        )
     if t.k_loop != "tail" and t.upcast == "dot_scaled":
         return "k_loop 'masked' is the dot_scaled path's only loop (it masks every step): use 'tail'"
     if t.upcast == "asm" and device.capability < (8, 0):
@@ -111,12 +122,12 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
     add masked rows.
     """
     out = []
-    for bm, bn, bk, w, s, sk, up, wl, kl in itertools.product(
-        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS, K_LOOPS
+    for bm, bn, bk, w, s, sk, up, wl, kl, sd in itertools.product(
+        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS, K_LOOPS, SWAPPED_DOTS
     ):
         t = GemmTactic(
             block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl,
-            k_loop=kl,
+            k_loop=kl, swapped_dot=sd,
         )  # fmt: skip
         if invalid_reason(t, gemm, device) is not None:
             continue

@@ -95,6 +95,7 @@ TACTICS = [
     ("m16n128k128w4s4sk1uasmltma", "m16n256k128w8s3sk4uasmltma"),
     ("m64n256k64w4s3sk1uasmltma", "m32n128k256w4s3sk2uasmltma"),
     ("m16n64k256w4s3sk1uasmltmakmasked", "m16n128k128w4s4sk2uasmltmakmasked"),
+    ("m32n128k128w4s4sk1uasmltmadjoined", "m16n128k128w4s4sk4uasmdjoined"),
 ]
 
 
@@ -105,19 +106,21 @@ def _parse(key: str):
 
     m = re.fullmatch(
         r"m(\d+)n(\d+)k(\d+)w(\d+)s(\d+)sk(\d+)(?:u(bits|asm|dot_scaled))?(?:l(ptr|tma))?"
-        r"(?:k(tail|masked))?",
+        r"(?:k(tail|masked))?(?:d(split|joined))?",
         key,
     )
     assert m, key
     bm, bn, bk, w, s, sk = (int(v) for v in m.groups()[:6])
-    return GemmTactic(bm, bn, bk, w, s, sk, m.group(7) or "bits", m.group(8) or "ptr", m.group(9) or "tail")
+    return GemmTactic(
+        bm, bn, bk, w, s, sk, m.group(7) or "bits", m.group(8) or "ptr", m.group(9) or "tail", m.group(10) or "split"
+    )
 
 
 @pytest.mark.parametrize("T", [1, 7, 33, 256])
 @pytest.mark.parametrize(
     "keys",
     TACTICS,
-    ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64", "masked"],
+    ids=["default", "split4", "big", "dot_scaled", "asm64", "asm128", "tma16", "tma64", "masked", "joined"],
 )
 def test_full_size_layer(checkpoint, T, keys):
     from prepkit.kernels.reference import relative_error
@@ -206,6 +209,7 @@ def test_sample_of_every_enumerated_variant():
 FOLD_PAIRS = [
     ("m16n128k128w4s4sk1uasmltma", "m16n128k128w4s4sk2uasmltma"),
     ("m64n256k64w4s3sk1uasm", "m64n256k64w4s3sk1uasmltma"),
+    ("m16n128k128w4s4sk1uasmltmadjoined", "m32n128k128w4s4sk2uasmdjoined"),
 ]
 
 
@@ -260,6 +264,8 @@ STABLE_TILES = [
     "m16n128k64w4s3sk1uasmltma",
     "m32n128k128w4s4sk1uasmltma",
     "m64n256k64w4s3sk1uasmltma",
+    "m16n128k128w4s4sk1uasmltmadjoined",
+    "m32n128k128w4s4sk1uasmltmakmaskeddjoined",
 ]
 
 

@@ -94,6 +94,16 @@ def test_token_counts(experts, device, T):
         # GEMM2 adds a 64-row tile in two column halves: with 256 columns over H = 64 the first
         # half is partly past H and the second wholly.
         (SMALL, GemmTactic(64, 256, 64, 4, 1, 1)),
+        # Swapped tiles with one dot per K step on the joined halves: a masked K tail, a K split
+        # with a partial last split, every step masked, TMA boxes past the K end.
+        (
+            GemmTactic(32, 64, 128, 4, 2, 1, swapped_dot="joined"),
+            GemmTactic(16, 32, 64, 4, 1, 4, swapped_dot="joined"),
+        ),
+        (
+            GemmTactic(16, 32, 128, 4, 2, 1, k_loop="masked", swapped_dot="joined"),
+            GemmTactic(16, 64, 64, 4, 2, 2, weight_load="tma", swapped_dot="joined"),
+        ),
     ],
     ids=[
         "dot_scaled+split2",
@@ -105,6 +115,8 @@ def test_token_counts(experts, device, T):
         "masked-split4",
         "tma-masked-split2",
         "m64-halves-past-h",
+        "joined-split4",
+        "joined-masked-tma",
     ],  # fmt: skip
 )
 def test_variant_families(experts, device, g1, g2):

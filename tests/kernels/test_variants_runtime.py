@@ -37,6 +37,11 @@ def test_enumerated_variants_are_valid_and_cover_every_family(device):
         assert not any(t.weight_load == "tma" and (t.upcast == "dot_scaled" or t.num_stages < 3) for t in tactics)
         assert {t.k_loop for t in tactics} == {"tail", "masked"}
         assert not any(t.k_loop == "masked" and t.upcast == "dot_scaled" for t in tactics)
+        # The dot knob exists only where operands swap: no tile runs twice under two names.
+        joined = [t for t in tactics if t.swapped_dot == "joined"]
+        assert joined and all(t.block_m <= 32 and t.upcast != "dot_scaled" for t in joined)
+        assert {t.block_m for t in joined} == {16, 32}
+        assert len(joined) == sum(1 for t in tactics if t.block_m <= 32 and t.upcast != "dot_scaled") // 2
         splits = {t.split_k for t in tactics}
         assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
 
@@ -63,6 +68,18 @@ def test_invalid_reasons_name_the_knob():
     assert "k_loop" in invalid_reason(GemmTactic(k_loop="unrolled"), "gemm1", H100)
     assert "dot_scaled" in invalid_reason(GemmTactic(upcast="dot_scaled", k_loop="masked"), "gemm2", H100)
     assert invalid_reason(GemmTactic(k_loop="masked"), "gemm2", H100) is None
+    assert "swapped_dot" in invalid_reason(GemmTactic(swapped_dot="fused"), "gemm1", H100)
+    assert "block_m <= 32" in invalid_reason(GemmTactic(64, swapped_dot="joined"), "gemm1", H100)
+    assert "dot_scaled" in invalid_reason(GemmTactic(upcast="dot_scaled", swapped_dot="joined"), "gemm2", H100)
+    assert invalid_reason(GemmTactic(32, swapped_dot="joined"), "gemm2", H100) is None
+
+
+def test_the_dot_knob_reaches_the_kernel_only_for_swapped_tiles():
+    from prepkit.kernels.moe_mxfp4 import joins_halves, swaps_operands
+
+    assert swaps_operands(GemmTactic(32)) and not swaps_operands(GemmTactic(64))
+    assert not joins_halves(GemmTactic(16)) and joins_halves(GemmTactic(16, swapped_dot="joined"))
+    assert joins_halves(GemmTactic(32, swapped_dot="joined")) and joins_halves(GemmTactic(64))
 
 
 def test_a_default_that_does_not_fit_falls_back_to_pointer_loads_not_two_stage_tma():
@@ -110,6 +127,10 @@ def test_tactic_json_round_trip_and_stable_key():
     masked = GemmTactic(16, 64, 128, 4, 3, 2, "asm", "tma", "masked")
     assert masked.key() == "m16n64k128w4s3sk2uasmltmakmasked" and GemmTactic.from_json(masked.to_json()) == masked
     assert '"k_loop": "masked"' in masked.to_json()
+    # The split dot is the default, and stored rows carry neither field nor key suffix for it.
+    assert "swapped_dot" not in masked.to_json()
+    joined = GemmTactic(16, 64, 128, 4, 3, 2, "asm", "tma", swapped_dot="joined")
+    assert joined.key() == "m16n64k128w4s3sk2uasmltmadjoined" and GemmTactic.from_json(joined.to_json()) == joined
 
 
 def test_layout_ids_agree():
