@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from dataclasses import asdict
 from pathlib import Path
@@ -163,6 +164,7 @@ def test_show_export_plot(filled: Path, tmp_path: Path) -> None:
     assert shown["counts"]["winner"] >= 2 and {w["role"] for w in shown["winners"]} == {"gemm1", "gemm2"}
     r = invoke("tactics", "show", "--db", str(filled))
     assert r.exit_code == 0 and "gemm2 N=2880" in r.output and "tokens" in r.output
+    assert re.search(r"m\d+ n\d+ k\d+ w\d+ s\d+ sk\d+ upcast=\w+", r.output), r.output
     r = invoke("tactics", "export", "--json", "--db", str(filled))
     assert r.exit_code == 0
     exported = json.loads(r.output)

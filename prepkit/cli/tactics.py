@@ -91,17 +91,16 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
         console.err_console.print(t)
 
 
+_TILE_KNOBS = {"block_m": "m", "block_n": "n", "block_k": "k", "num_warps": "w", "num_stages": "s", "split_k": "sk"}
+
+
 def _short(params_json: str) -> str:
+    """``m16 n64 k256 w4 s3 sk1 upcast=asm weight_load=tma``: the tile first, in launch order, then
+    the other knobs by name (any knob a kernel stores, known here or not)."""
     d = json.loads(params_json)
-    abbrev = {
-        "block_m": "m",
-        "block_n": "n",
-        "block_k": "k",
-        "num_warps": "w",
-        "num_stages": "s",
-        "split_k": "sk",
-    }
-    return " ".join(f"{abbrev.get(k, k)}{v}" for k, v in sorted(d.items()))
+    tile = [f"{short}{d[name]}" for name, short in _TILE_KNOBS.items() if name in d]
+    rest = [f"{k}={v}" for k, v in sorted(d.items()) if k not in _TILE_KNOBS]
+    return " ".join(tile + rest)
 
 
 @tactics_group.command("export")
