@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import K_LOOPS, MAX_SWAPPED_ROWS, SWAPPED_DOTS
+from prepkit.kernels.variants import K_LOOPS, SWAPPED_DOTS, joins_halves, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 WEIGHT_LAYOUT = "triton_moe_v3"
@@ -783,18 +783,6 @@ def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
     busy = min(num_local_experts, num_picks)
     return (num_picks + busy * (block_m - 1)) // block_m
-
-
-def swaps_operands(t: GemmTactic) -> bool:
-    """Tiles of at most 32 rows run as ``W @ A^T``: the weight tile fills the MMA's 64-row side
-    and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
-    return t.block_m <= MAX_SWAPPED_ROWS and t.upcast != "dot_scaled"
-
-
-def joins_halves(t: GemmTactic) -> bool:
-    """One dot per K step on the weight halves joined into group order: always on tiles that do
-    not swap operands, by the ``swapped_dot`` knob on those that do."""
-    return not swaps_operands(t) or t.swapped_dot == "joined"
 
 
 def _next_pow2(x: int) -> int:

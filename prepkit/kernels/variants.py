@@ -61,6 +61,18 @@ def shared_mem_bytes(t: GemmTactic) -> int:
     return max(t.num_stages, 1) * per_stage + staging
 
 
+def swaps_operands(t: GemmTactic) -> bool:
+    """Tiles of at most MAX_SWAPPED_ROWS rows run as ``W @ A^T``: the weight tile fills the MMA's
+    64-row side and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
+    return t.block_m <= MAX_SWAPPED_ROWS and t.upcast != "dot_scaled"
+
+
+def joins_halves(t: GemmTactic) -> bool:
+    """One dot per K step on the weight halves joined into group order: always on tiles that do
+    not swap operands, by the ``swapped_dot`` knob on those that do."""
+    return not swaps_operands(t) or t.swapped_dot == "joined"
+
+
 def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     """Why ``t`` cannot run GEMM ``gemm`` on ``device``, or ``None`` when it can."""
     if gemm not in GEMMS:
@@ -83,7 +95,7 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
         return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
     if t.swapped_dot not in SWAPPED_DOTS:
         return f"unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})"
-    if t.swapped_dot != "split" and (t.block_m > MAX_SWAPPED_ROWS or t.upcast == "dot_scaled"):
+    if t.swapped_dot != "split" and not swaps_operands(t):
         # Larger tiles always join and dot_scaled has its own operand order: one variant each.
         return (
             f"swapped_dot {t.swapped_dot!r} only applies to tiles that swap operands "
