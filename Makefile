@@ -33,6 +33,7 @@ test-gpu:
 
 lint: $(STAMP)
 	$(BIN)/ruff check prepkit tests benchmarks
+	$(BIN)/ruff format --check prepkit tests benchmarks
 
 bench-prepare: $(STAMP)
 	$(BIN)/python benchmarks/bench_prepare.py

@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     lookup = None
     if args.tuned:
-        from prepkit.runtime.tactics import make_tactic_lookup
+        from prepkit.tactics.lookup import make_tactic_lookup
 
         lookup = make_tactic_lookup(tp_size=1)
     rows = []

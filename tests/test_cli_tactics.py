@@ -12,10 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from prepkit.cli import cli
-from prepkit.cli import tune as tune_cli
 from prepkit.kernels.device import H100 as KH100
-from prepkit.runtime.tactics import Environment, TacticTable
-from prepkit.tune import FunctionBackend
+from prepkit.tactics.keys import Environment
+from prepkit.tactics.lookup import TacticTable
+from prepkit.tune import FunctionBackend, Worker
+from prepkit.tune import run as tune_run
 
 H100_ENV = Environment.of(KH100)
 TOKENS = "1-4,64,8192"
@@ -38,9 +39,9 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch):
         made.clear()
         for _ in gpus or [0]:
             made.append(FunctionBackend(synthetic_timer, lambda t: json.loads(t)["block_n"] != 32))
-        return [(b, H100_ENV, KH100) for b in made]
+        return [Worker(b, H100_ENV, KH100) for b in made]
 
-    monkeypatch.setattr(tune_cli, "open_backends", open_backends)
+    monkeypatch.setattr(tune_run, "open_gpu_workers", open_backends)
     return made
 
 
@@ -98,7 +99,7 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
 
     # The runtime reads what the CLI wrote.
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from prepkit.runtime.tactics import gpt_oss_problems
+    from prepkit.tactics.keys import gpt_oss_problems
 
     probs = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")
     table = TacticTable.load(probs["gemm1"], H100_ENV, user_db=db, bundled_db=False)
@@ -111,11 +112,11 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
 
 def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path, monkeypatch) -> None:
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from prepkit.runtime.tactics import gpt_oss_problems
-    from prepkit.tactics_db import WinnerRow, env_record, open_db
+    from prepkit.tactics.keys import gpt_oss_problems
+    from prepkit.tactics.store import WinnerRow, env_record, open_db
     from prepkit.tune import kernel_candidates
 
-    monkeypatch.setattr(tune_cli, "bundled_db_path", lambda: None)  # only the DB written here
+    monkeypatch.setattr(tune_run, "bundled_db_path", lambda: None)  # only the DB written here
     old = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="0", weight_layout="triton_moe_v3")["gemm1"]
     now = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")
     budget = kernel_candidates(now["gemm1"], KH100, max_count=8)
@@ -177,7 +178,7 @@ def test_show_export_plot(filled: Path, tmp_path: Path) -> None:
 
 def test_plot_of_empty_db_fails(tmp_path: Path) -> None:
     db = tmp_path / "e.db"
-    from prepkit.tactics_db import open_db
+    from prepkit.tactics.store import open_db
 
     open_db(db).close()
     r = invoke("tactics", "plot", str(tmp_path / "x.png"), "--db", str(db))
@@ -203,8 +204,8 @@ def test_bad_db_files_exit_3_with_a_message(tmp_path: Path, kind: str) -> None:
         with sqlite3.connect(db) as c:
             c.execute("CREATE TABLE t (x)")
     elif kind == "newer":
-        from prepkit.runtime.tactics import SCHEMA_VERSION
-        from prepkit.tactics_db import open_db
+        from prepkit.tactics.schema import SCHEMA_VERSION
+        from prepkit.tactics.store import open_db
 
         open_db(db).close()
         with sqlite3.connect(db) as c:
@@ -237,7 +238,7 @@ def test_environment_round_trips_through_the_worker_payload() -> None:
 
 
 def test_reading_a_shipped_db_never_changes_it(filled: Path, tmp_path: Path) -> None:
-    from prepkit.tactics_db import open_db
+    from prepkit.tactics.store import open_db
 
     shipped = tmp_path / "shipped.db"
     with open_db(filled) as tdb:

@@ -15,19 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prepkit.errors import TacticsError
-from prepkit.runtime import tactics as rt
-from prepkit.runtime.tactics import (
-    SCHEMA_VERSION,
+from prepkit.tactics import keys, lookup, schema
+from prepkit.tactics.keys import Environment, gpt_oss_problems
+from prepkit.tactics.lookup import (
     TOKEN_POINTS,
-    Environment,
+    Range,
+    RangeTable,
     TacticResolver,
     TacticsDBWarning,
     TacticTable,
-    expand_ranges,
-    gpt_oss_problems,
+    merge_points,
     point_for,
 )
-from prepkit.tactics_db import RunRecorder, WinnerRow, env_record, open_db
+from prepkit.tactics.schema import SCHEMA_VERSION
+from prepkit.tactics.store import RunRecorder, WinnerRow, env_record, open_db
 
 H100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", sm_count=132, triton_version="3.6.0")
 PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")
@@ -61,7 +62,7 @@ def test_new_file_gets_schema_wal_and_application_id(tmp_path: Path) -> None:
     path = tmp_path / "t.db"
     with open_db(path) as tdb:
         assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert tdb.conn.execute("PRAGMA application_id").fetchone()[0] == rt.APPLICATION_ID
+        assert tdb.conn.execute("PRAGMA application_id").fetchone()[0] == schema.APPLICATION_ID
         assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert set(tdb.counts()) >= {"env", "kernel", "problem", "measurement", "correctness", "winner"}
     with open_db(path) as tdb:  # reopening applies nothing twice
@@ -83,7 +84,7 @@ def test_refuses_newer_schema(tmp_path: Path) -> None:
         open_db(path)
     assert "upgrade prepkit" in (info.value.hint or "")
     with pytest.raises(TacticsError, match="newer"):
-        rt.open_readonly(path)
+        schema.open_readonly(path)
 
 
 def test_refuses_unknown_migration_step(tmp_path: Path) -> None:
@@ -104,7 +105,7 @@ def test_refuses_corrupt_file(tmp_path: Path) -> None:
     with pytest.raises(TacticsError, match="not a readable SQLite"):
         open_db(path)
     with pytest.raises(TacticsError, match="not a readable SQLite"):
-        rt.open_readonly(path)
+        schema.open_readonly(path)
     assert path.read_bytes() == before
 
 
@@ -151,7 +152,7 @@ def test_lookup_expands_ranges_with_ceil_semantics(tmp_path: Path) -> None:
     fill(path)
     table = TacticTable.load(G1, H100, user_db=path, bundled_db=False)
     assert (table.source, table.tier) == ("user", "exact")
-    assert table.tactic_for(1) == table.tactic_for(8) == rt.canonical_json(json.loads(tac(16)))
+    assert table.tactic_for(1) == table.tactic_for(8) == keys.canonical_json(json.loads(tac(16)))
     assert json.loads(table.tactic_for(9))["block_m"] == 32
     assert json.loads(table.tactic_for(512))["block_m"] == 32
     assert json.loads(table.tactic_for(513))["block_m"] == 128
@@ -167,7 +168,7 @@ def test_no_extends_up_means_default_above(tmp_path: Path) -> None:
     assert res.lookup(G1, 64, H100) is not None
     with pytest.warns(TacticsDBWarning, match="covers 1-64"):
         assert res.lookup(G1, 65, H100) is None
-    assert res.stats().as_dict()["misses"] == 1
+    assert res.stats()["misses"] == 1
 
 
 @pytest.mark.parametrize(
@@ -199,7 +200,7 @@ def test_miss_warns_once_and_names_the_command(tmp_path: Path) -> None:
     msgs = [str(w.message) for w in caught if issubclass(w.category, TacticsDBWarning)]
     assert len(msgs) == 1
     assert "prepkit tune --arch sm121 --model gpt-oss-120b --tp 1" in msgs[0]
-    assert res.stats().misses == 4 and res.stats().hits == 0
+    assert res.stats()["misses"] == 4 and res.stats()["hits"] == 0
 
 
 def test_triton_minor_mismatch_needs_a_smoke_check(tmp_path: Path) -> None:
@@ -275,15 +276,15 @@ def test_ranges_from_points_cover_every_token_count(data) -> None:
     n = data.draw(st.integers(1, len(TOKEN_POINTS)))
     points = sorted(data.draw(st.sets(st.sampled_from(TOKEN_POINTS), min_size=n, max_size=n)))
     winners = [data.draw(st.sampled_from(["a", "b", "c"])) for _ in points]
-    ranges = expand_ranges(points, winners)
+    ranges = [Range(lo, hi, winners[idx[-1]]) for lo, hi, idx in merge_points(points, winners)]
     assert ranges[0].m_lo == 1 and ranges[-1].m_hi == points[-1]
-    assert all(
-        a.m_hi + 1 == b.m_lo and a.params_json != b.params_json for a, b in zip(ranges, ranges[1:], strict=False)
-    )
+    assert all(a.m_hi + 1 == b.m_lo and a.value != b.value for a, b in zip(ranges, ranges[1:], strict=False))
+    table = RangeTable(ranges)
     for m in range(1, points[-1] + 1, max(1, points[-1] // 200)):
         p = point_for(m, points)
         owner = next(r for r in ranges if r.m_lo <= m <= r.m_hi)
-        assert owner.params_json == winners[points.index(p)]
+        assert owner.value == winners[points.index(p)] == table.get(m)
+    assert table.get(points[-1] + 1) is None  # nothing extends upward unless marked
 
 
 def test_token_series_is_the_documented_one() -> None:
@@ -318,12 +319,12 @@ def test_adapter_for_the_moe_runtime(tmp_path: Path) -> None:
     path = tmp_path / "u.db"
     g1 = GemmTactic(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
     fill(path, env=Environment.of(KH100), winners=[WinnerRow(1, 8192, g1.to_json(), True)])
-    lookup = rt.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
+    tactic_lookup = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
     prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
     with pytest.warns(TacticsDBWarning):  # GEMM2 has no rows: its default, warned once
-        pair = lookup(prob, KH100)
+        pair = tactic_lookup(prob, KH100)
     assert pair == (g1, default_tactics(prob, KH100)[1])
-    other = rt.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=2)
+    other = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=2)
     with pytest.warns(TacticsDBWarning):
         assert other(prob, KH100) is None
 
@@ -435,19 +436,62 @@ def test_two_processes_writing_one_db_lose_nothing(tmp_path: Path) -> None:
 
 
 def test_runtime_lookup_imports_only_the_standard_library() -> None:
-    """The module the runtime reads tactics with pulls in no sqlite-utils, click, rich or torch."""
+    """The modules the runtime reads tactics with pull in no sqlite-utils, click, rich or torch."""
     import subprocess
     import sys
 
-    src = Path(rt.__file__)
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('prepkit_runtime_tactics', {str(src)!r})\n"
-        "mod = importlib.util.module_from_spec(spec)\n"
-        "sys.modules[spec.name] = mod\n"
-        "spec.loader.exec_module(mod)\n"
+        "import sys\n"
+        "import prepkit.tactics.lookup, prepkit.tactics.keys, prepkit.tactics.schema\n"
         "heavy = {'sqlite_utils', 'click', 'rich', 'torch', 'triton'} & set(sys.modules)\n"
         "print(sorted(heavy))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+# ------------------------------------------------------------------------- schema evolution
+
+
+def test_adding_a_column_is_one_schema_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ``AddColumn`` appended to ``schema.STEPS`` migrates an existing DB (rows kept) and a
+    new one alike; inserts and exports see the column; an older prepkit then refuses the file."""
+    path = tmp_path / "old.db"
+    fill(path)
+    with open_db(path) as tdb:
+        before = tdb.counts()
+    step = schema.AddColumn("problem", "act_block", "INTEGER")
+    monkeypatch.setattr(schema, "STEPS", (*schema.STEPS, step))
+    monkeypatch.setattr(schema, "SCHEMA_VERSION", len(schema.STEPS))
+    assert schema.columns("problem")[-1] == "act_block"
+    for p in (path, tmp_path / "new.db"):
+        with open_db(p) as tdb:
+            assert "act_block" in {c.name for c in tdb.db["problem"].columns}
+            assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == 2
+            names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
+            assert names == ["create_v1", "add_problem_act_block"]
+            assert tdb.export()["schema_version"] == 2
+    with open_db(path) as tdb:
+        assert tdb.counts() == before
+    monkeypatch.undo()
+    with pytest.raises(TacticsError, match="newer"):
+        open_db(path)
+
+
+def test_curves_follow_the_lookup_rule_above_the_last_range(tmp_path: Path) -> None:
+    """The plot's tuned curve uses the lookup's range rule: a range marked ``extends_up`` serves
+    the token counts above it, as it does at run time."""
+    path = tmp_path / "c.db"
+    fill(path, winners=[WinnerRow(1, 8, tac(16), True)])
+    with open_db(path) as tdb:
+        run_id = tdb.conn.execute("SELECT run_id FROM tuning_run").fetchone()[0]
+        env_hash = tdb.conn.execute("SELECT env_hash FROM env").fetchone()[0]
+        ph = G1.problem_hash()
+        rows = [
+            {"m": m, "params_json": t, "status": "ok", "is_default": d, "median_us": us}
+            for m in (8, 64)
+            for t, d, us in ((tac(16), False, 1.0 * m), (tac(64), True, 2.0 * m))
+        ]
+        tdb.add_measurements(run_id, env_hash, ph, rows)
+        curve = tdb.curves(env_hash, ph)
+    assert [(c["m"], c["default_us"], c["tuned_us"]) for c in curve] == [(8, 16.0, 8.0), (64, 128.0, 64.0)]

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from prepkit.errors import DeviceError
-from prepkit.runtime.tactics import TOKEN_POINTS, TacticTable, gpt_oss_problems
-from prepkit.tactics_db import RunRecorder, env_record, open_db
+from prepkit.tactics.keys import canon, gpt_oss_problems
+from prepkit.tactics.lookup import TOKEN_POINTS, TacticTable
+from prepkit.tactics.store import RunRecorder, env_record, open_db
 from prepkit.tune import (
     CandidateError,
     CheckResult,
@@ -20,7 +21,6 @@ from prepkit.tune import (
     SubprocessBackend,
     SweepConfig,
     Timing,
-    canon,
     choose,
     parse_tokens,
     prune_candidates,

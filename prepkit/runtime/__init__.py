@@ -6,8 +6,26 @@ from __future__ import annotations
 from typing import Any
 
 from prepkit.runtime.moe import MoeLayer, TacticLookup, default_tactics_for, load_moe_layers, moe
+from prepkit.tactics.keys import Environment, ProblemKey, gpt_oss_problems
+from prepkit.tactics.lookup import TacticResolver, TacticTable, lookup_tactic, make_tactic_lookup
 
-__all__ = ["LoadedShards", "MoeLayer", "TacticLookup", "default_tactics_for", "load_moe_layers", "load_shards", "moe"]
+# What engines call: layers and shards, and the tactic lookup behind them.
+__all__ = [
+    "Environment",
+    "LoadedShards",
+    "MoeLayer",
+    "ProblemKey",
+    "TacticLookup",
+    "TacticResolver",
+    "TacticTable",
+    "default_tactics_for",
+    "gpt_oss_problems",
+    "load_moe_layers",
+    "load_shards",
+    "lookup_tactic",
+    "make_tactic_lookup",
+    "moe",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -253,7 +253,7 @@ def load_moe_layers(
 
     The manifest is checked first (layout id and version, rank); the experts then stay on the
     device. Unless ``tactic_lookup`` is given, variants come from the tactic databases (the
-    user's, then the bundled ``tactics.db``) through :func:`prepkit.runtime.tactics.make_tactic_lookup`,
+    user's, then the bundled ``tactics.db``) through :func:`prepkit.tactics.lookup.make_tactic_lookup`,
     falling back to the built-in default with one warning.
 
     Raises:
@@ -264,7 +264,7 @@ def load_moe_layers(
 
     shards = load_shards(out_dir, rank, device, expect_layout=WEIGHT_LAYOUT, layers=layers)
     if tactic_lookup is None and use_tactics_db:
-        from prepkit.runtime.tactics import make_tactic_lookup
+        from prepkit.tactics.lookup import make_tactic_lookup
 
         tactic_lookup = make_tactic_lookup(tp_size=shards.tp_size)
     dims = shards.dims

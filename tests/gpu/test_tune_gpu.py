@@ -19,7 +19,7 @@ pytestmark = [
 
 def _problems():
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from prepkit.runtime.tactics import gpt_oss_problems
+    from prepkit.tactics.keys import gpt_oss_problems
 
     return gpt_oss_problems(
         kernel="moe_mxfp4",
@@ -66,7 +66,8 @@ def test_defaults_pass_the_numerics_check_and_time_sanely(worker) -> None:
 
 def test_a_wrong_variant_fails_its_check(worker) -> None:
     """A tile that cannot compile is reported as a failure, never as a timing."""
-    from prepkit.tune import CandidateError, canon
+    from prepkit.tactics.keys import canon
+    from prepkit.tune import CandidateError
 
     p = _problems()["gemm1"]
     bad = canon(
@@ -96,8 +97,9 @@ def _default(p, m):
 
 def test_small_sweep_end_to_end(worker, tmp_path: Path) -> None:
     from prepkit.kernels.device import DeviceInfo
-    from prepkit.runtime.tactics import Environment, TacticTable
-    from prepkit.tactics_db import RunRecorder, env_record, open_db
+    from prepkit.tactics.keys import Environment
+    from prepkit.tactics.lookup import TacticTable
+    from prepkit.tactics.store import RunRecorder, env_record, open_db
     from prepkit.tune import SweepConfig, kernel_candidates, kernel_defaults, tune_layer
 
     info = DeviceInfo.from_torch()

@@ -1,10 +1,11 @@
-"""``tactics.db``: the tuner's SQLite store (sqlite-utils), its migrations, merge and export.
+"""``tactics.db`` as the tuner writes it (sqlite-utils): migrations, rows, merge and export.
 
 Rows are content-addressed: environments, kernels, problems and tactics are keyed by a hash of
-their canonical JSON (see :mod:`prepkit.runtime.tactics`), so two DBs filled on two machines merge
+their canonical JSON (:mod:`prepkit.tactics.keys`), so two DBs filled on two machines merge
 without renumbering. Writers use WAL mode, a busy timeout and ``BEGIN IMMEDIATE`` transactions, so
 two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows.
-The runtime reads the same tables with the standard library only (``prepkit.runtime.tactics``).
+The tables themselves are defined once, in :mod:`prepkit.tactics.schema`; the runtime reads them
+with the standard library only (:mod:`prepkit.tactics.lookup`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import shutil
 import sqlite3
 import tempfile
 import time
@@ -24,40 +24,28 @@ from pathlib import Path
 from typing import Any
 
 from sqlite_utils import Database
+from sqlite_utils.migrations import Migrations
 
 from prepkit.errors import TacticsError
-from prepkit.runtime.tactics import (
+from prepkit.tactics import schema
+from prepkit.tactics.keys import Environment, ProblemKey, canonical_json, tactic_hash
+from prepkit.tactics.lookup import Range, RangeTable
+from prepkit.tactics.schema import (
     APPLICATION_ID,
-    SCHEMA_VERSION,
-    Environment,
-    ProblemKey,
-    canonical_json,
+    MIGRATION_SET,
+    MIGRATIONS_TABLE,
+    TABLES,
+    AddColumn,
+    CreateTables,
+    Step,
     check_header,
-    digest,
-    tactic_hash,
-    triton_minor,
+    columns,
+    open_readonly,
+    step_name,
 )
 
-try:  # sqlite-utils >= 4.0
-    from sqlite_utils.migrations import Migrations
-except ImportError:  # pragma: no cover - exercised only with sqlite-utils 3.x
-    Migrations = None  # type: ignore[assignment,misc]
-
-MIGRATION_SET = "prepkit.tactics"
-MIGRATIONS_TABLE = "_sqlite_migrations"
 BUSY_TIMEOUT_S = 60.0
-
-TABLES = (
-    "env",
-    "kernel",
-    "problem",
-    "tactic",
-    "tuning_run",
-    "measurement",
-    "correctness",
-    "winner",
-    "blocklist",
-)
+_PY_TYPES: dict[str, type] = {"TEXT": str, "INTEGER": int, "REAL": float}
 
 
 def _now() -> str:
@@ -65,141 +53,32 @@ def _now() -> str:
 
 
 # ------------------------------------------------------------------------------- migrations
-# One function per schema step; a migration that has shipped is never edited, only followed.
 
 
-def _create_v1(db: Database) -> None:
-    db["env"].create(
-        {
-            "env_hash": str, "cc_major": int, "cc_minor": int, "arch": str, "gpu_name": str,
-            "sm_count": int, "l2_bytes": int, "smem_per_block_optin": int, "mem_bytes": int,
-            "driver_version": str, "cuda_version": str, "torch_version": str, "triton_version": str,
-            "triton_minor": str, "package_version": str, "mem_bw_gbps": float, "created_at": str,
-        },
-        pk="env_hash",
-        not_null=["cc_major", "cc_minor", "arch", "gpu_name", "triton_version", "created_at"],
-    )  # fmt: skip
-    db["kernel"].create(
-        {"kernel_hash": str, "name": str, "role": str, "kernel_version": str, "weight_layout": str},
-        pk="kernel_hash",
-        not_null=["name", "role", "kernel_version", "weight_layout"],
-    )
-    db["problem"].create(
-        {
-            "problem_hash": str, "kernel_hash": str, "num_experts": int, "top_k": int, "n": int,
-            "k": int, "act_dtype": str, "w_dtype": str, "out_dtype": str, "activation": str,
-            "tp_size": int, "ep_size": int,
-        },
-        pk="problem_hash",
-        foreign_keys=[("kernel_hash", "kernel", "kernel_hash")],
-        not_null=["kernel_hash", "num_experts", "top_k", "n", "k"],
-    )  # fmt: skip
-    db["tactic"].create({"tactic_hash": str, "params_json": str}, pk="tactic_hash", not_null=["params_json"])
-    db["tuning_run"].create(
-        {
-            "run_id": str, "env_hash": str, "started_at": str, "finished_at": str, "status": str,
-            "timing_method": str, "search_space": str, "token_points": str, "cmdline": str, "notes": str,
-        },
-        pk="run_id",
-        foreign_keys=[("env_hash", "env", "env_hash")],
-        not_null=["env_hash", "started_at", "status"],
-    )  # fmt: skip
-    db["measurement"].create(
-        {
-            "run_id": str, "env_hash": str, "problem_hash": str, "m": int, "tactic_hash": str,
-            "is_default": int, "status": str, "error_text": str, "median_us": float, "p10_us": float,
-            "p90_us": float, "mean_us": float, "n_samples": int, "samples_json": str, "measured_at": str,
-        },
-        pk=("run_id", "problem_hash", "m", "tactic_hash"),
-        foreign_keys=[
-            ("run_id", "tuning_run", "run_id"), ("env_hash", "env", "env_hash"),
-            ("problem_hash", "problem", "problem_hash"), ("tactic_hash", "tactic", "tactic_hash"),
-        ],
-        not_null=["env_hash", "status"],
-    )  # fmt: skip
-    db["measurement"].create_index(["env_hash", "problem_hash", "m"])
-    db["correctness"].create(
-        {
-            "run_id": str, "env_hash": str, "problem_hash": str, "tactic_hash": str, "m_values": str,
-            "reference": str, "max_abs_err": float, "rel_err": float, "nan_inf_count": int,
-            "tolerance": float, "passed": int, "error_text": str, "checked_at": str,
-        },
-        pk=("run_id", "problem_hash", "tactic_hash"),
-        foreign_keys=[
-            ("run_id", "tuning_run", "run_id"), ("env_hash", "env", "env_hash"),
-            ("problem_hash", "problem", "problem_hash"), ("tactic_hash", "tactic", "tactic_hash"),
-        ],
-        not_null=["env_hash", "passed"],
-    )  # fmt: skip
-    db["correctness"].create_index(["env_hash", "problem_hash"])
-    db["winner"].create(
-        {
-            "env_hash": str, "problem_hash": str, "m_lo": int, "m_hi": int, "tactic_hash": str,
-            "extends_up": int, "median_us": float, "default_median_us": float,
-            "speedup_vs_default": float, "runner_up_tactic_hash": str, "runner_up_gap": float,
-            "run_id": str, "source": str,
-        },
-        pk=("env_hash", "problem_hash", "m_lo"),
-        foreign_keys=[
-            ("env_hash", "env", "env_hash"), ("problem_hash", "problem", "problem_hash"),
-            ("tactic_hash", "tactic", "tactic_hash"), ("run_id", "tuning_run", "run_id"),
-        ],
-        not_null=["m_hi", "tactic_hash", "extends_up", "run_id", "source"],
-    )  # fmt: skip
-    db["blocklist"].create(
-        {
-            "cc_major": int, "cc_minor": int, "triton_minor": str, "kernel_hash": str,
-            "tactic_hash": str, "reason": str, "first_seen": str,
-        },
-        pk=("cc_major", "cc_minor", "triton_minor", "kernel_hash", "tactic_hash"),
-        foreign_keys=[("kernel_hash", "kernel", "kernel_hash"), ("tactic_hash", "tactic", "tactic_hash")],
-        not_null=["reason", "first_seen"],
-    )  # fmt: skip
-    db.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+def _apply_step(db: Database, step: Step) -> None:
+    if isinstance(step, CreateTables):
+        for t in step.tables:
+            db[t.name].create(
+                {name: _PY_TYPES[sql_type] for name, sql_type in t.columns},
+                pk=t.pk[0] if len(t.pk) == 1 else t.pk,
+                not_null=list(t.not_null) or None,
+                foreign_keys=list(t.foreign_keys) or None,
+            )
+            for columns in t.indexes:
+                db[t.name].create_index(list(columns))
+        if step is schema.STEPS[0]:
+            db.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    elif isinstance(step, AddColumn):
+        db[step.table].add_column(step.column, _PY_TYPES[step.sql_type])
 
 
-_STEPS = [("create_v1", _create_v1)]
-assert len(_STEPS) == SCHEMA_VERSION  # bump SCHEMA_VERSION in runtime/tactics.py with each step
-
-
-class _TableMigrations:
-    """The part of sqlite-utils 4's ``Migrations`` this module uses, for sqlite-utils 3.x.
-
-    Records applied steps in the same ``_sqlite_migrations`` table, so either can take over.
-    """
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._steps: list[tuple[str, Any]] = []
-
-    def __call__(self, *, name: str | None = None) -> Any:
-        def inner(fn: Any) -> Any:
-            self._steps.append((name or fn.__name__, fn))
-            return fn
-
-        return inner
-
-    def _applied(self, db: Database) -> list[str]:
-        if not db[MIGRATIONS_TABLE].exists():
-            return []
-        return [r["name"] for r in db[MIGRATIONS_TABLE].rows_where("migration_set = ?", [self.name])]
-
-    def pending(self, db: Database) -> list[Any]:
-        done = set(self._applied(db))
-        return [s for s in self._steps if s[0] not in done]
-
-    def apply(self, db: Database) -> None:
-        if not db[MIGRATIONS_TABLE].exists():
-            db[MIGRATIONS_TABLE].create({"id": int, "migration_set": str, "name": str, "applied_at": str}, pk="id")
-        for name, fn in self.pending(db):
-            fn(db)
-            db[MIGRATIONS_TABLE].insert({"migration_set": self.name, "name": name, "applied_at": _now()})
-
-
-migrations: Any = Migrations(MIGRATION_SET) if Migrations is not None else _TableMigrations(MIGRATION_SET)
-for _name, _fn in _STEPS:
-    migrations(name=_name)(_fn)
-KNOWN_MIGRATIONS = frozenset(name for name, _ in _STEPS)
+def make_migrations(steps: tuple[Step, ...]) -> Migrations:
+    """The sqlite-utils migration set that applies ``steps`` (one migration per step). Built from
+    :data:`prepkit.tactics.schema.STEPS` at each open, so the schema module stays the one source."""
+    migrations = Migrations(MIGRATION_SET)
+    for step in steps:
+        migrations(name=step_name(step))(lambda db, step=step: _apply_step(db, step))
+    return migrations
 
 
 def _applied_names(conn: sqlite3.Connection) -> list[str]:
@@ -227,14 +106,9 @@ class WinnerRow:
 
 def env_record(device: Environment, *, package_version: str, mem_bw_gbps: float | None = None) -> dict[str, Any]:
     """The ``env`` row of a device; the hash covers identity fields, not measured ones."""
-    ident = {
-        "cc_major": device.cc_major, "cc_minor": device.cc_minor, "gpu_name": device.name,
-        "sm_count": device.sm_count, "l2_bytes": device.l2_bytes,
-        "smem_per_block_optin": device.smem_per_block_optin, "mem_bytes": device.mem_bytes,
-        "driver_version": device.driver_version, "cuda_version": device.cuda_version,
-        "torch_version": device.torch_version, "triton_version": device.triton_version,
-        "package_version": package_version,
-    }  # fmt: skip
+    from prepkit.tactics.keys import digest, triton_minor
+
+    ident = device.identity(package_version)
     return {
         "env_hash": digest(ident), **ident, "arch": device.arch,
         "triton_minor": triton_minor(device.triton_version), "mem_bw_gbps": mem_bw_gbps, "created_at": _now(),
@@ -515,30 +389,19 @@ class TacticsDB:
             )
         )
 
-    def point_timings(self, env_hash: str, problem_hash: str) -> list[dict[str, Any]]:
-        """Per token point: default median and best measured median (for plots)."""
-        return list(
-            self.db.query(
-                """
-                SELECT m, MIN(CASE WHEN is_default = 1 THEN median_us END) AS default_us,
-                       MIN(median_us) AS best_us
-                FROM measurement
-                WHERE env_hash = ? AND problem_hash = ? AND status = 'ok'
-                GROUP BY m ORDER BY m
-                """,
-                [env_hash, problem_hash],
-            )
-        )
-
     def curves(self, env_hash: str, problem_hash: str) -> list[dict[str, Any]]:
-        """Per measured token count: the default's median and the chosen tactic's median."""
-        ranges = list(
-            self.db.query(
-                "SELECT m_lo, m_hi, tactic_hash FROM winner WHERE env_hash = ? AND problem_hash = ?",
-                [env_hash, problem_hash],
-            )
+        """Per measured token count: the default's median and the median of the tactic the winner
+        ranges assign to it (the lookup's own rule, ``extends_up`` included)."""
+        table = RangeTable(
+            [
+                Range(r["m_lo"], r["m_hi"], r["tactic_hash"], bool(r["extends_up"]))
+                for r in self.db.query(
+                    "SELECT m_lo, m_hi, tactic_hash, extends_up FROM winner WHERE env_hash = ? AND problem_hash = ?",
+                    [env_hash, problem_hash],
+                )
+            ]
         )
-        rows: dict[int, dict[str, Any]] = {}
+        rows: dict[int, dict[tuple[str, int], float]] = {}
         for r in self.db.query(
             """
             SELECT m, tactic_hash, is_default, median_us FROM measurement
@@ -549,7 +412,7 @@ class TacticsDB:
             rows.setdefault(r["m"], {})[(r["tactic_hash"], r["is_default"])] = r["median_us"]
         out = []
         for m in sorted(rows):
-            chosen = next((g["tactic_hash"] for g in ranges if g["m_lo"] <= m <= g["m_hi"]), None)
+            chosen = table.get(m)
             d = next((v for (_, is_def), v in rows[m].items() if is_def), None)
             t = next((v for (th, _), v in rows[m].items() if th == chosen), None)
             if d is not None and t is not None:
@@ -569,7 +432,7 @@ class TacticsDB:
         """Every row of every table, for ``prepkit tactics export --json`` (sharing, review)."""
         return {
             "format": "prepkit-tactics",
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": schema.SCHEMA_VERSION,
             "tables": {t: list(self.db[t].rows) for t in TABLES},
         }
 
@@ -601,7 +464,7 @@ class TacticsDB:
                     for t in TABLES:
                         if t == "winner":
                             continue
-                        cols = ", ".join(c.name for c in db[t].columns)
+                        cols = ", ".join(columns(t))
                         db.conn.execute(f"INSERT OR IGNORE INTO main.{t} ({cols}) SELECT {cols} FROM src.{t}")
                     self._merge_winners()
             finally:
@@ -610,7 +473,7 @@ class TacticsDB:
         return {t: after[t] - before[t] for t in TABLES}
 
     def _merge_winners(self) -> None:
-        cols = ", ".join(c.name for c in self.db["winner"].columns)
+        cols = ", ".join(columns("winner"))
         pairs = self.conn.execute(
             """
             SELECT DISTINCT w.env_hash, w.problem_hash, MAX(r.finished_at), MAX(r.started_at)
@@ -723,21 +586,8 @@ def open_db_readonly(path: str | os.PathLike[str]) -> Iterator[TacticsDB]:
         TacticsError: missing, corrupt, foreign or newer-schema file.
     """
     p = Path(path)
-    if not p.is_file():
-        raise TacticsError(f"{p}: no such tactics DB", hint="check the path, or run `prepkit tune --db`")
-    try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
-    except sqlite3.Error as err:
-        raise TacticsError(f"{p}: cannot open ({err})") from err
-    try:
-        version = check_header(conn, str(p))
-    except sqlite3.OperationalError as err:
-        conn.close()
-        raise TacticsError(f"{p}: busy, another process holds it ({err})") from err
-    except BaseException:
-        conn.close()
-        raise
-    if version == SCHEMA_VERSION:
+    conn, version = open_readonly(p, timeout_s=BUSY_TIMEOUT_S)
+    if version == schema.SCHEMA_VERSION:
         tdb = TacticsDB(Database(conn), str(p))
         try:
             yield tdb
@@ -787,27 +637,23 @@ def _migrate(db: Database, path: str) -> None:
     conn.execute("BEGIN IMMEDIATE")
     try:
         check_header(conn, path)  # again, now that no one else can be writing
-        unknown = [n for n in _applied_names(conn) if n not in KNOWN_MIGRATIONS]
+        steps = schema.STEPS
+        known = {step_name(s) for s in steps}
+        unknown = [n for n in _applied_names(conn) if n not in known]
         if unknown:
             raise TacticsError(
                 f"{path}: written by a newer prepkit (schema steps {unknown} unknown here)",
                 hint="upgrade prepkit, or use a DB written by this version",
             )
+        migrations = make_migrations(steps)
         if migrations.pending(db):
             migrations.apply(db)
-            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            conn.execute(f"PRAGMA user_version = {len(steps)}")
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-
-
-def copy_db(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> None:
-    """Plain file copy, refusing to overwrite (used by ``tactics merge --out``)."""
-    if Path(dest).exists():
-        raise TacticsError(f"{dest}: exists already", hint="pick another --out or remove it")
-    shutil.copyfile(src, dest)
 
 
 class RunRecorder:

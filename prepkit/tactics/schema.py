@@ -1,0 +1,264 @@
+"""The one definition of ``tactics.db``: its identity, its tables, and every schema step.
+
+The schema is a list of steps (:data:`STEPS`): the first creates the version-1 tables, each later
+one adds to them. A step that has shipped is never edited, only followed, so a DB written by any
+older prepkit migrates forward one step at a time. ``PRAGMA user_version`` holds the number of
+steps applied, ``PRAGMA application_id`` marks the file as ours.
+
+Adding a column is one line here: append ``AddColumn("problem", "my_field", "TEXT")`` to
+:data:`STEPS`. :mod:`prepkit.tactics.store` applies it to old and new DBs alike, and
+:func:`columns` (what a merge copies) includes it.
+
+Standard library only: the runtime reads DBs through :func:`open_readonly` without sqlite-utils.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prepkit.errors import TacticsError
+
+# Identifies a prepkit tactics DB (PRAGMA application_id): ASCII "PKTD".
+APPLICATION_ID = 0x504B5444
+# The sqlite-utils migration set and its bookkeeping table.
+MIGRATION_SET = "prepkit.tactics"
+MIGRATIONS_TABLE = "_sqlite_migrations"
+
+
+@dataclass(frozen=True)
+class Table:
+    """One table as created: columns (name -> SQL type), primary key, foreign keys, indexes."""
+
+    name: str
+    columns: tuple[tuple[str, str], ...]
+    pk: tuple[str, ...]
+    not_null: tuple[str, ...] = ()
+    foreign_keys: tuple[tuple[str, str, str], ...] = ()  # (column, other table, other column)
+    indexes: tuple[tuple[str, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class CreateTables:
+    """A step that creates tables (the first step)."""
+
+    name: str
+    tables: tuple[Table, ...]
+
+
+@dataclass(frozen=True)
+class AddColumn:
+    """A step that adds one nullable column (SQLite cannot add NOT NULL without a default)."""
+
+    table: str
+    column: str
+    sql_type: str  # 'TEXT', 'INTEGER', 'REAL'
+    name: str = field(default="")
+
+    @property
+    def step_name(self) -> str:
+        return self.name or f"add_{self.table}_{self.column}"
+
+
+Step = CreateTables | AddColumn
+
+
+def _cols(spec: str) -> tuple[tuple[str, str], ...]:
+    """``"env_hash TEXT, cc_major INTEGER"`` -> ``(("env_hash", "TEXT"), ("cc_major", "INTEGER"))``."""
+    out = []
+    for part in spec.split(","):
+        name, sql_type = part.split()
+        out.append((name, sql_type))
+    return tuple(out)
+
+
+_V1 = (
+    Table(
+        "env",
+        _cols(
+            "env_hash TEXT, cc_major INTEGER, cc_minor INTEGER, arch TEXT, gpu_name TEXT, sm_count INTEGER, "
+            "l2_bytes INTEGER, smem_per_block_optin INTEGER, mem_bytes INTEGER, driver_version TEXT, "
+            "cuda_version TEXT, torch_version TEXT, triton_version TEXT, triton_minor TEXT, "
+            "package_version TEXT, mem_bw_gbps REAL, created_at TEXT"
+        ),
+        pk=("env_hash",),
+        not_null=("cc_major", "cc_minor", "arch", "gpu_name", "triton_version", "created_at"),
+    ),
+    Table(
+        "kernel",
+        _cols("kernel_hash TEXT, name TEXT, role TEXT, kernel_version TEXT, weight_layout TEXT"),
+        pk=("kernel_hash",),
+        not_null=("name", "role", "kernel_version", "weight_layout"),
+    ),
+    Table(
+        "problem",
+        _cols(
+            "problem_hash TEXT, kernel_hash TEXT, num_experts INTEGER, top_k INTEGER, n INTEGER, k INTEGER, "
+            "act_dtype TEXT, w_dtype TEXT, out_dtype TEXT, activation TEXT, tp_size INTEGER, ep_size INTEGER"
+        ),
+        pk=("problem_hash",),
+        not_null=("kernel_hash", "num_experts", "top_k", "n", "k"),
+        foreign_keys=(("kernel_hash", "kernel", "kernel_hash"),),
+    ),
+    Table("tactic", _cols("tactic_hash TEXT, params_json TEXT"), pk=("tactic_hash",), not_null=("params_json",)),
+    Table(
+        "tuning_run",
+        _cols(
+            "run_id TEXT, env_hash TEXT, started_at TEXT, finished_at TEXT, status TEXT, timing_method TEXT, "
+            "search_space TEXT, token_points TEXT, cmdline TEXT, notes TEXT"
+        ),
+        pk=("run_id",),
+        not_null=("env_hash", "started_at", "status"),
+        foreign_keys=(("env_hash", "env", "env_hash"),),
+    ),
+    Table(
+        "measurement",
+        _cols(
+            "run_id TEXT, env_hash TEXT, problem_hash TEXT, m INTEGER, tactic_hash TEXT, is_default INTEGER, "
+            "status TEXT, error_text TEXT, median_us REAL, p10_us REAL, p90_us REAL, mean_us REAL, "
+            "n_samples INTEGER, samples_json TEXT, measured_at TEXT"
+        ),
+        pk=("run_id", "problem_hash", "m", "tactic_hash"),
+        not_null=("env_hash", "status"),
+        foreign_keys=(
+            ("run_id", "tuning_run", "run_id"),
+            ("env_hash", "env", "env_hash"),
+            ("problem_hash", "problem", "problem_hash"),
+            ("tactic_hash", "tactic", "tactic_hash"),
+        ),
+        indexes=(("env_hash", "problem_hash", "m"),),
+    ),
+    Table(
+        "correctness",
+        _cols(
+            "run_id TEXT, env_hash TEXT, problem_hash TEXT, tactic_hash TEXT, m_values TEXT, reference TEXT, "
+            "max_abs_err REAL, rel_err REAL, nan_inf_count INTEGER, tolerance REAL, passed INTEGER, "
+            "error_text TEXT, checked_at TEXT"
+        ),
+        pk=("run_id", "problem_hash", "tactic_hash"),
+        not_null=("env_hash", "passed"),
+        foreign_keys=(
+            ("run_id", "tuning_run", "run_id"),
+            ("env_hash", "env", "env_hash"),
+            ("problem_hash", "problem", "problem_hash"),
+            ("tactic_hash", "tactic", "tactic_hash"),
+        ),
+        indexes=(("env_hash", "problem_hash"),),
+    ),
+    Table(
+        "winner",
+        _cols(
+            "env_hash TEXT, problem_hash TEXT, m_lo INTEGER, m_hi INTEGER, tactic_hash TEXT, extends_up INTEGER, "
+            "median_us REAL, default_median_us REAL, speedup_vs_default REAL, runner_up_tactic_hash TEXT, "
+            "runner_up_gap REAL, run_id TEXT, source TEXT"
+        ),
+        pk=("env_hash", "problem_hash", "m_lo"),
+        not_null=("m_hi", "tactic_hash", "extends_up", "run_id", "source"),
+        foreign_keys=(
+            ("env_hash", "env", "env_hash"),
+            ("problem_hash", "problem", "problem_hash"),
+            ("tactic_hash", "tactic", "tactic_hash"),
+            ("run_id", "tuning_run", "run_id"),
+        ),
+    ),
+    Table(
+        "blocklist",
+        _cols(
+            "cc_major INTEGER, cc_minor INTEGER, triton_minor TEXT, kernel_hash TEXT, tactic_hash TEXT, "
+            "reason TEXT, first_seen TEXT"
+        ),
+        pk=("cc_major", "cc_minor", "triton_minor", "kernel_hash", "tactic_hash"),
+        not_null=("reason", "first_seen"),
+        foreign_keys=(("kernel_hash", "kernel", "kernel_hash"), ("tactic_hash", "tactic", "tactic_hash")),
+    ),
+)
+
+# Every schema step, oldest first. Append only.
+STEPS: tuple[Step, ...] = (CreateTables("create_v1", _V1),)
+
+# PRAGMA user_version written after the newest step; readers refuse newer files.
+SCHEMA_VERSION = len(STEPS)
+# Oldest schema whose winner/env/tactic/blocklist tables the readers understand.
+MIN_READABLE_SCHEMA = 1
+
+TABLES: tuple[str, ...] = tuple(t.name for t in _V1)
+
+
+def step_name(step: Step) -> str:
+    return step.name if isinstance(step, CreateTables) else step.step_name
+
+
+def columns(table: str) -> tuple[str, ...]:
+    """The columns of ``table`` once every step has run, in creation order."""
+    out: list[str] = []
+    for step in STEPS:
+        if isinstance(step, CreateTables):
+            out += [c for t in step.tables if t.name == table for c, _ in t.columns]
+        elif step.table == table:
+            out.append(step.column)
+    if not out:
+        raise KeyError(f"no table {table!r} in the tactics schema")
+    return tuple(out)
+
+
+def check_header(conn: sqlite3.Connection, path: str) -> int:
+    """Validate application id and schema version; return the schema version (0: empty file).
+
+    Raises:
+        TacticsError: not a SQLite file, a foreign SQLite DB, or a newer schema.
+        sqlite3.OperationalError: the file is locked (the caller may wait and retry).
+    """
+    try:
+        app_id = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        n_tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+    except sqlite3.OperationalError as err:
+        if "locked" in str(err) or "busy" in str(err):
+            raise
+        raise TacticsError(f"{path}: not a readable SQLite database ({err})") from err
+    except sqlite3.DatabaseError as err:
+        raise TacticsError(
+            f"{path}: not a readable SQLite database ({err})",
+            hint=f"move it away and re-create it with `prepkit tune`, or pass another --db (file: {path})",
+        ) from err
+    if app_id != APPLICATION_ID:
+        if app_id == 0 and n_tables == 0:
+            return 0
+        raise TacticsError(
+            f"{path}: a SQLite database but not a prepkit tactics DB "
+            f"(application_id {app_id:#x}, expected {APPLICATION_ID:#x})",
+            hint="point --db / PREPKIT_TACTICS_DB at a tactics DB; prepkit never writes into foreign DBs",
+        )
+    if version > SCHEMA_VERSION:
+        raise TacticsError(
+            f"{path}: schema version {version} is newer than this prepkit understands ({SCHEMA_VERSION})",
+            hint="upgrade prepkit (pip install -U prepkit), or use a DB written by this version",
+        )
+    return int(version)
+
+
+def open_readonly(path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> tuple[sqlite3.Connection, int]:
+    """Open a tactics DB without writing to it (``mode=ro``); returns the connection and its
+    schema version (0 for an empty file). The one read-only opener of the package.
+
+    Raises:
+        TacticsError: missing, unreadable, busy, foreign or newer-schema DB.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise TacticsError(f"{p}: no such tactics DB", hint="run `prepkit tune` first, or pass another --db")
+    try:
+        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout_s)
+    except sqlite3.Error as err:
+        raise TacticsError(f"{p}: cannot open ({err})") from err
+    try:
+        version = check_header(conn, str(p))
+    except sqlite3.OperationalError as err:
+        conn.close()
+        raise TacticsError(f"{p}: busy, another process holds it ({err})") from err
+    except BaseException:
+        conn.close()
+        raise
+    return conn, version

@@ -1,0 +1,152 @@
+"""Which variants a sweep measures: token points, the bundled kernel's defaults and valid variants,
+and the pruning of that space to a sweepable set. Nothing here imports triton or touches a GPU."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prepkit.tactics.keys import ProblemKey, canon
+from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS
+
+
+def parse_tokens(spec: str | None, *, max_tokens: int | None = None) -> tuple[int, ...]:
+    """``"1,2,4-8,64"`` -> sorted unique points; ``None``/``"all"`` -> :data:`TOKEN_POINTS`.
+
+    Raises:
+        ValueError: an entry is not a positive integer or range.
+    """
+    if spec is None or spec.strip().lower() in ("", "all", "default"):
+        pts = set(TOKEN_POINTS)
+    else:
+        pts = set()
+        for part in spec.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, sep, hi = part.partition("-")
+            try:
+                if sep:
+                    a, b = int(lo), int(hi)
+                    if a > b:
+                        raise ValueError
+                    pts.update(range(a, b + 1))
+                else:
+                    pts.add(int(part))
+            except ValueError:
+                raise ValueError(f"bad token count {part!r} (expected N or A-B, comma separated)") from None
+        if not pts or min(pts) < 1:
+            raise ValueError(f"token counts must be positive integers, got {spec!r}")
+    if max_tokens is not None:
+        pts = {p for p in pts if p <= max_tokens}
+    return tuple(sorted(pts))
+
+
+def prune_candidates(
+    tactics: Sequence[str], role: str, *, max_count: int | None = None, seeds: Sequence[str] = ()
+) -> list[str]:
+    """Arch-independent pruning of the kernel's valid variants to a sweepable set.
+
+    Rules: at least 2 stages (1 never hides the weight loads); split-K only for
+    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
+    upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
+    ``bits`` stays for devices and interpreters without the PTX path); then, if more than
+    ``max_count`` remain: first the ``seeds`` (the default tactics and earlier winners) and their
+    neighbours, the variants that differ from a seed in one knob (up to half the budget: the local search an
+    engineer would run by hand, e.g. the default tile with TMA loads or one stage more), then an
+    even spread within each (block_m, upcast, weight_load) group so every tile regime stays
+    represented. Fields the kernel does not have are ignored.
+    """
+    kept: list[tuple[dict[str, Any], str]] = []
+    for t in tactics:
+        d = json.loads(t)
+        if d.get("num_stages", 2) < 2:
+            continue
+        if d.get("split_k", 1) > 1 and (role != "gemm2" or d.get("block_m", 16) > 32):
+            continue
+        kept.append((d, canon(t)))
+    asm_tiles = {_without_upcast(d) for d, _ in kept if d.get("upcast") == "asm"}
+    kept = [(d, t) for d, t in kept if d.get("upcast") != "bits" or _without_upcast(d) not in asm_tiles]
+    if max_count is None or len(kept) <= max_count:
+        return [t for _, t in kept]
+    seed_dicts = [json.loads(t) for t in seeds]
+    near = [t for d, t in kept if any(_knobs_apart(d, sd) <= 1 for sd in seed_dicts)]
+    near.sort(key=lambda t: min(_knobs_apart(json.loads(t), sd) for sd in seed_dicts))  # seeds first
+    out = near[: max_count // 2]
+    chosen = set(out)
+    rest = [(d, t) for d, t in kept if t not in chosen]
+    groups: dict[tuple[Any, Any], list[str]] = {}
+    for d, t in rest:
+        groups.setdefault((d.get("block_m"), d.get("upcast"), d.get("weight_load")), []).append(t)
+    # Round robin over the groups, each walked in an evenly spreading order, until the budget is
+    # spent: every group gets its turn before any group gets a second one.
+    walks = [[g[i] for i in _spread_order(len(g))] for _, g in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+    budget = max_count - len(out)
+    for turn in range(max((len(w) for w in walks), default=0)):
+        for w in walks:
+            if turn < len(w) and budget > 0:
+                out.append(w[turn])
+                budget -= 1
+    return out
+
+
+def _spread_order(n: int) -> list[int]:
+    """Indices ``0..n-1`` so that every prefix is spread evenly: 0, n/2, n/4, 3n/4, ..."""
+    order: list[int] = []
+    seen: set[int] = set()
+    parts = 1
+    while len(order) < n:
+        for j in range(parts):
+            i = j * n // parts
+            if i not in seen:
+                seen.add(i)
+                order.append(i)
+        parts *= 2
+        if parts > 2 * n:
+            order.extend(i for i in range(n) if i not in seen)
+            break
+    return order
+
+
+def _knobs_apart(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
+    return sum(a.get(k) != b.get(k) for k in set(a) | set(b))
+
+
+def _without_upcast(d: Mapping[str, Any]) -> str:
+    return json.dumps({k: v for k, v in d.items() if k != "upcast"}, sort_keys=True)
+
+
+def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
+    """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role."""
+    from prepkit.kernels.variants import default_tactics
+
+    idx = 0 if problem.role == "gemm1" else 1
+
+    def default_for(m: int) -> str:
+        return canon(default_tactics(moe_problem(problem, m), device)[idx])
+
+    return default_for
+
+
+def kernel_candidates(
+    problem: ProblemKey, device: Any, *, max_count: int | None = None, past_winners: Sequence[str] = ()
+) -> list[str]:
+    """The bundled kernel's valid variants for ``problem`` on ``device``, pruned for sweeping.
+    ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
+    the defaults where the current space still holds them; stale ones are dropped."""
+    from prepkit.kernels.variants import enumerate_tactics
+
+    space = [canon(t) for t in enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))]  # type: ignore[arg-type]
+    default_for = kernel_defaults(problem, device)
+    in_space = set(space)
+    seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))
+    return prune_candidates(space, problem.role, max_count=max_count, seeds=seeds)
+
+
+def moe_problem(problem: ProblemKey, m: int) -> Any:
+    """The kernels' ``MoeProblem`` for ``m`` tokens of the layer ``problem`` belongs to."""
+    from prepkit.kernels.variants import MoeProblem
+
+    hidden, inter = problem.layer_dims
+    return MoeProblem(m, problem.num_experts, hidden, inter, problem.top_k)

@@ -1,0 +1,511 @@
+"""Sweep a kernel's variants for one GEMM problem: check numerics, time, pick a winner per token range.
+
+The sweep returns records and never writes a DB: the caller stores each batch as it arrives
+(``on_batch``, called on the caller's thread), so a killed tune keeps every finished point.
+Measuring is delegated to :class:`~prepkit.tune.backend.Backend` objects.
+
+Procedure:
+
+1. numerics: every candidate not checked before in this environment is compared with the
+   reference; a failure goes to the blocklist and never reaches timing;
+2. anchors: with more candidates than ``keep_per_anchor``, all are timed at a few anchor token
+   counts and the best ``keep_per_anchor`` of each anchor survive;
+3. every token point: the survivors and that point's default are timed in the same run;
+4. per point the default is kept unless a candidate is faster by more than ``min_gain`` *and* its
+   p90 is below the default's p10 (beyond noise); equal adjacent winners merge into one
+   ``[m_lo, m_hi]`` range (ceil semantics); the last range extends upward only when the sweep
+   reached the top of the series.
+
+A rerun passes what the DB already holds (``previous_*``) and only the missing pairs are measured.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+from prepkit.tactics.keys import ProblemKey, canon
+from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS, merge_points
+from prepkit.tune.backend import Backend
+from prepkit.tune.records import (
+    OK,
+    Batch,
+    CandidateError,
+    CheckResult,
+    Correctness,
+    LayerPoint,
+    LayerReport,
+    Measurement,
+    PointChoice,
+    SweepResult,
+    Timing,
+    WinnerRange,
+    geomean,
+)
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    points: tuple[int, ...] = TOKEN_POINTS
+    # Where the kernel's tile regimes change for gpt-oss (rows per expert = M*top_k/E).
+    anchors: tuple[int, ...] = (1, 4, 16, 128, 1024, 4096)
+    keep_per_anchor: int = 6
+    min_gain: float = 0.03  # a challenger must beat the default by more than this fraction...
+    disjoint: bool = True  # ...and its p90 must lie below the default's p10
+    budget_s: float | None = None
+    extend_up_from: int = MAX_TOKEN_POINT  # last range extends upward if the sweep reached this
+
+
+class _Pool:
+    """One thread per backend; each job borrows a free backend for its whole run."""
+
+    def __init__(self, backends: Sequence[Backend]) -> None:
+        if not backends:
+            raise ValueError("at least one backend is needed")
+        self.free: queue.Queue[Backend] = queue.Queue()
+        for b in backends:
+            self.free.put(b)
+        self.ex = ThreadPoolExecutor(max_workers=len(backends), thread_name_prefix="tune")
+
+    def submit(self, fn: Callable[[Backend], Any]) -> Future[Any]:
+        def run() -> Any:
+            b = self.free.get()
+            try:
+                return fn(b)
+            finally:
+                self.free.put(b)
+
+        return self.ex.submit(run)
+
+    def shutdown(self) -> None:
+        self.ex.shutdown(wait=True, cancel_futures=True)
+
+
+def _completed(futs: Sequence[Future[Any]]) -> Iterable[Future[Any]]:
+    """Futures in completion order (results are consumed on the caller's thread)."""
+    pending = set(futs)
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        yield from sorted(done, key=futs.index)
+
+
+class _Sweep:
+    """The state of one sweep. Jobs run on backend threads and touch the state under ``lock``;
+    batches are emitted and progress reported on the caller's thread."""
+
+    def __init__(
+        self,
+        problem: ProblemKey,
+        defaults: dict[int, str],
+        cfg: SweepConfig,
+        clock: Callable[[], float],
+        emit: Callable[[Batch], None],
+        progress: ProgressFn,
+    ) -> None:
+        self.problem = problem
+        self.defaults = defaults
+        self.cfg = cfg
+        self.clock = clock
+        self.deadline = None if cfg.budget_s is None else clock() + cfg.budget_s
+        self.emit = emit
+        self.progress = progress
+        self.label = f"{problem.role} N={problem.n} K={problem.k}"
+        self.measurements: dict[tuple[int, str], Measurement] = {}
+        self.checks: dict[str, Correctness] = {}
+        self.failed: dict[str, str] = {}
+        self.new_blocked: list[tuple[str, str]] = []
+        self.n_timed = 0
+        self.incomplete = False
+        self.done = 0
+        self.estimate = 0  # progress total, refined as the phases learn how much is left
+        self.lock = threading.Lock()
+
+    def reuse(self, order: Mapping[str, None], measurements: Mapping[Any, Any], checks: Mapping[str, Any]) -> int:
+        """Take over what an earlier run stored; returns how many measurements were reused."""
+        for (m, t), row in measurements.items():
+            tc = canon(t)
+            if int(m) in self.defaults and tc in order:
+                self.measurements[(int(m), tc)] = _measurement_from_row(int(m), tc, row, self.defaults[int(m)] == tc)
+        for t, row in checks.items():
+            tc = canon(t)
+            if tc in order:
+                self.checks[tc] = Correctness(tc, _check_from_row(row), reused=True)
+                if not self.checks[tc].result.passed:
+                    self.failed.setdefault(tc, _reason(self.checks[tc].result))
+        for (_m, t), meas in self.measurements.items():
+            if meas.status != OK:
+                self.failed.setdefault(t, f"{meas.status}: {meas.error or ''}")
+        return len(self.measurements)
+
+    def over_budget(self) -> bool:
+        return self.deadline is not None and self.clock() > self.deadline
+
+    def passed(self, t: str) -> bool:
+        return t in self.checks and self.checks[t].result.passed
+
+    # -- jobs (backend threads) ------------------------------------------------------------
+
+    def check_job(self, b: Backend, t: str) -> Batch:
+        out = Batch("check")
+        if self.over_budget():
+            self.incomplete = True
+            return out
+        res = _safe_check(b, self.problem, t)
+        c = Correctness(t, res)
+        out.correctness.append(c)
+        with self.lock:
+            self.checks[t] = c
+            if not res.passed and t not in self.failed:
+                self.failed[t] = _reason(res)
+                out.blocked.append((t, self.failed[t]))
+        return out
+
+    def point_job(self, b: Backend, m: int, tactics: Sequence[str], phase: str) -> Batch:
+        out = Batch(phase, m)
+        for t in tactics:
+            with self.lock:
+                if (m, t) in self.measurements or t in self.failed:
+                    continue
+            if self.over_budget():
+                self.incomplete = True
+                break
+            meas = _safe_time(b, self.problem, t, m)
+            meas.is_default = self.defaults[m] == t
+            out.measurements.append(meas)
+            with self.lock:
+                self.measurements[(m, t)] = meas
+                self.n_timed += 1
+                if meas.status != OK and t not in self.failed:
+                    self.failed[t] = f"{meas.status} at M={m}: {meas.error or ''}".strip()
+                    out.blocked.append((t, self.failed[t]))
+        return out
+
+    # -- phases (caller's thread) ----------------------------------------------------------
+
+    def check_all(self, pool: _Pool, to_check: Sequence[str]) -> None:
+        for fut in _completed([pool.submit(lambda b, t=t: self.check_job(b, t)) for t in to_check]):
+            batch = fut.result()
+            self.done += 1
+            self.progress(self.label, self.done, self.estimate)
+            if batch.correctness:  # stored at once: a killed tune keeps every finished check
+                self.emit(batch)
+                self.new_blocked += batch.blocked
+
+    def time_points(self, pool: _Pool, ms: Sequence[int], tactics_for: Callable[[int], list[str]], phase: str) -> None:
+        futs = [pool.submit(lambda b, m=m: self.point_job(b, m, tactics_for(m), phase)) for m in ms]
+        for fut in _completed(futs):
+            batch = fut.result()
+            self.done += len(batch.measurements)
+            self.progress(self.label, self.done, max(self.estimate, self.done))
+            if batch.measurements:
+                self.emit(batch)
+                self.new_blocked += batch.blocked
+
+    def anchor_survivors(self, pool: _Pool, passed: list[str], points: tuple[int, ...]) -> list[str]:
+        """Time every passed candidate at the anchors; keep the best few of each anchor."""
+        cfg = self.cfg
+        anchors = [a for a in cfg.anchors if a in self.defaults] or sorted({points[0], points[-1]})
+        self.estimate = self.done + len(anchors) * len(passed) + len(points) * (cfg.keep_per_anchor + 1)
+        self.time_points(pool, anchors, lambda m: list(passed), "anchor")
+        survivors: dict[str, None] = {}
+        for m in anchors:
+            ok = [t for t in passed if _ok(self.measurements.get((m, t)))]
+            ok.sort(key=lambda t, m=m: self.measurements[(m, t)].timing.median_us)  # type: ignore[union-attr]
+            for t in ok[: cfg.keep_per_anchor]:
+                survivors.setdefault(t, None)
+        return [t for t in passed if t in survivors]
+
+
+def sweep(
+    problem: ProblemKey,
+    candidates: Iterable[str | Any],
+    default_for: Callable[[int], str | Any],
+    backends: Sequence[Backend],
+    *,
+    config: SweepConfig | None = None,
+    previous_measurements: Mapping[tuple[int, str], Mapping[str, Any]] | None = None,
+    previous_checks: Mapping[str, Mapping[str, Any]] | None = None,
+    blocked: Iterable[str] = (),
+    on_batch: Callable[[Batch], None] | None = None,
+    on_progress: ProgressFn | None = None,
+    extends_up_ok: Callable[[str], bool] = lambda tactic: True,
+    clock: Callable[[], float] = time.monotonic,
+    check_backends: Sequence[Backend] | None = None,
+) -> SweepResult:
+    """Run the procedure in the module docstring. Returns every record it made or reused.
+
+    ``previous_measurements`` maps ``(m, tactic_json)`` to a DB row (``status``, ``median_us``,
+    ``p10_us``, ``p90_us``, ``mean_us``, ``n_samples``); ``previous_checks`` maps tactic JSON to a
+    correctness row (``passed``, errors...). ``blocked`` tactics are neither checked nor timed.
+    With several backends (GPUs), whole token points run in parallel, one backend each, so the
+    candidates of one point are always compared on one device. ``check_backends`` (default: the
+    timing backends) run the numerics phase: extra workers on one GPU compile candidates in
+    parallel and fill Triton's cache before timing starts.
+    """
+    cfg = config or SweepConfig()
+    points = tuple(sorted(set(cfg.points)))
+    if not points or points[0] < 1:
+        raise ValueError(f"token points must be positive, got {cfg.points}")
+    start = clock()
+    defaults = {m: canon(default_for(m)) for m in points}
+    blocked_set = {canon(t) for t in blocked}
+    order: dict[str, None] = {}
+    for t in [*(canon(c) for c in candidates), *defaults.values()]:
+        order.setdefault(t, None)
+    notes = [
+        f"default {t} is blocklisted here; the points it would serve use the best candidate"
+        for t in sorted(set(defaults.values()) & blocked_set)
+    ]
+    cands = [t for t in order if t not in blocked_set]
+
+    st = _Sweep(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None))
+    n_reused = st.reuse(order, previous_measurements or {}, previous_checks or {})
+
+    pool = _Pool(backends)
+    try:
+        # 1. numerics, before any timing
+        to_check = [t for t in cands if t not in st.checks]
+        st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
+        cpool = _Pool(check_backends) if check_backends else pool
+        try:
+            st.check_all(cpool, to_check)
+        finally:
+            if cpool is not pool:
+                cpool.shutdown()
+        passed = [t for t in cands if st.passed(t)]
+
+        # 2. anchors: prune a large candidate set on a few token counts
+        keep = st.anchor_survivors(pool, passed, points) if len(passed) > cfg.keep_per_anchor else list(passed)
+
+        # 3. every point: the survivors and that point's default, in the same run
+        def for_point(m: int) -> list[str]:
+            d = defaults[m]
+            extra = [d] if st.passed(d) and d not in keep else []
+            return extra + keep  # the default first: its timing anchors the comparison
+
+        st.time_points(pool, points, for_point, "point")
+    finally:
+        pool.shutdown()
+
+    passed_set = {t for t, c in st.checks.items() if c.result.passed}
+    choices = [
+        choose(
+            m, defaults[m], {t: x for (mm, t), x in st.measurements.items() if mm == m},
+            passed=passed_set, failed=set(st.failed), min_gain=cfg.min_gain, disjoint=cfg.disjoint,
+        )
+        for m in points
+    ]  # fmt: skip
+    complete = not st.incomplete
+    winners = ranges_from_choices(
+        points, choices, extends_up=complete and points[-1] >= cfg.extend_up_from, extends_up_ok=extends_up_ok
+    )
+    return SweepResult(
+        problem=problem, points=points, choices=choices, winners=winners,
+        measurements=list(st.measurements.values()), correctness=list(st.checks.values()),
+        blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
+        n_reused=n_reused, notes=notes,
+    )  # fmt: skip
+
+
+def _safe_check(b: Backend, problem: ProblemKey, t: str) -> CheckResult:
+    try:
+        return b.check(problem, t)
+    except CandidateError as err:
+        return CheckResult(passed=False, status=err.status, error=err.text)
+
+
+def _safe_time(b: Backend, problem: ProblemKey, t: str, m: int) -> Measurement:
+    try:
+        timing = b.time(problem, t, m)
+    except CandidateError as err:
+        return Measurement(m, t, err.status, error=err.text)
+    if not (timing.median_us > 0 and math.isfinite(timing.median_us)):
+        return Measurement(m, t, "launch_error", error=f"implausible time {timing.median_us} us")
+    return Measurement(m, t, OK, timing)
+
+
+def _reason(r: CheckResult) -> str:
+    if r.status != OK:
+        return f"{r.status}: {r.error or ''}".strip()
+    parts = [f"numerics_fail vs {r.reference or 'reference'}"]
+    if r.rel_err is not None:
+        parts.append(f"rel_err={r.rel_err:.3g}" + (f" > {r.tolerance:.3g}" if r.tolerance is not None else ""))
+    if r.nan_inf_count:
+        parts.append(f"{r.nan_inf_count} NaN/Inf")
+    if r.error:
+        parts.append(r.error)
+    return ", ".join(parts)
+
+
+def _ok(meas: Measurement | None) -> bool:
+    return meas is not None and meas.status == OK and meas.timing is not None
+
+
+def _measurement_from_row(m: int, t: str, row: Mapping[str, Any], is_default: bool) -> Measurement:
+    if row.get("status") == OK and row.get("median_us") is not None:
+        med = float(row["median_us"])
+        timing = Timing(
+            median_us=med, p10_us=float(row.get("p10_us") or med), p90_us=float(row.get("p90_us") or med),
+            mean_us=float(row.get("mean_us") or med), n_samples=int(row.get("n_samples") or 0),
+        )  # fmt: skip
+        return Measurement(m, t, OK, timing, is_default=is_default, reused=True)
+    return Measurement(m, t, str(row.get("status")), error=row.get("error_text"), is_default=is_default, reused=True)
+
+
+def _check_from_row(row: Mapping[str, Any]) -> CheckResult:
+    return CheckResult(
+        passed=bool(row.get("passed")), reference=str(row.get("reference") or ""),
+        max_abs_err=row.get("max_abs_err"), rel_err=row.get("rel_err"),
+        nan_inf_count=int(row.get("nan_inf_count") or 0), tolerance=row.get("tolerance"),
+        error=row.get("error_text"),
+    )  # fmt: skip
+
+
+def choose(
+    m: int,
+    default: str,
+    timed: Mapping[str, Measurement],
+    *,
+    passed: set[str],
+    failed: set[str],
+    min_gain: float = 0.03,
+    disjoint: bool = True,
+) -> PointChoice:
+    """The tactic for token point ``m``: the default unless beaten beyond noise.
+
+    Only candidates that passed the numerics check, never failed, and were timed OK compete.
+    """
+    ok = {t: x for t, x in timed.items() if _ok(x) and t in passed and t not in failed}
+    if not ok:
+        return PointChoice(m, None, default, None, None, why="nothing measured")
+    ranked = sorted(ok, key=lambda t: (ok[t].timing.median_us, t))  # type: ignore[union-attr]
+    best = ranked[0]
+    dm = ok.get(default)
+    bt = ok[best].timing
+    assert bt is not None
+    if dm is None:
+        winner, why = best, "default unavailable"
+    elif best == default:
+        winner, why = default, "default fastest"
+    else:
+        dt = dm.timing
+        assert dt is not None
+        faster = bt.median_us < dt.median_us * (1.0 - min_gain)
+        clear = bt.p90_us < dt.p10_us if disjoint else True
+        if faster and clear:
+            winner, why = best, "beats default beyond noise"
+        else:
+            winner, why = default, "default kept (gain within noise)"
+    others = [t for t in ranked if t != winner]
+    wt = ok[winner].timing
+    assert wt is not None
+    ru = others[0] if others else None
+    gap = ok[ru].timing.median_us / wt.median_us - 1.0 if ru else None  # type: ignore[union-attr]
+    return PointChoice(
+        m, winner, default, wt.median_us, dm.timing.median_us if dm and dm.timing else None,
+        runner_up=ru, runner_up_gap=gap, why=why,
+    )  # fmt: skip
+
+
+def ranges_from_choices(
+    points: Sequence[int],
+    choices: Sequence[PointChoice],
+    *,
+    extends_up: bool,
+    extends_up_ok: Callable[[str], bool] = lambda tactic: True,
+) -> list[WinnerRange]:
+    """Merge per-point choices into winner ranges by :func:`prepkit.tactics.lookup.merge_points`
+    (the lookup's own ceil rule). A point without a winner leaves its range to the default; the
+    last range extends upward only if ``extends_up`` and it ends at the last point."""
+    by_m = {c.m: c for c in choices}
+    pts = sorted(points)
+    picked = [by_m[m] if m in by_m and by_m[m].winner is not None else None for m in pts]
+    out: list[WinnerRange] = []
+    for lo, hi, idx in merge_points(pts, [c.winner if c else None for c in picked]):
+        group = [picked[i] for i in idx]
+        last = group[-1]
+        assert last is not None
+        out.append(
+            WinnerRange(
+                m_lo=lo, m_hi=hi, tactic=last.winner or "", extends_up=False,
+                median_us=last.winner_us, default_median_us=last.default_us,
+                speedup_vs_default=geomean([c.speedup for c in group if c and c.speedup]),
+                runner_up=last.runner_up, runner_up_gap=last.runner_up_gap,
+            )
+        )  # fmt: skip
+    if out and extends_up and out[-1].m_hi == max(points) and extends_up_ok(out[-1].tactic):
+        last_range = out[-1]
+        out[-1] = WinnerRange(**{**last_range.__dict__, "extends_up": True})
+    return out
+
+
+def tune_layer(
+    problems: Sequence[ProblemKey],
+    backends: Sequence[Backend],
+    *,
+    candidates_for: Callable[[ProblemKey], list[str]],
+    default_for: Callable[[ProblemKey], Callable[[int], str]],
+    config: SweepConfig,
+    previous: Callable[[ProblemKey], tuple[Mapping[Any, Any], Mapping[str, Any], set[str]]] | None = None,
+    on_batch: Callable[[ProblemKey, Batch], None] | None = None,
+    on_result: Callable[[SweepResult], None] | None = None,
+    on_progress: ProgressFn | None = None,
+    compare_layer: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+    check_backends: Sequence[Backend] | None = None,
+) -> LayerReport:
+    """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
+    budget over what is left; then, where the backend can, time the whole layer with the default
+    pair and with the tuned pair at every point (the number users feel)."""
+    start = clock()
+    results: list[SweepResult] = []
+    for i, problem in enumerate(problems):
+        budget = None
+        if config.budget_s is not None:
+            left = config.budget_s - (clock() - start)
+            # Keep a slice for the whole-layer comparison at the end.
+            budget = max(0.0, left * (0.95 if compare_layer else 1.0) / (len(problems) - i))
+        prev_m, prev_c, blocked = previous(problem) if previous else ({}, {}, set())
+        res = sweep(
+            problem, candidates_for(problem), default_for(problem), backends,
+            config=SweepConfig(**{**config.__dict__, "budget_s": budget}),
+            previous_measurements=prev_m, previous_checks=prev_c, blocked=blocked,
+            on_batch=(lambda b, p=problem: on_batch(p, b)) if on_batch else None,
+            on_progress=on_progress, clock=clock, check_backends=check_backends,
+        )  # fmt: skip
+        results.append(res)
+        if on_result:
+            on_result(res)
+    points = _layer_points(results, getattr(backends[0], "time_layer", None)) if compare_layer else []
+    return LayerReport(results, points, clock() - start)
+
+
+def _layer_points(results: Sequence[SweepResult], timer: Callable[..., Timing] | None) -> list[LayerPoint]:
+    """Whole-layer latency with the default pair and with the tuned pair at every point."""
+    by_role = {r.problem.role: r for r in results}
+    if timer is None or not {"gemm1", "gemm2"} <= set(by_role):
+        return []
+    g1, g2 = by_role["gemm1"], by_role["gemm2"]
+    c1 = {c.m: c for c in g1.choices}
+    c2 = {c.m: c for c in g2.choices}
+    points: list[LayerPoint] = []
+    for m in g1.points:
+        if m not in c2:
+            continue
+        default_pair = (c1[m].default, c2[m].default)
+        tuned_pair = (c1[m].winner or c1[m].default, c2[m].winner or c2[m].default)
+        try:
+            d = timer(g1.problem, default_pair, m).median_us
+            t = d if tuned_pair == default_pair else timer(g1.problem, tuned_pair, m).median_us
+        except CandidateError:
+            d = t = None
+        points.append(LayerPoint(m, d, t))
+    return points

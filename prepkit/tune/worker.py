@@ -1,0 +1,341 @@
+"""The GPU side of ``prepkit tune``: a process that builds one full-size random layer, checks
+candidates against the fp32 reference and times them with CUDA graphs, answering JSON lines.
+
+Started by :class:`prepkit.tune.backend.SubprocessBackend` as ``python -m prepkit.tune.worker``.
+Without CUDA (``TRITON_INTERPRET=1``) the same code runs tiny problems on the CPU, so the whole
+worker path can be tested before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prepkit.tactics.keys import ProblemKey, canon, canonical_json
+from prepkit.tune.candidates import moe_problem
+
+
+def kernel_timing_scope() -> str:
+    """``'gemm'`` when the kernel exposes its stages (each GEMM is timed alone), else ``'layer'``."""
+    from prepkit.kernels import moe_mxfp4 as k
+
+    return "gemm" if all(hasattr(k, f) for f in ("route", "gemm1_swiglu", "gemm2_combine")) else "layer"
+
+
+class GpuBench:
+    """Worker side: one full-size random layer of the problem, its reference, and timers.
+
+    Weights are random MXFP4 codes with E8M0 scales drawn from a narrow valid range (never 0xFF),
+    built in checkpoint form and converted by the real layout, so the numerics check compares
+    layout + kernel against the fp32 oracle of :mod:`prepkit.kernels.reference`.
+    """
+
+    CHECK_M = (1, 7, 33, 256)
+    TOLERANCE = 2e-2  # relative L2 error; bf16 activations and intermediate stay well below it
+
+    def __init__(self, pk: Mapping[str, Any], seed: int) -> None:
+        import torch
+
+        from prepkit.kernels.device import DeviceInfo
+        from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankSpec
+        from prepkit.layouts.triton_moe import LAYOUT
+        from prepkit.runtime.moe import MoeLayer
+
+        self.torch = torch
+        self.problem = ProblemKey(**pk)
+        # Without CUDA (TRITON_INTERPRET=1) the same code runs tiny problems on the CPU, so the
+        # whole worker path can be exercised before any GPU time is spent.
+        self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.dev.type == "cuda":
+            self.info = DeviceInfo.from_torch(self.dev)
+        else:
+            from prepkit.kernels.device import H100
+
+            self.info = H100
+        E, top_k = self.problem.num_experts, self.problem.top_k
+        H, I = self.problem.layer_dims
+        self.H, self.I, self.E, self.top_k = H, I, E, top_k
+        g = torch.Generator(device=self.dev).manual_seed(seed)
+
+        def codes(*shape: int) -> torch.Tensor:
+            return torch.randint(0, 256, shape, generator=g, device=self.dev, dtype=torch.uint8)
+
+        def scales(*shape: int) -> torch.Tensor:
+            # 2**-8 .. 2**-5: products of fp4 values (<= 6) stay in the range real weights have.
+            return torch.randint(119, 123, shape, generator=g, device=self.dev, dtype=torch.uint8)
+
+        self.source = ExpertWeights(
+            gate_up_proj_blocks=codes(E, 2 * I, H // 32, 16),
+            gate_up_proj_scales=scales(E, 2 * I, H // 32),
+            gate_up_proj_bias=(torch.randn(E, 2 * I, generator=g, device=self.dev) * 0.1).to(torch.bfloat16),
+            down_proj_blocks=codes(E, H, I // 32, 16),
+            down_proj_scales=scales(E, H, I // 32),
+            down_proj_bias=(torch.randn(E, H, generator=g, device=self.dev) * 0.1).to(torch.bfloat16),
+        )
+        plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, top_k), RankSpec(), LayoutOptions())
+        tensors = LAYOUT.build(self.source, plan)
+        self.layer = MoeLayer.from_tensors(
+            tensors, layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
+            valid_intermediate=I, top_k=top_k, facts=plan.facts,
+        )  # fmt: skip
+        self.layer.device_info = self.info
+        self.gen = g
+        self._refs: dict[int, tuple[Any, Any, Any]] = {}
+        self._inputs: dict[str, Any] = {}
+
+    def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[Any, Any]:
+        from prepkit.kernels.tactic import GemmTactic
+        from prepkit.kernels.variants import default_tactics
+
+        if pair is not None:
+            return GemmTactic.from_json(pair[0]), GemmTactic.from_json(pair[1])
+        g1, g2 = (self._runnable(t) for t in default_tactics(moe_problem(self.problem, m), self.info))
+        assert tactic is not None
+        t = GemmTactic.from_json(tactic)
+        return (t, g2) if self.problem.role == "gemm1" else (g1, t)
+
+    def check(self, tactic: str) -> dict[str, Any]:
+        from prepkit.kernels.reference import moe_reference, relative_error
+        from prepkit.runtime.moe import moe
+
+        torch = self.torch
+        worst, max_abs, bad = 0.0, 0.0, 0
+        for m in self.CHECK_M:
+            if m not in self._refs:
+                x = torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
+                logits = torch.randn(m, self.E, device=self.dev, generator=self.gen)
+                ref = moe_reference(x, logits, self.source.as_dict(), top_k=self.top_k)
+                self._refs[m] = (x, logits, ref)
+            x, logits, ref = self._refs[m]
+            out = moe(self.layer, x, logits, tactics=self.pair(tactic, m), out_dtype=torch.float32)
+            if self.dev.type == "cuda":
+                torch.cuda.synchronize()
+            bad += int((~torch.isfinite(out)).sum())
+            worst = max(worst, relative_error(out, ref))
+            max_abs = max(max_abs, float((out.double() - ref.double()).abs().max()) if out.numel() else 0.0)
+        return {
+            "passed": bad == 0 and worst <= self.TOLERANCE, "m_values": list(self.CHECK_M),
+            "reference": "fp32_source_dequant", "max_abs_err": max_abs, "rel_err": worst,
+            "nan_inf_count": bad, "tolerance": self.TOLERANCE,
+        }  # fmt: skip
+
+    ROTATE = 8  # input sets a graph cycles through: different experts each launch, cold weights
+
+    def _launcher(self, tactic: str | None, m: int, pair: Sequence[str] | None) -> tuple[Callable[[int], Any], str]:
+        """``launch(i)`` for input set ``i`` and what it covers: the swept GEMM alone when the
+        kernel exposes its stages (routing and the other GEMM run once, outside the timing),
+        else the whole layer."""
+        from prepkit.kernels import moe_mxfp4 as k
+        from prepkit.runtime.moe import moe
+
+        torch = self.torch
+        layer = self.layer
+        if self._inputs.get("m") != m:
+            self._inputs = {"m": m}  # one token count's buffers at a time
+        if "xs" not in self._inputs:
+            self._inputs["xs"] = [
+                torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
+                for _ in range(self.ROTATE)
+            ]
+            self._inputs["ls"] = [
+                torch.randn(m, self.E, device=self.dev, generator=self.gen) for _ in range(self.ROTATE)
+            ]
+        xs, ls = self._inputs["xs"], self._inputs["ls"]
+        staged = all(hasattr(k, f) for f in ("route", "gemm1_swiglu", "gemm2_combine"))
+        if pair is not None or not staged:
+            tactics = self.pair(tactic, m, pair)
+            return (lambda i: moe(layer, xs[i], ls[i], tactics=tactics)), "layer"
+        g1, _ = self.pair(None, m, [self._default(m, 0), self._default(m, 1)])
+        small = layer.small_scales
+        w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
+        if "routings" not in self._inputs:
+            rs = [
+                k.route(ls[i], top_k=self.top_k, expert_lo=0, num_local_experts=self.E, hidden=self.H)
+                for i in range(self.ROTATE)
+            ]
+            h1s = [
+                k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1, small_scales=small[0])
+                for i in range(self.ROTATE)
+            ]
+            self._inputs["routings"], self._inputs["h1s"] = rs, h1s
+        rs, h1s = self._inputs["routings"], self._inputs["h1s"]
+        t = self.pair(tactic, m)[0 if self.problem.role == "gemm1" else 1]
+        if self.problem.role == "gemm1":
+
+            def run_gemm1(i: int) -> Any:
+                return k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=t, small_scales=small[0])
+
+            return run_gemm1, "gemm1"
+        w2 = (layer.w2_blocks, layer.w2_scales, layer.w2_bias if layer.apply_down_bias else None)
+
+        def run_gemm2(i: int) -> Any:
+            return k.gemm2_combine(rs[i], h1s[i], *w2, tactic=t, small_scales=small[1])
+
+        return run_gemm2, "gemm2"
+
+    def _default(self, m: int, idx: int) -> str:
+        from prepkit.kernels.variants import default_tactics
+
+        return canon(self._runnable(default_tactics(moe_problem(self.problem, m), self.info)[idx]))
+
+    def _runnable(self, t: Any) -> Any:
+        # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.
+        if self.dev.type != "cuda" and getattr(t, "upcast", None) == "asm":
+            from dataclasses import replace
+
+            return replace(t, upcast="bits")
+        return t
+
+    def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
+        """Samples of one launch: a CUDA graph of ``reps`` launches cycling through fresh inputs,
+        replayed ``samples`` times; reps and samples scale with the launch's length."""
+        torch = self.torch
+        launch, scope = self._launcher(tactic, m, pair)
+        if self.dev.type != "cuda":
+            samples = []
+            for i in range(3):
+                t = time.perf_counter()
+                launch(i % self.ROTATE)
+                samples.append((time.perf_counter() - t) * 1e6)
+            return {"samples_us": samples, "reps": 1, "scope": scope}
+        for i in range(2):  # compile and warm up outside the graph
+            launch(i)
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        launch(0)
+        t1.record()
+        torch.cuda.synchronize()
+        est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
+        reps = int(min(4 * self.ROTATE, max(1, 2000 // est_us)))
+        n_samples = int(min(30, max(7, 60_000 // (est_us * reps))))
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for i in range(min(reps, self.ROTATE)):  # let the allocator see the shapes first
+                launch(i)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                launch(i % self.ROTATE)
+        graph.replay()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(n_samples):
+            t0.record()
+            graph.replay()
+            t1.record()
+            t1.synchronize()
+            samples.append(t0.elapsed_time(t1) * 1e3 / reps)
+        del graph
+        return {"samples_us": samples, "reps": reps, "scope": scope}
+
+
+def _describe() -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from prepkit.kernels.device import DeviceInfo
+    from prepkit.tactics.keys import Environment
+
+    env = Environment.current()
+    kinfo = DeviceInfo.from_torch()
+    return {
+        "environment": asdict(env),
+        "device_info": {**asdict(kinfo), "capability": list(kinfo.capability)},
+    }
+
+
+def _classify(err: BaseException) -> tuple[str, bool]:
+    """Status of a failed request and whether the CUDA context is unusable (restart the worker)."""
+    name = type(err).__name__
+    text = str(err)
+    if name == "OutOfResources" or "out of resource" in text.lower():
+        status = "out_of_resources"
+    elif "Compil" in name or "PassManager" in text or "ptxas" in text:
+        status = "compile_error"
+    else:
+        status = "launch_error"
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.zeros(1, device="cuda").add_(1).item()
+    except Exception:
+        return "sticky_cuda_error", True
+    return status, False
+
+
+def worker_main(seed: int) -> int:
+    # The protocol owns the real stdout; anything a library prints goes to stderr instead.
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    benches: dict[str, GpuBench] = {}
+
+    def bench(pk: Mapping[str, Any]) -> GpuBench:
+        key = canonical_json(dict(pk))
+        if key not in benches:
+            benches.clear()  # one layer's weights on the GPU at a time
+            benches[key] = GpuBench(pk, seed)
+        return benches[key]
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        op = req.get("op")
+        if op == "quit":
+            break
+        try:
+            if op == "describe":
+                result = _describe()
+            elif op == "bandwidth":
+                result = _bandwidth_only()
+            elif op == "check":
+                result = bench(req["problem"]).check(req["tactic"])
+            elif op == "time":
+                result = bench(req["problem"]).time(req.get("tactic"), int(req["m"]), req.get("pair"))
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            reply: dict[str, Any] = {"ok": True, "result": result}
+        except Exception as err:  # every failure is data for the blocklist
+            status, fatal = _classify(err)
+            text = f"{type(err).__name__}: {err}"[:2000]
+            reply = {"ok": False, "status": status, "fatal": fatal, "error": text}
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+        if not reply["ok"] and reply.get("fatal"):
+            return 3
+    return 0
+
+
+def _bandwidth_only() -> dict[str, Any]:
+    import torch
+
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    b.copy_(a)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        t0.record()
+        b.copy_(a)
+        t1.record()
+        t1.synchronize()
+        best = min(best, t0.elapsed_time(t1))
+    return {"gbps": 2 * n / (best * 1e-3) / 1e9}  # bytes read plus bytes written
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="prepkit tuning worker (started by `prepkit tune`)")
+    ap.add_argument("--seed", type=int, default=0)
+    sys.exit(worker_main(ap.parse_args().seed))
