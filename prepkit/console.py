@@ -1,4 +1,5 @@
-"""The one rich console (stderr) and the progress adapter; only the CLI imports this module."""
+"""The rich consoles (results on stdout, diagnostics and progress on stderr) and the progress
+adapter; only the CLI imports this module."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from rich.progress import (
 )
 
 err_console = Console(stderr=True, highlight=False)
+# Results (tables, plans, summaries) go to stdout so they can be piped and grepped.
+out_console = Console(highlight=False)
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -61,11 +64,17 @@ def progress(
 
 
 def info(message: str) -> None:
-    err_console.print(message)
+    # soft_wrap: a log line off a terminal stays one line instead of breaking at 80 columns
+    err_console.print(message, soft_wrap=not err_console.is_terminal)
+
+
+def result(renderable: Any) -> None:
+    """Print a result (a table or a line) on stdout."""
+    out_console.print(renderable)
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]Warning:[/] {message}")
+    err_console.print(f"[yellow]Warning:[/] {message}", soft_wrap=not err_console.is_terminal)
 
 
 def emit_json(payload: Any) -> None:

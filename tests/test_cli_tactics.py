@@ -166,10 +166,11 @@ def test_show_export_plot(filled: Path, tmp_path: Path) -> None:
     r = invoke("tactics", "show", "--db", str(filled))
     assert r.exit_code == 0 and "gemm2 N=2880" in r.output and "tokens" in r.output
     assert re.search(r"m\d+ n\d+ k\d+ w\d+ s\d+ sk\d+ upcast=\w+", r.output), r.output
-    r = invoke("tactics", "export", "--json", "--db", str(filled))
+    r = invoke("tactics", "export", "--db", str(filled))
     assert r.exit_code == 0
     exported = json.loads(r.output)
     assert exported["format"] == "prepkit-tactics" and exported["tables"]["measurement"]
+    assert json.loads(invoke("tactics", "export", "--json", "--db", str(filled)).output) == exported  # old spelling
     png = tmp_path / "p.png"
     r = invoke("tactics", "plot", str(png), "--db", str(filled))
     assert r.exit_code == 0, r.output
@@ -249,3 +250,89 @@ def test_reading_a_shipped_db_never_changes_it(filled: Path, tmp_path: Path) -> 
         assert r.exit_code == 0, r.output
     assert shipped.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("shipped")) == ["shipped.db"]
+
+
+# ------------------------------------------------------------------------------ CLI start-up
+
+
+def test_top_level_help_lists_every_command_with_its_own_summary() -> None:
+    """The summaries ``prepkit --help`` prints without importing the commands are the commands' own."""
+    import click
+
+    from prepkit.cli._app import COMMANDS
+
+    ctx = click.Context(cli)
+    for name, (_module, summary) in COMMANDS.items():
+        cmd = cli.get_command(ctx, name)
+        assert cmd is not None, name
+        assert cmd.get_short_help_str(limit=300) == summary, name
+    out = invoke("--help").output
+    assert all(name in out for name in COMMANDS)
+
+
+def test_top_level_help_and_completion_import_no_torch() -> None:
+    """``prepkit --help`` and tab completion load no command module, so neither torch nor triton."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from prepkit.cli import main\n"
+        "sys.argv = ['prepkit', '--help']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = {'torch', 'triton', 'huggingface_hub', 'sqlite_utils'} & set(sys.modules)\n"
+        "print('HEAVY', sorted(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+    env = {**os.environ, "_PREPKIT_COMPLETE": "bash_complete", "COMP_WORDS": "prepkit t", "COMP_CWORD": "1"}
+    code = (
+        "import sys\n"
+        "from prepkit.cli import cli\n"
+        "try:\n"
+        "    cli.main(prog_name='prepkit')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('HEAVY', sorted({'torch', 'triton'} & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert "plain,tactics" in out.stdout and "plain,tune" in out.stdout, out.stdout
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_show_prints_whole_ranges_on_stdout_in_80_columns() -> None:
+    """Off a terminal, 80 columns wide: the table is on stdout, and every token range, time and
+    speedup is printed whole (only the tactic column wraps)."""
+    import os
+    import subprocess
+    import sys
+
+    from prepkit.tactics import store
+    from prepkit.tactics.lookup import bundled_db_path
+
+    path = bundled_db_path()
+    assert path is not None
+    with store.open_db_readonly(path) as tdb:
+        winners = tdb.winners()
+    env = {**os.environ, "COLUMNS": "80", "PREPKIT_TACTICS_DB": "/nonexistent/tactics.db"}
+    out = subprocess.run(
+        [sys.executable, "-m", "prepkit", "tactics", "show", "--db", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    ranges = [c for c in cells if c and c[0]]
+    assert len(ranges) == len(winners)
+    for row, w in zip(ranges, winners, strict=True):
+        assert row[0] == f"{w['m_lo']}-{'up' if w['extends_up'] else w['m_hi']}"
+        assert row[2] == (f"{w['median_us']:.1f}" if w["median_us"] else "-")
+        sp = w["speedup_vs_default"]
+        assert row[3] == (f"{sp:.2f}x" if sp else "-")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -32,8 +33,50 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
     return bool(root and root.params.get("debug"))
 
 
+# Each command lives in its own module, imported only when the command runs (or its own --help
+# is asked for): ``prepkit --help`` and shell completion then load neither torch nor triton.
+# The one-line help is written here too; a test checks it against the command's docstring.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "fetch": (
+        "prepkit.cli.fetch",
+        "Download the files `prepare` needs, check each against the hub's sha256, and record them.",
+    ),
+    "prepare": ("prepkit.cli.prepare", "Convert the MoE experts of a checkpoint into one shard set per TP/EP rank."),
+    "synth": (
+        "prepkit.cli.synth",
+        "Write a random gpt-oss MXFP4 checkpoint (config, index, shards) for tests and demos.",
+    ),
+    "tactics": ("prepkit.cli.tactics", "Inspect, export, merge and plot tactic databases (tactics.db)."),
+    "tune": (
+        "prepkit.cli.tune",
+        "Measure every pruned kernel variant on this GPU and store the fastest per token range.",
+    ),
+    "verify": ("prepkit.cli.verify", "Check a prepared shard set."),
+}
+
+
 class PrepkitGroup(click.Group):
-    """Turns :class:`PrepkitError` into one red line, its hint, and the error's exit code."""
+    """Loads commands on first use, and turns :class:`PrepkitError` into one red line, its hint,
+    and the error's exit code."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(COMMANDS) | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands and cmd_name in COMMANDS:
+            importlib.import_module(COMMANDS[cmd_name][0])  # registers the command on this group
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in sorted(COMMANDS)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+
+        names = [n for n in sorted(COMMANDS) if n.startswith(incomplete)]
+        return [CompletionItem(n, help=COMMANDS[n][1]) for n in names]
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

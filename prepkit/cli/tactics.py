@@ -49,7 +49,7 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
         return
     from rich.table import Table
 
-    console.info(f"{path}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    console.result(f"{path}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     for rows in winner_groups(winners):
         w0 = rows[0]
         acts = "" if w0["act_dtype"] in (None, "bf16") else f" act={w0['act_dtype']}"
@@ -59,10 +59,11 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
             f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}",
             title_justify="left",
         )
-        t.add_column("tokens", justify="right", no_wrap=True)
-        t.add_column("tactic", no_wrap=True)
-        t.add_column("us", justify="right")
-        t.add_column("vs default", justify="right")
+        # Numbers never wrap or shorten; on a narrow screen the tactic column wraps instead.
+        t.add_column("tokens", justify="right", no_wrap=True, min_width=9)
+        t.add_column("tactic", overflow="fold", ratio=1)
+        t.add_column("us", justify="right", no_wrap=True, min_width=7)
+        t.add_column("vs default", justify="right", no_wrap=True, min_width=10)
         for w in rows:
             hi = "up" if w["extends_up"] else str(w["m_hi"])
             sp = w["speedup_vs_default"]
@@ -70,18 +71,19 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
                 f"{w['m_lo']}-{hi}", short_tactic(w["params_json"]),
                 f"{w['median_us']:.1f}" if w["median_us"] else "-", f"{sp:.2f}x" if sp else "-",
             )  # fmt: skip
-        console.err_console.print(t)
+        console.result(t)
 
 
 @tactics_group.command("export")
 @_db_option
-@click.option("--json", "as_json", is_flag=True, required=True, help="Write every table as JSON on stdout.")
+# JSON is the only format; --json stays accepted for scripts written when it was required.
+@click.option("--json", "as_json", is_flag=True, hidden=True)
 def export_command(db_path: Path | None, as_json: bool) -> None:
-    """Dump the whole DB as JSON (for review, or to share measurements).
+    """Write the whole DB as JSON on stdout (for review, or to share measurements).
 
     \b
     Example:
-        prepkit tactics export --json --db tactics.db > tactics.json
+        prepkit tactics export --db ~/.cache/prepkit/tactics.db > my-gpu.json
     """
     from prepkit.tactics import store
     from prepkit.tactics.lookup import db_to_read

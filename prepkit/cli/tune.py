@@ -142,7 +142,7 @@ def _print(summary: dict[str, Any]) -> None:
 
     for p in summary["problems"]:
         gm = p["geomean_speedup"]
-        console.info(
+        console.result(
             f"[bold]{p['problem']}[/]: {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
             f"{p['ranges']} ranges, {p['elapsed_s']} s"
             + (f", geomean {gm:.3f}x vs default" if gm else "")
@@ -155,9 +155,9 @@ def _print(summary: dict[str, Any]) -> None:
         for lp in summary["layer"]:
             sp = lp["speedup"]
             t.add_row(str(lp["m"]), _us(lp["default_us"]), _us(lp["tuned_us"]), f"{sp:.3f}x" if sp else "-")
-        console.err_console.print(t)
+        console.result(t)
         if summary["layer_geomean_speedup"]:
-            console.info(f"layer geomean speedup: {summary['layer_geomean_speedup']:.3f}x")
+            console.result(f"layer geomean speedup: {summary['layer_geomean_speedup']:.3f}x")
 
 
 def _us(v: float | None) -> str:

@@ -384,7 +384,8 @@ class TacticsDB:
                 JOIN problem p USING (problem_hash)
                 JOIN kernel k ON k.kernel_hash = p.kernel_hash
                 JOIN tactic t ON t.tactic_hash = w.tactic_hash
-                ORDER BY e.arch, e.gpu_name, k.role, p.n, p.k, p.tp_size, w.m_lo
+                ORDER BY e.arch, e.gpu_name, e.env_hash, k.role, p.n, p.k, p.tp_size, k.kernel_version,
+                         p.problem_hash, w.m_lo
                 """
             )
         )
