@@ -191,7 +191,8 @@ def torch_baseline(layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor) -> to
 
 
 def sweep_candidates(T: int, gemm: str) -> list[GemmTactic]:
-    """A short list around the measured optimum (the inline-PTX upcast won every earlier sweep)."""
+    """A short list of tiles around the best ones found so far, inline-PTX upcast only (the other
+    upcasts lost every sweep: docs/kernel-history.md)."""
     rows = max(1, T * TOP_K // min(E, T * TOP_K))
     out = []
     if rows <= 32:

@@ -1,4 +1,4 @@
-"""FlashInfer's CUDA-only helpers against prepkit's CPU bytes (layouts.md §5.1 lists what needs a
+"""FlashInfer's CUDA-only helpers against prepkit's CPU bytes (docs/layouts.md §5.1 lists what needs a
 GPU): ``block_scale_interleave`` vs the 128x4 swizzle, and the SM90 mixed-GEMM weight interleave
 vs ``interleave_weights_sm90``. Skipped without CUDA or FlashInfer.
 

@@ -14,7 +14,7 @@ E = 2
 DIMS = ModelDims(num_layers=1, num_experts=E, hidden=H, intermediate=I, top_k=1)
 OPTS = LayoutOptions()
 
-# TensorRT-LLM's pad-before-shard split of I = 2880 (layouts.md §2.3, §4b)
+# TensorRT-LLM's pad-before-shard split of I = 2880 (docs/layouts.md §2.3, §4b)
 EXPECTED_RANGES = {
     1: [(0, 2880)],
     2: [(0, 1536), (1536, 2880)],
@@ -48,7 +48,7 @@ def assert_same_bytes(got: ExpertWeights, want: ExpertWeights) -> None:
 
 
 def swizzle_offset(r: int, c: int, cols_padded: int) -> int:
-    """computeSFIndex for the 128x4 layout, written out (layouts.md §3.4)."""
+    """computeSFIndex for the 128x4 layout, written out (docs/layouts.md §3.4)."""
     return (r // 128) * 128 * cols_padded + (c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
 
 
@@ -131,7 +131,7 @@ def test_full_size_shapes_on_meta(tp: int) -> None:
     plan = LAYOUT.plan_rank(dims, RankSpec(tp_size=tp, tp_rank=0), OPTS)
     out = LAYOUT.build(meta, plan)
     Ip = PADDED[tp]
-    # layouts.md §4b: the engine's int64 / int32 parameter views
+    # docs/layouts.md §4b: the engine's int64 / int32 parameter views
     assert tuple(out["w3_w1_weight"].view(torch.int64).shape) == (128, 2 * Ip, 2944 // 16)
     assert tuple(out["w3_w1_weight_scale"].view(torch.int32).shape) == (128, 2 * Ip, 23)
     assert tuple(out["w2_weight"].view(torch.int64).shape) == (128, 2944, Ip // 16)

@@ -1,5 +1,5 @@
 """prepkit's permutations, 128x4 swizzle and SM90 scale fold byte-compared with FlashInfer's own
-CPU-usable helpers (layouts.md §5.1). Skipped where FlashInfer is not installed (CI)."""
+CPU-usable helpers (docs/layouts.md §5.1). Skipped where FlashInfer is not installed (CI)."""
 
 from __future__ import annotations
 

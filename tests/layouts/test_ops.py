@@ -96,7 +96,7 @@ def test_interleave_round_trip() -> None:
         (1, 2880, 128),
         (2, 2880, 3072),
         (4, 2880, 3072),
-        (8, 2880, 3072),  # fc1 / fc2 weights (layouts.md §2.2)
+        (8, 2880, 3072),  # fc1 / fc2 weights (docs/layouts.md §2.2)
         (1, 90, 128),
         (2, 90, 256),
         (4, 90, 512),

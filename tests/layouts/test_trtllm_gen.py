@@ -164,7 +164,7 @@ def test_ep_gives_contiguous_expert_slices() -> None:
 
 
 def _literal_pipeline(w: ExpertWeights, tp: int, rank: int, version: str) -> dict[str, torch.Tensor]:
-    """layouts.md §2.6 step by step, per expert, with plain torch: pad, slice, stack, permute,
+    """docs/layouts.md §2.6 step by step, per expert, with plain torch: pad, slice, stack, permute,
     swizzle. Written independently of the layout's composed gathers."""
     plan = LAYOUT.plan_rank(REAL, RankSpec(tp_size=tp, tp_rank=rank), LayoutOptions(version))
     lo, hi = plan.intermediate_range
