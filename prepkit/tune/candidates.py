@@ -48,7 +48,7 @@ def prune_candidates(
 ) -> list[str]:
     """Arch-independent pruning of the kernel's valid variants to a sweepable set.
 
-    Rules: at least 2 stages (1 never hides the weight loads); split-K only for
+    Rules (docs/tuning.md): at least 2 stages (1 never hides the weight loads); split-K only for
     GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
     ``bits`` stays for devices and interpreters without the PTX path); then, if more than

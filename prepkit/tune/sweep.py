@@ -4,7 +4,7 @@ The sweep returns records and never writes a DB: the caller stores each batch as
 (``on_batch``, called on the caller's thread), so a killed tune keeps every finished point.
 Measuring is delegated to :class:`~prepkit.tune.backend.Backend` objects.
 
-Procedure:
+Procedure (docs/tuning.md says why):
 
 1. numerics: every candidate not checked before in this environment is compared with the
    reference; a failure goes to the blocklist and never reaches timing;
