@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from prepkit.constants import INDEX_NAME
 from prepkit.errors import CheckpointError
 from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights, ModelDims
 from prepkit.recipes import SAFETENSORS_DTYPES, Recipe, check_config, model_dims, shape_of
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -286,11 +286,3 @@ def _st_name(dtype: torch.dtype) -> str:
         if v == dtype:
             return k
     return str(dtype)
-
-
-def free_bytes(path: Path) -> int:
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    st = os.statvfs(probe)
-    return st.f_bavail * st.f_frsize

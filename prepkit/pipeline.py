@@ -22,17 +22,26 @@ from typing import Any
 import torch
 
 from prepkit import __version__
-from prepkit.checkpoint import Checkpoint, free_bytes
-from prepkit.errors import OutputError
+from prepkit.checkpoint import Checkpoint
+from prepkit.constants import (
+    EXPERTS_FILE,
+    FETCH_RECORD,
+    INDEX_NAME,
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    SHARED_DIR,
+    SHARED_FILE,
+    SYNTH_RECORD,
+)
+from prepkit.errors import CheckpointError, FetchError, OutputError
+from prepkit.fetch import read_fetch_record
+from prepkit.fsutil import free_bytes, temp_path
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
 from prepkit.layouts.base import SOURCE_ROLES
 from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
 from prepkit.recipes import Recipe
 from prepkit.shards import (
-    INDEX_NAME,
-    JOURNAL_NAME,
     MANIFEST_FORMAT,
-    MANIFEST_NAME,
     MANIFEST_VERSION,
     Journal,
     WrittenFile,
@@ -42,23 +51,21 @@ from prepkit.shards import (
     write_json_atomic,
     write_safetensors,
 )
+from prepkit.synth import read_synth_record
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
-SHARED_DIR = "shared"
 CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
 SHARED_FILE_BYTES = 2 * 1024**3  # non-expert tensors are grouped into files of at most this payload
-FETCH_RECORD = "prepkit-fetch.json"  # written by ``prepkit fetch`` (hub-verified hashes)
-SYNTH_RECORD = "prepkit-synth.json"  # written by ``prepkit synth`` (hashes taken at creation)
 
 
 def experts_file(rank: int, layer: int) -> str:
-    return f"rank{rank}/experts-{layer:05d}.safetensors"
+    return EXPERTS_FILE.format(rank=rank, layer=layer)
 
 
 def shared_file(index: int) -> str:
-    return f"{SHARED_DIR}/non-expert-{index:05d}.safetensors"
+    return SHARED_FILE.format(index=index)
 
 
 @dataclass
@@ -305,7 +312,7 @@ class _RankFile:
         self.rel = rel
         self.final = root / rel
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.final)
         metas = {prefix + n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in plan.tensors.items()}
         header, order = safetensors_header(metas, metadata)
         self.offsets: dict[str, int] = {}
@@ -616,67 +623,78 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
     return manifest
 
 
-def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
-    """Source files whose sha256 no fetch or synth record vouches for."""
-    known = _fetch_record_files(ckpt, _fetch_record(ckpt))
-    return [p for p in ckpt.source_files() if not (known.get(p.name) or {}).get("sha256")]
+@dataclass(frozen=True)
+class _SourceRecord:
+    """The record of whoever wrote the source folder (``prepkit fetch``, else ``prepkit synth``):
+    the hashes it vouches for and the facts the manifest cites."""
+
+    name: str  # FETCH_RECORD or SYNTH_RECORD
+    files: dict[str, tuple[int, str]]  # path -> (size, sha256) as recorded
+    citation: dict[str, Any]
 
 
-def _fetch_record_files(ckpt: Checkpoint, record: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+def _source_record(ckpt: Checkpoint) -> _SourceRecord | None:
+    """The fetch record, else the synth record; one that cannot be read is ignored with a warning
+    (its files are hashed again instead)."""
+    try:
+        fetched = read_fetch_record(ckpt.root)
+    except FetchError as err:
+        log.warning("ignoring %s: %s", ckpt.root / FETCH_RECORD, err)
+        fetched = None
+    if fetched is not None:
+        return _SourceRecord(
+            FETCH_RECORD,
+            {e.path: (e.size, e.sha256) for e in fetched.entries},
+            {
+                "provenance": "prepkit fetch",
+                "source_repo": fetched.repo_id,
+                "source_revision": fetched.revision,
+                "source_commit": fetched.commit,
+                "fetched_at": fetched.fetched_at,
+                "fetch_record": FETCH_RECORD,
+            },
+        )
+    try:
+        synthesized = read_synth_record(ckpt.root)
+    except CheckpointError as err:
+        log.warning("ignoring %s: %s", ckpt.root / SYNTH_RECORD, err)
+        synthesized = None
+    if synthesized is not None:
+        return _SourceRecord(
+            SYNTH_RECORD,
+            {f.path: (f.size, f.sha256) for f in synthesized.files},
+            {"provenance": "prepkit synth", "synth_record": SYNTH_RECORD, "seed": synthesized.seed},
+        )
+    return None
+
+
+def _vouched_hashes(ckpt: Checkpoint, record: _SourceRecord | None) -> dict[str, str]:
     """The record's hashes of files whose size is still what the record says."""
-    if not record:
+    if record is None:
         return {}
     known = {}
-    for f in record.get("files", []):
-        if not isinstance(f, dict) or "path" not in f:
-            continue
-        path = ckpt.root / f["path"]
-        # A file changed since the fetch (other size) is hashed again rather than trusted.
-        if path.is_file() and path.stat().st_size == f.get("size"):
-            known[f["path"]] = {"sha256": f.get("sha256"), "bytes": f.get("size")}
+    for rel, (size, sha256) in record.files.items():
+        path = ckpt.root / rel
+        # A file changed since the record was written (other size) is hashed again rather than trusted.
+        if sha256 and path.is_file() and path.stat().st_size == size:
+            known[rel] = sha256
     return known
 
 
-def _fetch_record(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The record of whoever wrote the folder: ``prepkit fetch``, else ``prepkit synth``."""
-    for name in (FETCH_RECORD, SYNTH_RECORD):
-        path = ckpt.root / name
-        if not path.is_file():
-            continue
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            log.warning("ignoring unreadable %s", path)
-            continue
-        if isinstance(record, dict):
-            return {**record, "_record": name}
-    return None
+def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
+    """Source files whose sha256 no fetch or synth record vouches for."""
+    known = _vouched_hashes(ckpt, _source_record(ckpt))
+    return [p for p in ckpt.source_files() if p.name not in known]
 
 
 def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, Any]:
     """Source revision and file hashes: from the fetch record when the model came through
     ``prepkit fetch`` (verified against the hub there), else hashed during the run."""
-    record = _fetch_record(ckpt)
-    known = _fetch_record_files(ckpt, record)
-    source_files = {}
-    for p in ckpt.source_files():
-        entry = known.get(p.name) or {}
-        source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name), "bytes": p.stat().st_size}
-    if record and record["_record"] == SYNTH_RECORD:
-        return {
-            "provenance": "prepkit synth",
-            "synth_record": SYNTH_RECORD,
-            "seed": record.get("seed"),
-            "source_files": source_files,
-        }
-    if record:
-        return {
-            "provenance": "prepkit fetch",
-            "source_repo": record.get("repo_id"),
-            "source_revision": record.get("revision"),
-            "source_commit": record.get("commit"),
-            "fetched_at": record.get("fetched_at"),
-            "fetch_record": FETCH_RECORD,
-            "source_files": source_files,
-        }
-    return {"provenance": "local folder", "source_files": source_files}
+    record = _source_record(ckpt)
+    known = _vouched_hashes(ckpt, record)
+    source_files = {
+        p.name: {"sha256": known.get(p.name) or source_hashes.get(p.name), "bytes": p.stat().st_size}
+        for p in ckpt.source_files()
+    }
+    citation = record.citation if record else {"provenance": "local folder"}
+    return {**citation, "source_files": source_files}

@@ -1,9 +1,10 @@
 """Crash-safe output files: a streaming safetensors writer, the journal, and the manifest.
 
-Every file is written under ``<name>.tmp-<pid>``, fsynced, then renamed into place, and its
-sha256 is computed from the bytes as they are written (no second read). The manifest is written
-last, so a folder without ``manifest.json`` is never mistaken for a finished one; the journal
-records finished files so an interrupted run resumes where it stopped.
+Every file is written under a temp name, fsynced, then renamed into place
+(:func:`prepkit.fsutil.write_atomic`), and its sha256 is computed from the bytes as they are
+written (no second read). The manifest is written last, so a folder without ``manifest.json`` is
+never mistaken for a finished one; the journal records finished files so an interrupted run
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from typing import Any
 
 import torch
 
+from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME
 from prepkit.errors import OutputError, VerifyError
+from prepkit.fsutil import json_bytes
+from prepkit.fsutil import write_atomic as write_file_atomic
 
-MANIFEST_NAME = "manifest.json"
-JOURNAL_NAME = ".prepkit-journal.json"
 MANIFEST_FORMAT = "prepkit-shards"
 MANIFEST_VERSION = 1
-INDEX_NAME = "model.safetensors.index.json"
 
 ST_DTYPE = {
     torch.uint8: "U8",
@@ -80,33 +81,18 @@ def safetensors_header(
 
 
 def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
-    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` through a temp file, fsync, rename."""
+    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` crash-safely; OutputError on failure."""
     final = root / rel
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    digest = hashlib.sha256()
-    total = 0
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks_fn():
-                f.write(chunk)
-                digest.update(chunk)
-                total += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        sha256, total = write_file_atomic(final, chunks_fn())
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
             raise OutputError(
                 f"no space left on the device while writing {final}",
                 hint="free disk space (prepare --dry-run shows the bytes needed) and rerun: finished files are kept",
             ) from err
         raise OutputError(f"cannot write {final}: {err.strerror}") from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return WrittenFile(rel, digest.hexdigest(), total)
+    return WrittenFile(rel, sha256, total)
 
 
 def write_safetensors(
@@ -125,8 +111,7 @@ def write_safetensors(
 
 
 def write_json_atomic(root: Path, rel: str, payload: Any) -> WrittenFile:
-    data = (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()
-    return write_atomic(root, rel, lambda: [data])
+    return write_atomic(root, rel, lambda: [json_bytes(payload)])
 
 
 def sha256_file(path: Path) -> str:

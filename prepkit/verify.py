@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
+from prepkit.constants import EXPERTS_FILE
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
 from prepkit.recipes import load_recipe
@@ -122,7 +123,7 @@ def _verify_against_source(
             if sample is not None and sample < len(experts):
                 experts = sorted(rng.sample(experts, sample))
             prefix = recipe.output_expert_prefix(layer)
-            rel = f"rank{r}/experts-{layer:05d}.safetensors"
+            rel = EXPERTS_FILE.format(rank=r, layer=layer)
             with safe_open(str(root / rel), framework="pt") as f:
                 for e in experts:
                     local = e - e_lo

@@ -26,6 +26,7 @@ from functools import lru_cache
 
 import torch
 
+from prepkit.constants import CUTLASS_SM90_LAYOUT_ID
 from prepkit.layouts.base import (
     ExpertWeights,
     LayoutOptions,
@@ -194,7 +195,7 @@ def unfold_scales_sm90(s: torch.Tensor) -> torch.Tensor:
 
 class CutlassSm90Layout:
     name = "cutlass-sm90"
-    layout_id = "cutlass_sm90_v1"
+    layout_id = CUTLASS_SM90_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = f"FlashInfer {FLASHINFER_VERSION} SM90 W4A16 CUTLASS MoE: interleaved nibbles, folded scales"
     uses_options: tuple[str, ...] = ()

@@ -27,6 +27,7 @@ from functools import lru_cache
 
 import torch
 
+from prepkit.constants import TRTLLM_GEN_LAYOUT_ID
 from prepkit.errors import LayoutError
 from prepkit.layouts import ops
 from prepkit.layouts.base import (
@@ -105,7 +106,7 @@ def intermediate_split(intermediate: int, tp_size: int, tp_rank: int, trtllm_ver
 
 class TrtllmGenLayout:
     name = "trtllm-gen"
-    layout_id = "trtllm_gen_v1"
+    layout_id = TRTLLM_GEN_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = "TensorRT-LLM trtllm-gen MXFP4 MoE (SM100 family): shuffled rows, 128x4 scales"
     uses_options = ("trtllm_version",)

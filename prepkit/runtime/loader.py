@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from prepkit.constants import EXPERTS_FILE
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.shards import read_manifest, sha256_file
 
@@ -141,7 +142,7 @@ def load_shards(
     shards = LoadedShards(root, rank, torch.device(device), manifest, entry)
     prefix_template = manifest["expert_tensor_prefix"]
     for layer in wanted:
-        rel = f"rank{rank}/experts-{layer:05d}.safetensors"
+        rel = EXPERTS_FILE.format(rank=rank, layer=layer)
         path = root / rel
         if not path.is_file():
             raise VerifyError(f"{path} is missing", hint=f"run: prepkit verify {root}")
