@@ -527,18 +527,6 @@ class FetchRecord:
     def matches(self, source: Source) -> bool:
         return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
 
-    def provenance(self) -> dict[str, Any]:
-        """The part of the record a prepared manifest cites."""
-        return {
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "endpoint": self.endpoint,
-            "fetched_at": self.fetched_at,
-            "fetch_record": FETCH_RECORD,
-            "files": {e.path: {"size": e.size, "sha256": e.sha256} for e in self.entries},
-        }
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": RECORD_FORMAT,

@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +23,30 @@ import torch
 
 from prepkit import __version__
 from prepkit.checkpoint import Checkpoint
-from prepkit.constants import (
-    EXPERTS_FILE,
-    FETCH_RECORD,
-    INDEX_NAME,
-    JOURNAL_NAME,
-    MANIFEST_NAME,
-    SHARED_DIR,
-    SHARED_FILE,
-    SYNTH_RECORD,
-)
-from prepkit.errors import CheckpointError, FetchError, OutputError
+from prepkit.constants import FETCH_RECORD, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, SHARED_DIR, SYNTH_RECORD
+from prepkit.errors import CheckpointError, FetchError, OutputError, VerifyError
 from prepkit.fetch import read_fetch_record
 from prepkit.fsutil import free_bytes, temp_path
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
 from prepkit.layouts.base import SOURCE_ROLES
 from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
+from prepkit.manifest import (
+    FETCHED,
+    LOCAL,
+    SYNTHESIZED,
+    FileHash,
+    LayoutRecord,
+    Manifest,
+    ModelRecord,
+    Parallel,
+    Provenance,
+    RankRecord,
+    TensorRecord,
+    experts_file,
+    shared_file,
+)
 from prepkit.recipes import Recipe
 from prepkit.shards import (
-    MANIFEST_FORMAT,
-    MANIFEST_VERSION,
     Journal,
     WrittenFile,
     link_or_copy,
@@ -58,14 +62,6 @@ log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
 CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
 SHARED_FILE_BYTES = 2 * 1024**3  # non-expert tensors are grouped into files of at most this payload
-
-
-def experts_file(rank: int, layer: int) -> str:
-    return EXPERTS_FILE.format(rank=rank, layer=layer)
-
-
-def shared_file(index: int) -> str:
-    return SHARED_FILE.format(index=index)
 
 
 @dataclass
@@ -238,6 +234,17 @@ def _fingerprint(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _finished_manifest(out_dir: Path) -> Manifest | None:
+    """The manifest of an earlier finished run in ``out_dir``; None when there is none this
+    version reads (the journal, or the folder's contents, decide then)."""
+    if not (out_dir / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return Manifest.read(out_dir)
+    except VerifyError:
+        return None
+
+
 def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
     if not out_dir.exists():
         return
@@ -246,20 +253,15 @@ def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
     entries = [p.name for p in out_dir.iterdir()]
     if not entries:
         return
-    if MANIFEST_NAME in entries:
-        try:
-            manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
-        except (OSError, json.JSONDecodeError):
-            manifest = {}
-        if manifest.get("format") == MANIFEST_FORMAT and manifest.get("fingerprint") == fingerprint:
+    manifest = _finished_manifest(out_dir)
+    if manifest is not None:
+        if manifest.fingerprint == fingerprint:
             return
-        if manifest.get("format") == MANIFEST_FORMAT:
-            raise OutputError(
-                f"{out_dir} holds a different prepared shard set (layout {manifest.get('layout', {}).get('id')}, "
-                f"tp={manifest.get('parallel', {}).get('tp_size')}, ep={manifest.get('parallel', {}).get('ep_size')}, "
-                "or another source)",
-                hint="choose another --out, or delete that folder first",
-            )
+        raise OutputError(
+            f"{out_dir} holds a different prepared shard set (layout {manifest.layout.id}, "
+            f"tp={manifest.parallel.tp_size}, ep={manifest.parallel.ep_size}, or another source)",
+            hint="choose another --out, or delete that folder first",
+        )
     if JOURNAL_NAME in entries:
         try:
             journal = json.loads((out_dir / JOURNAL_NAME).read_text())
@@ -290,7 +292,7 @@ class PrepareResult:
     bytes_written: int
     source_bytes_read: int
     seconds: float
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -412,11 +414,11 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
     for leftover in root.glob("**/*.tmp-*"):
         leftover.unlink(missing_ok=True)  # a killed run's partial file: never complete, never kept
     journal = Journal.load(root, plan.fingerprint)
-    if (root / MANIFEST_NAME).is_file():
-        manifest = json.loads((root / MANIFEST_NAME).read_text())
+    finished = _finished_manifest(root)
+    if finished is not None:
         journal.files = {
-            rel: WrittenFile(rel, v["sha256"], v["bytes"])
-            for rel, v in manifest["files"].items()
+            rel: WrittenFile(rel, f.sha256, f.bytes)
+            for rel, f in finished.files.items()
             if rel.endswith(".safetensors")
         }
     ckpt = plan.checkpoint
@@ -543,7 +545,7 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
     return PrepareResult(root, written, skipped, bytes_written, source_read, time.perf_counter() - started, manifest)
 
 
-def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dict[str, str]) -> dict[str, Any]:
+def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dict[str, str]) -> Manifest:
     """Link shared files into every rank, write rank indexes, then the manifest, last."""
     root = plan.out_dir
     ckpt = plan.checkpoint
@@ -574,51 +576,48 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
         files[f"rank{r}/{INDEX_NAME}"] = write_json_atomic(root, f"rank{r}/{INDEX_NAME}", index)
         rank_files.append(f"rank{r}/{INDEX_NAME}")
         rank_entries.append(
-            {
-                "rank": r,
-                "tp_rank": p.spec.tp_rank,
-                "ep_rank": p.spec.ep_rank,
-                "expert_range": list(p.expert_range),
-                "intermediate_range": list(p.intermediate_range),
-                "valid_intermediate": p.valid_intermediate,
-                "padded_intermediate": p.padded_intermediate,
-                "padded_hidden": p.padded_hidden,
-                "sharding_rule": p.sharding_rule,
-                "facts": p.facts,
-                "tensors": {
-                    n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dims": list(t.dims)}
-                    for n, t in p.tensors.items()
+            RankRecord(
+                rank=r,
+                tp_rank=p.spec.tp_rank,
+                ep_rank=p.spec.ep_rank,
+                expert_range=p.expert_range,
+                intermediate_range=p.intermediate_range,
+                valid_intermediate=p.valid_intermediate,
+                padded_intermediate=p.padded_intermediate,
+                padded_hidden=p.padded_hidden,
+                sharding_rule=p.sharding_rule,
+                facts=p.facts,
+                tensors={
+                    n: TensorRecord(t.shape, str(t.dtype).removeprefix("torch."), t.dims) for n, t in p.tensors.items()
                 },
-                "files": sorted(rank_files),
-            }
+                files=tuple(sorted(rank_files)),
+            )
         )
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
-        "prepkit_version": __version__,
-        "fingerprint": plan.fingerprint,
-        "layout": {
-            "name": plan.layout.name,
-            "id": plan.layout.layout_id,
-            "w13_row_order": plan.layout.w13_row_order,
-            "options": _used_options(plan),
-        },
-        "model": {
-            "recipe": plan.recipe.name,
-            "repo_id": plan.recipe.repo_id,
-            "revision": plan.recipe.revision,
-            "dims": plan.checkpoint.dims.__dict__,
-            "config": ckpt.config,
-            **_provenance(ckpt, source_hashes),
-        },
-        "parallel": {"tp_size": plan.tp_size, "ep_size": plan.ep_size},
-        "expert_tensor_prefix": plan.recipe.expert_prefix,
-        "shared_files": [shared_file(i) for i in range(len(plan.shared_groups))],
-        "shared_file_link": link_method,
-        "ranks": rank_entries,
-        "files": {rel: {"sha256": wf.sha256, "bytes": wf.bytes} for rel, wf in sorted(files.items())},
-    }
-    write_json_atomic(root, MANIFEST_NAME, manifest)
+    manifest = Manifest(
+        prepkit_version=__version__,
+        fingerprint=plan.fingerprint,
+        layout=LayoutRecord(
+            name=plan.layout.name,
+            id=plan.layout.layout_id,
+            w13_row_order=plan.layout.w13_row_order,
+            options=_used_options(plan),
+        ),
+        model=ModelRecord(
+            recipe=plan.recipe.name,
+            repo_id=plan.recipe.repo_id,
+            revision=plan.recipe.revision,
+            dims=ckpt.dims,
+            config=ckpt.config,
+            provenance=_provenance(ckpt, source_hashes),
+        ),
+        parallel=Parallel(tp_size=plan.tp_size, ep_size=plan.ep_size),
+        expert_tensor_prefix=plan.recipe.expert_prefix,
+        shared_files=tuple(shared_file(i) for i in range(len(plan.shared_groups))),
+        shared_file_link=link_method,
+        ranks=tuple(rank_entries),
+        files={rel: FileHash(wf.sha256, wf.bytes) for rel, wf in sorted(files.items())},
+    )
+    write_json_atomic(root, MANIFEST_NAME, manifest.to_json())
     Journal(root, plan.fingerprint).remove()
     return manifest
 
@@ -626,11 +625,10 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
 @dataclass(frozen=True)
 class _SourceRecord:
     """The record of whoever wrote the source folder (``prepkit fetch``, else ``prepkit synth``):
-    the hashes it vouches for and the facts the manifest cites."""
+    the hashes it vouches for, and the provenance the manifest cites (without file hashes)."""
 
-    name: str  # FETCH_RECORD or SYNTH_RECORD
     files: dict[str, tuple[int, str]]  # path -> (size, sha256) as recorded
-    citation: dict[str, Any]
+    provenance: Provenance
 
 
 def _source_record(ckpt: Checkpoint) -> _SourceRecord | None:
@@ -643,16 +641,15 @@ def _source_record(ckpt: Checkpoint) -> _SourceRecord | None:
         fetched = None
     if fetched is not None:
         return _SourceRecord(
-            FETCH_RECORD,
             {e.path: (e.size, e.sha256) for e in fetched.entries},
-            {
-                "provenance": "prepkit fetch",
-                "source_repo": fetched.repo_id,
-                "source_revision": fetched.revision,
-                "source_commit": fetched.commit,
-                "fetched_at": fetched.fetched_at,
-                "fetch_record": FETCH_RECORD,
-            },
+            Provenance(
+                FETCHED,
+                source_repo=fetched.repo_id,
+                source_revision=fetched.revision,
+                source_commit=fetched.commit,
+                fetched_at=fetched.fetched_at,
+                fetch_record=FETCH_RECORD,
+            ),
         )
     try:
         synthesized = read_synth_record(ckpt.root)
@@ -661,9 +658,8 @@ def _source_record(ckpt: Checkpoint) -> _SourceRecord | None:
         synthesized = None
     if synthesized is not None:
         return _SourceRecord(
-            SYNTH_RECORD,
             {f.path: (f.size, f.sha256) for f in synthesized.files},
-            {"provenance": "prepkit synth", "synth_record": SYNTH_RECORD, "seed": synthesized.seed},
+            Provenance(SYNTHESIZED, synth_record=SYNTH_RECORD, seed=synthesized.seed),
         )
     return None
 
@@ -687,14 +683,14 @@ def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
     return [p for p in ckpt.source_files() if p.name not in known]
 
 
-def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, Any]:
+def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> Provenance:
     """Source revision and file hashes: from the fetch record when the model came through
     ``prepkit fetch`` (verified against the hub there), else hashed during the run."""
     record = _source_record(ckpt)
     known = _vouched_hashes(ckpt, record)
     source_files = {
-        p.name: {"sha256": known.get(p.name) or source_hashes.get(p.name), "bytes": p.stat().st_size}
+        p.name: FileHash(known.get(p.name) or source_hashes.get(p.name) or sha256_file(p), p.stat().st_size)
         for p in ckpt.source_files()
     }
-    citation = record.citation if record else {"provenance": "local folder"}
-    return {**citation, "source_files": source_files}
+    cited = record.provenance if record else Provenance(LOCAL)
+    return replace(cited, source_files=source_files)

@@ -1,4 +1,4 @@
-"""Crash-safe output files: a streaming safetensors writer, the journal, and the manifest.
+"""Crash-safe output files: a streaming safetensors writer and the journal.
 
 Every file is written under a temp name, fsynced, then renamed into place
 (:func:`prepkit.fsutil.write_atomic`), and its sha256 is computed from the bytes as they are
@@ -21,13 +21,11 @@ from typing import Any
 
 import torch
 
-from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME
-from prepkit.errors import OutputError, VerifyError
+from prepkit.constants import JOURNAL_NAME
+from prepkit.errors import OutputError
 from prepkit.fsutil import json_bytes
 from prepkit.fsutil import write_atomic as write_file_atomic
-
-MANIFEST_FORMAT = "prepkit-shards"
-MANIFEST_VERSION = 1
+from prepkit.manifest import Manifest
 
 ST_DTYPE = {
     torch.uint8: "U8",
@@ -193,25 +191,5 @@ class Journal:
 
 
 def read_manifest(out_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a finished shard set; raises VerifyError when absent or foreign."""
-    path = Path(out_dir) / MANIFEST_NAME
-    if not path.is_file():
-        journal = Path(out_dir) / JOURNAL_NAME
-        hint = (
-            "the run was interrupted; rerun the same prepare command to finish it"
-            if journal.is_file()
-            else "run prepkit prepare first"
-        )
-        raise VerifyError(f"{path} is missing: {out_dir} is not a finished prepkit shard set", hint=hint)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise VerifyError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise VerifyError(f"{path} is not a prepkit manifest (format={manifest.get('format')!r})")
-    if int(manifest.get("format_version", 0)) > MANIFEST_VERSION:
-        raise VerifyError(
-            f"{path} has format_version {manifest['format_version']}, this prepkit reads up to {MANIFEST_VERSION}",
-            hint="upgrade prepkit",
-        )
-    return manifest
+    """The manifest of a finished shard set as plain JSON; new code reads ``Manifest.read``."""
+    return Manifest.read(out_dir).to_json()

@@ -13,8 +13,9 @@ from typing import Any, Protocol
 
 import torch
 
+from prepkit.dims import ModelDims
 from prepkit.errors import LayoutError
-from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
+from prepkit.mxfp4 import BLOCK_ELEMS
 
 # Expert tensor roles in checkpoint order; the names are the checkpoint's suffixes.
 SOURCE_ROLES = (
@@ -25,29 +26,6 @@ SOURCE_ROLES = (
     "down_proj_scales",
     "down_proj_bias",
 )
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Model-wide MoE dimensions (from config.json)."""
-
-    num_layers: int
-    num_experts: int  # E
-    hidden: int  # H
-    intermediate: int  # I
-    top_k: int
-
-    def source_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Checkpoint shape and dtype of every expert tensor of one layer."""
-        E, H, I = self.num_experts, self.hidden, self.intermediate
-        return {
-            "gate_up_proj_blocks": ((E, 2 * I, H // BLOCK_ELEMS, BLOCK_BYTES), torch.uint8),
-            "gate_up_proj_scales": ((E, 2 * I, H // BLOCK_ELEMS), torch.uint8),
-            "gate_up_proj_bias": ((E, 2 * I), torch.bfloat16),
-            "down_proj_blocks": ((E, H, I // BLOCK_ELEMS, BLOCK_BYTES), torch.uint8),
-            "down_proj_scales": ((E, H, I // BLOCK_ELEMS), torch.uint8),
-            "down_proj_bias": ((E, H), torch.bfloat16),
-        }
 
 
 @dataclass
