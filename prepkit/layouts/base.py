@@ -7,7 +7,7 @@ no device probing. The pipeline does the reading and writing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -194,6 +194,11 @@ class Layout(Protocol):
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         """Shapes, ranges and facts of one rank; raises ``LayoutError`` for splits that do not fit."""
+        ...
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        """What a user should hear about these rank plans before any byte is written, e.g. that
+        another engine version would place other rows on some ranks; empty when nothing."""
         ...
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:

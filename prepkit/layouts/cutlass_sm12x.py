@@ -25,7 +25,7 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -201,6 +201,9 @@ class CutlassSm12xLayout:
             "bias_dtype": "bfloat16 (the activation dtype)",
         }
         return plan_cutlass_rank(dims, spec, facts)
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)

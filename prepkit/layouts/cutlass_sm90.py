@@ -21,7 +21,7 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import torch
@@ -232,6 +232,9 @@ class CutlassSm90Layout:
         # Ip and H2 are multiples of 128, which the interleave (n % 16, K % 64) and the fold
         # (rows % 64, K % 128) need.
         return plan_cutlass_rank(dims, spec, facts)
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)

@@ -30,7 +30,7 @@ Design, per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -206,6 +206,9 @@ class TritonMoeLayout:
             sharding_rule=SHARDING_RULE,
             facts=facts,
         )
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         check_experts(weights, plan)

@@ -21,8 +21,8 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -167,6 +167,27 @@ class TrtllmGenLayout:
         )
 
     # --- forward --------------------------------------------------------------------------
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        """Where the TensorRT-LLM versions split the intermediate axis differently (only some TP
+        sizes), the bytes fit one version only: say so, naming the ranks that differ."""
+        warnings = []
+        for version in TRTLLM_VERSIONS:
+            if version == options.trtllm_version or not plans:
+                continue
+            other = replace(options, trtllm_version=version)
+            differ = [
+                p.spec.rank
+                for p in plans
+                if self.plan_rank(dims, p.spec, other).intermediate_range != p.intermediate_range
+            ]
+            if differ:
+                warnings.append(
+                    f"at tp={plans[0].spec.tp_size} the per-rank bytes depend on the TensorRT-LLM version: using "
+                    f"--trtllm-version {options.trtllm_version} ({plans[0].sharding_rule}); "
+                    f"--trtllm-version {version} would place different rows on ranks {differ}"
+                )
+        return warnings
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         check_experts(weights, plan)
