@@ -1,9 +1,9 @@
 """Keep freed memory in the C heap for the length of a run, then give glibc its defaults back.
 
 The streaming pass allocates the same tensor sizes for every chunk. glibc serves blocks above its
-mmap threshold from fresh mmaps, whose pages the kernel faults in and zeroes on every use; page
-faults then cost more than the layout work. Raising the threshold (and the trim threshold, so the
-heap is not handed back between chunks) lets every chunk reuse the last one's memory.
+mmap threshold from fresh mmaps, whose pages the kernel faults in and zeroes on every use.
+Raising the threshold (and the trim threshold, so the heap is not handed back between chunks)
+lets every chunk reuse the last one's memory.
 
 glibc has no call that reads these settings back, so leaving the scope writes glibc's documented
 defaults (128 KiB each), or the values set through the ``MALLOC_MMAP_THRESHOLD_`` /

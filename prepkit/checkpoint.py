@@ -225,7 +225,7 @@ class Checkpoint:
         row_bytes = entry.nbytes // max(entry.shape[0], 1) if entry.shape else entry.nbytes
         count = (hi - lo) * row_bytes
         # A caller streaming many chunks passes a reused buffer: fresh memory costs a page fault
-        # per 4 KiB on first touch, which is slower than the read itself.
+        # per 4 KiB on first touch.
         if buffer is not None and buffer.numel() >= count and buffer.dtype == torch.uint8:
             out = buffer[:count]
         else:

@@ -114,7 +114,7 @@ def write_json_atomic(root: Path, rel: str, payload: Any) -> WrittenFile:
 
 def sha256_file(path: Path) -> str:
     """sha256 of a file, hashed straight from the page cache through mmap windows: no copy into
-    user memory (2.5x faster than read() here), and resident memory bounded by one window."""
+    user memory, and resident memory bounded by one window."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size

@@ -9,9 +9,8 @@ Design, per expert and rank:
     panels of :data:`PANEL_K` elements stored one after the other (:func:`to_panels`): panel p is
     ``[N, PANEL_BYTES]`` contiguous bytes. A kernel tile at one K step (BLOCK_K dividing PANEL_K)
     is then ``BLOCK_N`` rows of one contiguous ``BLOCK_N * PANEL_BYTES`` block instead of
-    ``BLOCK_N`` short runs spread over ``BLOCK_N`` full rows: fewer DRAM pages per step, which
-    streamed 1.08-1.12x more bytes per second over the kernel's grid on an H100. The last panel is zero-padded, as
-    TensorRT-LLM pads its MXFP4 K to 3072 for hidden 2880;
+    ``BLOCK_N`` short runs spread over ``BLOCK_N`` full rows: fewer DRAM pages per step. The
+    last panel is zero-padded, as TensorRT-LLM pads its MXFP4 K to 3072 for hidden 2880;
   * inside each 32-element group the nibbles are reordered (:func:`shuffle_nibbles`: byte j
     holds elements j and j+16), so the upcast is elementwise;
   * and the 16 bytes of each group are stored in MMA fragment order (:data:`FRAGMENT_ORDER`):
