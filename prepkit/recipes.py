@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from prepkit.dims import ModelDims
 from prepkit.errors import RecipeError
-from prepkit.layouts.base import ModelDims
 
 RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
 
