@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
+from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 
@@ -54,17 +55,25 @@ class MoeProblem:
         return self.num_tokens
 
 
-def shared_mem_bytes(t: GemmTactic) -> int:
+# Bytes per activation value and per weight value handed to the matrix unit, by policy: bf16
+# activations meet bf16-upcast weights; mxfp8 e4m3 meets weights widened to e4m3; mxfp4 e2m1
+# meets the stored e2m1 bytes.
+_ACT_BYTES = {"bf16": 2.0, "mxfp8": 1.0, "mxfp4": 0.5}
+
+
+def shared_mem_bytes(t: GemmTactic, activations: ActivationPolicy = "bf16") -> int:
     """Upper estimate of the shared memory one program uses (pipelined operands + dot staging)."""
-    per_stage = t.block_m * t.block_k * 2 + t.block_n * t.block_k // 2 + t.block_n * t.block_k // 32
-    staging = t.block_k * t.block_n * 2  # the upcast bf16 weight tile handed to the matrix unit
+    a_bytes = int(t.block_m * t.block_k * _ACT_BYTES[activations])
+    a_scales = 0 if activations == "bf16" else t.block_m * t.block_k // 32
+    per_stage = a_bytes + a_scales + t.block_n * t.block_k // 2 + t.block_n * t.block_k // 32
+    staging = int(t.block_k * t.block_n * _ACT_BYTES[activations])  # the weight tile as the MMA reads it
     return max(t.num_stages, 1) * per_stage + staging
 
 
-def swaps_operands(t: GemmTactic) -> bool:
+def swaps_operands(t: GemmTactic, activations: ActivationPolicy = "bf16") -> bool:
     """Tiles of at most MAX_SWAPPED_ROWS rows run as ``W @ A^T``: the weight tile fills the MMA's
-    64-row side and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
-    return t.block_m <= MAX_SWAPPED_ROWS and t.upcast != "dot_scaled"
+    wide side and the few tokens its narrow side (bf16 dot_scaled keeps its own operand order)."""
+    return t.block_m <= MAX_SWAPPED_ROWS and (t.upcast != "dot_scaled" or activations != "bf16")
 
 
 def joins_halves(t: GemmTactic) -> bool:
@@ -73,10 +82,13 @@ def joins_halves(t: GemmTactic) -> bool:
     return not swaps_operands(t) or t.swapped_dot == "joined"
 
 
-def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
-    """Why ``t`` cannot run GEMM ``gemm`` on ``device``, or ``None`` when it can."""
+def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy = "bf16") -> str | None:
+    """Why ``t`` cannot run GEMM ``gemm`` on ``device`` with the ``activations`` policy, or
+    ``None`` when it can."""
     if gemm not in GEMMS:
         return f"unknown gemm {gemm!r} (expected one of {GEMMS})"
+    if activations not in ACTIVATION_POLICIES:
+        return f"unknown activations {activations!r} (expected one of {ACTIVATION_POLICIES})"
     if t.upcast not in UPCASTS:
         return f"unknown upcast {t.upcast!r} (expected one of {UPCASTS})"
     for name, value, allowed in (
@@ -95,20 +107,24 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
         return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
     if t.swapped_dot not in SWAPPED_DOTS:
         return f"unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})"
-    if t.swapped_dot != "split" and not swaps_operands(t):
+    if activations != "bf16":
+        reason = _mx_reason(t, gemm, activations)
+        if reason is not None:
+            return reason
+    elif t.swapped_dot != "split" and not swaps_operands(t):
         # Larger tiles always join and dot_scaled has its own operand order: one variant each.
         return (
             f"swapped_dot {t.swapped_dot!r} only applies to tiles that swap operands "
             f"(block_m <= {MAX_SWAPPED_ROWS}, not dot_scaled)"
         )
-    if t.k_loop != "tail" and t.upcast == "dot_scaled":
+    if t.k_loop != "tail" and t.upcast == "dot_scaled" and activations == "bf16":
         return "k_loop 'masked' is the dot_scaled path's only loop (it masks every step): use 'tail'"
     if t.upcast == "asm" and device.capability < (8, 0):
         return "upcast 'asm' uses bf16x2 FMA (sm_80 and newer)"
     if t.weight_load == "tma" and device.capability < (9, 0):
         return "weight_load 'tma' needs the tensor memory accelerator (sm_90 and newer)"
-    if t.weight_load == "tma" and t.upcast == "dot_scaled":
-        return "weight_load 'tma' is not wired to the dot_scaled path"
+    if t.weight_load == "tma" and t.upcast == "dot_scaled" and activations == "bf16":
+        return "weight_load 'tma' is not wired to the bf16 dot_scaled path"
     if t.weight_load == "tma" and t.num_stages < 3:
         # Two stages give the TMA weight tile a single shared-memory buffer; on H100 (triton 3.6)
         # such variants return wrong rows that change from launch to launch (docs/kernel-notes.md;
@@ -117,7 +133,7 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
         return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
-    smem = shared_mem_bytes(t)
+    smem = shared_mem_bytes(t, activations)
     if smem > device.max_shared_mem:
         return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
     threads = 32 * t.num_warps
@@ -127,8 +143,55 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     return None
 
 
-def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None = None) -> list[GemmTactic]:
-    """Every valid variant of ``gemm`` on ``device``, in a stable order.
+def _mx_reason(t: GemmTactic, gemm: Gemm, activations: ActivationPolicy) -> str | None:
+    """The rules MX activations add: one ``tl.dot_scaled`` of same-format operands per K step
+    (the only form SM12x lowers to block-scaled MMA), and GEMM1 tiles that quantize whole
+    32-value groups of their SwiGLU output."""
+    if t.upcast != "dot_scaled":
+        return (
+            f"activations {activations!r} multiply through tl.dot_scaled (no bf16 upcast): "
+            f"upcast must be 'dot_scaled', not {t.upcast!r}"
+        )
+    if t.swapped_dot != "split":
+        return (
+            f"swapped_dot {t.swapped_dot!r} is a knob of the bf16 path; "
+            f"activations {activations!r} run one dot per K step"
+        )
+    if gemm == "gemm1" and t.block_n < 64:
+        return (
+            f"activations {activations!r}: GEMM1's epilogue quantizes whole 32-value groups of its "
+            f"block_n/2 SwiGLU outputs, so block_n must be >= 64 (got {t.block_n})"
+        )
+    return None
+
+
+def policy_variant(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy) -> GemmTactic:
+    """The variant of ``t`` that runs with ``activations``: ``t`` itself for bf16; for mxfp8/mxfp4
+    the same tile through ``tl.dot_scaled`` (GEMM1 at least 64 wide), fewer stages if the result
+    would not fit. Maps a bf16 default or tuned pair onto a policy that has none of its own."""
+    from dataclasses import replace
+
+    if activations == "bf16":
+        return t
+    cand = replace(t, upcast="dot_scaled", swapped_dot="split")
+    if gemm == "gemm1":
+        cand = replace(cand, block_n=max(cand.block_n, 64))
+    for stages in dict.fromkeys((cand.num_stages, 3, 2, 1)):
+        for load in dict.fromkeys((cand.weight_load, "ptr")):
+            fit = replace(cand, num_stages=stages, weight_load=load)
+            if invalid_reason(fit, gemm, device, activations) is None:
+                return fit
+    raise ValueError(
+        f"no {activations} variant of {gemm} {t.key()} fits {device.name}: "
+        f"{invalid_reason(cand, gemm, device, activations)}"
+    )
+
+
+def enumerate_tactics(
+    gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None = None, activations: ActivationPolicy = "bf16"
+) -> list[GemmTactic]:
+    """Every valid variant of ``gemm`` on ``device`` with the ``activations`` policy, in a stable
+    order.
 
     With ``problem`` given, block_m larger than any expert's row count is dropped: such tiles only
     add masked rows.
@@ -141,7 +204,7 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
             block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl,
             k_loop=kl, swapped_dot=sd,
         )  # fmt: skip
-        if invalid_reason(t, gemm, device) is not None:
+        if invalid_reason(t, gemm, device, activations) is not None:
             continue
         if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):
             continue
