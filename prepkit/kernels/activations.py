@@ -92,13 +92,14 @@ def e8m0_to_float(scales: torch.Tensor) -> torch.Tensor:
 
 
 def round_e2m1(y: torch.Tensor) -> torch.Tensor:
-    """fp32 -> e2m1 codes (uint8 0..15): nearest-even, saturating at 6; the sign bit set for any
-    negative input (so tiny negatives become -0). NaN gives code 0 (its block's scale is NaN)."""
+    """fp32 -> e2m1 codes (uint8 0..15): nearest-even, saturating at 6; the input's sign bit
+    kept (tiny negatives and -0 become -0, as the e4m3 cast does). NaN gives a zero code (its
+    block's scale is NaN)."""
     mag = y.abs()
     code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
     for bound, op in E2M1_BOUNDS:
         code += (mag > bound if op == ">" else mag >= bound).to(torch.uint8)
-    return code | ((y < 0).to(torch.uint8) << 3)
+    return code | (torch.signbit(y).to(torch.uint8) << 3)
 
 
 def quantize_mx(x: torch.Tensor, fmt: MxFormat) -> tuple[torch.Tensor, torch.Tensor]:

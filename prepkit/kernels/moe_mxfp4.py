@@ -316,7 +316,7 @@ def _mx_quantize(x, R: tl.constexpr, C: tl.constexpr, ACT: tl.constexpr):
             + (mag > 2.5).to(tl.uint8)
             + (mag >= 3.5).to(tl.uint8)
             + (mag > 5.0).to(tl.uint8)
-        ) | ((y < 0).to(tl.uint8) << 3)
+        ) | ((y.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8) << 3)
     # Value 16t + 8h + 2q + l of a group goes to position 2(4q + 2h + l) + t.
     codes = tl.reshape(tl.permute(tl.reshape(codes, (R, G, 2, 2, 4, 2)), (0, 1, 4, 3, 5, 2)), (R, C))
     if ACT == 2:
