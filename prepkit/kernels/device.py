@@ -44,3 +44,11 @@ H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 * 2**20)
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 60 * 2**20)
 RTX_PRO_6000 = DeviceInfo("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 101376, 128 * 2**20)
 GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20)
+
+# The reference device of each architecture a compile-only check targets (prepkit.kernels.compile_check).
+ARCH_DEVICES: dict[str, DeviceInfo] = {"sm90": H100, "sm120": RTX_PRO_6000, "sm121": GB10}
+
+
+def arch_name(capability: tuple[int, int]) -> str:
+    """``(12, 1)`` -> ``"sm121"``: the name ``--arch`` and :data:`ARCH_DEVICES` use."""
+    return f"sm{capability[0]}{capability[1]}"

@@ -212,7 +212,9 @@ def enumerate_tactics(
     return out
 
 
-def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
+def default_tactics(
+    problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy = "bf16"
+) -> tuple[GemmTactic, GemmTactic]:
     """A variant pair that is valid on every device; good, not tuned.
 
     Picked from sweeps on an H100 (docs/kernel-notes.md): up to 12 rows per expert run 16-row
