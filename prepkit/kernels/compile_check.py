@@ -34,7 +34,7 @@ from types import ModuleType
 from typing import Any, Literal
 
 from prepkit.errors import DeviceError
-from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy, check_policy
+from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import ARCH_DEVICES, DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import GEMMS, Gemm, MoeProblem, default_tactics, enumerate_tactics, invalid_reason
@@ -372,8 +372,9 @@ def _gemm_launch(k: ModuleType, shape: LayerShape, activations: str, cand: Candi
         routing = k.Routing(T, shape.top_k, E, counts, picks, ids, weights, out, activations, x_mx)
         if cand.gemm == "gemm1":
             k.gemm1_swiglu(
-                routing, x, w["w13_blocks"], w["w13_scales"], w["w13_bias"], valid_intermediate=shape.valid_intermediate,
-                tactic=cand.tactic, small_scales=small_scales, activations=activations,
+                routing, x, w["w13_blocks"], w["w13_scales"], w["w13_bias"],
+                valid_intermediate=shape.valid_intermediate, tactic=cand.tactic, small_scales=small_scales,
+                activations=activations,
             )  # fmt: skip
         else:
             rows, cols = T * shape.top_k, shape.valid_intermediate
