@@ -1060,7 +1060,8 @@ def _add_columns(rows_out, offs_n, vals, m_mask, N):
 def _chain_launch(device: torch.device) -> dict[str, bool]:
     """Launch arguments for programmatic dependent launch (``_chain_enter``): on CUDA devices of
     sm_90 and newer, off in the interpreter and elsewhere."""
-    on = device.type == "cuda" and not _interpreting() and _sm90_or_newer(device.index or 0)
+    cap = launch_capability(device)
+    on = not _interpreting() and cap is not None and cap >= (9, 0)
     return {"PDL": on, "launch_pdl": on}
 
 
@@ -1119,10 +1120,18 @@ def _check_panels(w_blocks: torch.Tensor, k: int, name: str) -> None:
 _ANY_DEVICE = DeviceInfo("any", (9, 0), 1, 1 << 30)
 
 
+def launch_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA device a launch on ``device`` runs on, ``None`` off CUDA. The one
+    place launch decisions read the device (programmatic dependent launch and the tensor memory
+    accelerator both start with sm_90), so an ahead-of-time compile can stand in a target."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index or 0)
+
+
 @functools.cache
-def _sm90_or_newer(device_index: int) -> bool:
-    """The tensor memory accelerator and programmatic dependent launch both start with sm_90."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def weight_descriptor(
@@ -1136,7 +1145,8 @@ def weight_descriptor(
         return None
     if not w_blocks.is_contiguous() or w_blocks.shape[-1] % 16 or w_blocks.data_ptr() % 16:
         return None
-    if not _interpreting() and not (w_blocks.is_cuda and _sm90_or_newer(w_blocks.device.index or 0)):
+    cap = launch_capability(w_blocks.device)
+    if not _interpreting() and not (cap is not None and cap >= (9, 0)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
