@@ -575,30 +575,12 @@ def _compilable_kernels() -> ModuleType:
 def _as_launched_on(kernels: ModuleType, capability: tuple[int, int]) -> Iterator[None]:
     """Make the launchers decide as on a CUDA device of ``capability`` although the tensors live on
     the CPU: ``moe_mxfp4.launch_capability`` answers for every tensor's device."""
-    if hasattr(kernels, "launch_capability"):
-        patches = {"launch_capability": lambda device: capability}
-    else:  # INTERIM until moe_mxfp4 has the seam
-        import torch
-
-        on = capability >= (9, 0)
-        orig = kernels.weight_descriptor
-
-        class _Cuda(torch.Tensor):
-            is_cuda = property(lambda self: True)  # type: ignore[assignment]
-
-        patches = {
-            "_chain_launch": lambda device: {"PDL": on, "launch_pdl": on},
-            "_sm90_or_newer": lambda index: on,
-            "weight_descriptor": lambda w, t, a="bf16": orig(w.as_subclass(_Cuda), t, a),
-        }
-    old = {name: getattr(kernels, name) for name in patches}
-    for name, fn in patches.items():
-        setattr(kernels, name, fn)
+    old = kernels.launch_capability
+    kernels.launch_capability = lambda device: capability
     try:
         yield
     finally:
-        for name, fn in old.items():
-            setattr(kernels, name, fn)
+        kernels.launch_capability = old
 
 
 class _NvidiaTools:

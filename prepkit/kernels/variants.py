@@ -215,15 +215,27 @@ def enumerate_tactics(
 def default_tactics(
     problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy = "bf16"
 ) -> tuple[GemmTactic, GemmTactic]:
-    """A variant pair that is valid on every device; good, not tuned.
+    """A variant pair that is valid on every device; good, not tuned. ``activations``: the policy
+    the pair must run (bf16 variants mapped by :func:`policy_variant` elsewhere).
 
-    Picked from sweeps on an H100 (docs/kernel-notes.md): up to 12 rows per expert run 16-row
-    tiles with swapped operands and, when the output tiles alone cannot cover the SMs, a K split
-    in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the 16-row tiles measured
-    1.2-1.6x slower), except GEMM1 with 32 x 256 x 64 TMA tiles up to 24 rows. The inline-PTX
-    upcast wins everywhere it can run; the few-row tiles load weights through the TMA unit where
-    the device has one (1.1-1.3x over pointer loads).
+    SM12x (compute capability 12.x): see :func:`_sm12x_defaults`.
+
+    Elsewhere, picked from sweeps on an H100 (the measurements are in docs/kernel-history.md): up
+    to 12 rows per expert run 16-row tiles with swapped operands and, when the output tiles alone
+    cannot cover the SMs, a K split in GEMM2; more rows run 64 x 256 x 64 tiles, except GEMM1 with
+    32 x 256 x 64 TMA tiles up to 24 rows. The inline-PTX upcast wins everywhere it can run; the
+    few-row tiles load weights through the TMA unit where the device has one.
     """
+    if device.capability[0] == 12:
+        return _sm12x_defaults(problem, device, activations)
+    pair = _measured_defaults(problem, device)
+    return (
+        policy_variant(pair[0], "gemm1", device, activations),
+        policy_variant(pair[1], "gemm2", device, activations),
+    )
+
+
+def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
     active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
     rows = -(-problem.num_tokens * problem.top_k // active)
     upcast = "asm" if device.capability >= (8, 0) else "bits"
@@ -246,7 +258,81 @@ def default_tactics(
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 
-def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> GemmTactic:
+# SM12x defaults (docs/sm12x.md). Weight bytes a program must keep in flight per SM to cover
+# DRAM latency at full bandwidth: bandwidth per SM x this latency (a loaded-DRAM round trip; an
+# assumption, not a measurement).
+DRAM_LATENCY_S = 1e-6
+
+
+def _sm12x_defaults(
+    problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy
+) -> tuple[GemmTactic, GemmTactic]:
+    """SM12x defaults, chosen by one rule from the compile reports of ``prepkit.kernels.compile_check``
+    for sm_120a / sm_121a (docs/sm12x.md has the reports):
+
+    1. compiled without spills, shared memory under the 99 KiB a block may use;
+    2. at decode, enough weight bytes in flight per SM (:func:`decode_bytes_in_flight_per_sm`) to
+       cover ``DRAM_LATENCY_S`` at the device's bandwidth per SM (GB10: 48 SMs at 273 GB/s, 5.7 KB;
+       RTX PRO 6000: 188 SMs at 1.79 TB/s, 9.5 KB), with at least one program per SM;
+    3. then the most warps resident per SM (``mma.sync`` is synchronous: warps hide each other's
+       latency), then the fewest SASS instructions per K step per 4 weight bytes.
+
+    Up to 12 rows per expert: 16 x 128 x 128 swapped tiles, 3 stages (25 KiB of shared memory for
+    bf16, 21 KiB for mxfp8: three or four programs fit an SM); 16 x 64 x 256 when the 128-wide GEMM1
+    tiles of the active experts are fewer than the SMs (one token on an RTX PRO 6000: the same bytes
+    per stage, twice the programs); GEMM2 splits K until its programs are twice the SMs (at most 4).
+    Up to 32 rows: 32 x 128 x 128, 3 stages. More: 64 x 128 x 64, 3 stages, 4 warps (230 registers
+    and 41 KiB: two programs per SM; the sm90 default 64 x 256 x 64 needs 255 registers and 65 KiB,
+    one program of 4 warps per SM). Pointer loads throughout: on sm_120a the K step has the same
+    instructions as with TMA loads, and it is the path every GPU runs. The upcast is inline PTX for
+    bf16 and ``tl.dot_scaled`` (native block-scaled MMA) for mxfp8 / mxfp4.
+    """
+    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
+    rows = -(-problem.num_tokens * problem.top_k // active)
+    upcast = "asm" if activations == "bf16" else "dot_scaled"
+    if rows <= 12:
+        bn, bk = (128, 128) if active * -(-2 * problem.intermediate // 128) >= device.sm_count else (64, 256)
+        g1 = GemmTactic(16, bn, bk, 4, 3, 1, upcast, "ptr")
+        tiles = active * -(-problem.hidden // bn)
+        split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
+        g2 = GemmTactic(16, bn, bk, 4, 3, split, upcast, "ptr")
+    elif rows <= 32:
+        g1 = g2 = GemmTactic(32, 128, 128, 4, 3, 1, upcast, "ptr")
+    else:
+        g1 = g2 = GemmTactic(64, 128, 64, 4, 3, 1, upcast, "ptr")
+    return (
+        _fit(g1, "gemm1", device, activations),
+        _fit(g2, "gemm2", device, activations),
+    )
+
+
+def decode_bytes_in_flight_per_sm(
+    t: GemmTactic,
+    gemm: Gemm,
+    problem: MoeProblem,
+    device: DeviceInfo,
+    activations: ActivationPolicy = "bf16",
+    registers: int | None = None,
+) -> float:
+    """Weight bytes the programs on one SM have requested and not yet received: each program
+    prefetches ``num_stages - 1`` weight tiles; an SM holds as many programs as the grid gives it,
+    its shared memory and (when ``registers`` per thread is known) its register file allow."""
+    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
+    rows = -(-problem.num_tokens * problem.top_k // active)
+    n = 2 * problem.intermediate if gemm == "gemm1" else problem.hidden
+    programs = active * -(-rows // t.block_m) * -(-n // t.block_n) * t.split_k
+    resident = min(-(-programs // device.sm_count), device.max_shared_mem // max(1, shared_mem_bytes(t, activations)))
+    if registers:
+        resident = min(resident, device.registers_per_sm // (registers * 32 * t.num_warps))
+    return resident * max(1, t.num_stages - 1) * t.block_n * t.block_k / 2
+
+
+def decode_bytes_in_flight_needed(device: DeviceInfo) -> float:
+    """Bytes in flight per SM that keep the device's DRAM busy: bandwidth per SM x latency."""
+    return device.dram_bytes_per_s / device.sm_count * DRAM_LATENCY_S
+
+
+def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy = "bf16") -> GemmTactic:
     """Shrink stages (then pointer loads, which may run fewer stages than TMA), then tiles, until
     ``t`` is valid: the default must always run."""
     from dataclasses import replace
@@ -254,12 +340,12 @@ def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> GemmTactic:
     for load in dict.fromkeys((t.weight_load, "ptr")):
         for stages in (t.num_stages, 3, 2, 1):
             cand = replace(t, num_stages=stages, weight_load=load)
-            if invalid_reason(cand, gemm, device) is None:
+            if invalid_reason(cand, gemm, device, activations) is None:
                 return cand
     for bm, bn, bk in ((t.block_m, 64, 64), (64, 64, 64), (16, 64, 64), (16, 32, 64)):
         for stages in (2, 1):
             cand = replace(t, block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=4, weight_load="ptr")
-            if invalid_reason(cand, gemm, device) is None:
+            if invalid_reason(cand, gemm, device, activations) is None:
                 return cand
     raise ValueError(f"no {gemm} variant fits {device.name} ({device.max_shared_mem} B shared memory)")
 
