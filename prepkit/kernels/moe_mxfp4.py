@@ -358,6 +358,41 @@ def _e2m1_to_e4m3(code):
     return tl.where(mag > 1, mag * 4 + 48, mag * 48) | ((code & 8) << 4)
 
 
+# e2m1 -> e4m3 of both codes of four bytes at once. One PRMT looks the e4m3 bytes of four codes'
+# magnitudes up in two words holding the eight magnitudes' e4m3 bytes; a PRMT in sign mode turns
+# the four codes' sign bits into byte masks; a LOP3 merges them. Output element i (16 bits) is
+# byte i's low code widened, then its high code: the two words come out in the order the MMA reads.
+_ASM_E2M1_TO_E4M3: tl.constexpr = tl.constexpr("""{
+    .reg .b32 m, h, y, t0, t1, g0, g1, s0, s1, sb;
+    mov.b32 t0, 0x3C383000;
+    mov.b32 t1, 0x4C484440;
+    mov.b32 sb, 0x80808080;
+    and.b32 m, $2, 0x77777777;
+    shr.b32 h, m, 16;
+    prmt.b32 g0, t0, t1, m;
+    prmt.b32 g1, t0, t1, h;
+    shl.b32 y, $2, 4;
+    prmt.b32 s0, y, $2, 0xD9C8;
+    prmt.b32 s1, y, $2, 0xFBEA;
+    lop3.b32 $0, g0, s0, sb, 0xF8;
+    lop3.b32 $1, g1, s1, sb, 0xF8;
+}""")
+
+
+@triton.jit
+def _widen_e2m1(wq, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """``[BN, BK/2]`` e2m1 code bytes -> ``[BN, BK]`` e4m3 bytes (exact), byte p's two values side
+    by side at positions 2p + t, the activations' order. ``ASM``: inline PTX (off the interpreter)."""
+    if ASM:
+        w16 = tl.inline_asm_elementwise(_ASM_E2M1_TO_E4M3, "=r,=r,r", [wq], dtype=tl.uint16, is_pure=True, pack=4)
+        lo = w16.to(tl.uint8)
+        hi = (w16 >> 8).to(tl.uint8)
+    else:
+        lo = _e2m1_to_e4m3(wq & 0xF)
+        hi = _e2m1_to_e4m3(wq >> 4)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+
+
 @triton.jit
 def _mx_step(
     a_ptrs,
@@ -377,6 +412,7 @@ def _mx_step(
     SWAP: tl.constexpr,
     MASK_K: tl.constexpr,
     W_TMA: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
 ):
     """One K step with MX activations: ``a_ptrs [BM, AB]`` code bytes and ``as_ptrs [BM, G]``
     scales of the rows, the weight bytes ``w_ptrs [BN, BK/2]`` as stored (or the ``w_desc`` box)
@@ -403,9 +439,7 @@ def _mx_step(
     a_sc = tl.load(as_ptrs, mask=as_msk, other=0)
     w_sc = tl.load(s_ptrs, mask=s_msk, other=0)
     if ACT == 1:
-        # Byte p's two values side by side: position 2p + t, the activations' order.
-        w = tl.join(_e2m1_to_e4m3(wq & 0xF), _e2m1_to_e4m3(wq >> 4))
-        w = tl.reshape(w, (BLOCK_N, BLOCK_K))
+        w = _widen_e2m1(wq, BLOCK_N, BLOCK_K, WIDEN_ASM)
         if SWAP:
             acc = tl.dot_scaled(w, w_sc, "e4m3", tl.trans(a), a_sc, "e4m3", acc)
         else:
@@ -441,6 +475,7 @@ def _mx_mainloop(
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
 ):
     """:func:`_mxfp4_mainloop` with MX activations: ``a_rows [BM]`` point at each row's codes,
     ``as_rows [BM]`` at its scales; one ``tl.dot_scaled`` per K step."""
@@ -457,7 +492,7 @@ def _mx_mainloop(
         w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K)
         acc = _mx_step(
             a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k0, acc,
-            BLOCK_N, BLOCK_K, ACT, SWAP, MASK_ALL, W_TMA,
+            BLOCK_N, BLOCK_K, ACT, SWAP, MASK_ALL, W_TMA, WIDEN_ASM,
         )  # fmt: skip
         a_ptrs += AB
         as_ptrs += G
@@ -466,7 +501,7 @@ def _mx_mainloop(
         w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K)
         acc = _mx_step(
             a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k_full,
-            acc, BLOCK_N, BLOCK_K, ACT, SWAP, True, W_TMA,
+            acc, BLOCK_N, BLOCK_K, ACT, SWAP, True, W_TMA, WIDEN_ASM,
         )  # fmt: skip
     return acc
 
@@ -859,6 +894,7 @@ def _gemm1_swiglu_kernel(
                 W_TMA,
                 MASK_ALL,
                 PANEL_K,
+                not DOT_FP32,
             )
         else:
             acc = _mxfp4_mainloop(
@@ -996,6 +1032,7 @@ def _gemm2_combine_kernel(
                 W_TMA,
                 MASK_ALL,
                 PANEL_K,
+                not DOT_FP32,
             )
         else:
             acc = _mxfp4_mainloop(
