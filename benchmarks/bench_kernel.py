@@ -32,10 +32,11 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prepkit.kernels.activations import ACTIVATION_POLICIES, check_policy  # noqa: E402
 from prepkit.kernels.device import DeviceInfo  # noqa: E402
-from prepkit.kernels.reference import relative_error  # noqa: E402
+from prepkit.kernels.reference import moe_reference, relative_error  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant  # noqa: E402
-from prepkit.layouts.triton_moe import to_panels  # noqa: E402
+from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankSpec  # noqa: E402
+from prepkit.layouts.triton_moe import LAYOUT  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -55,25 +56,29 @@ def flops_per_token(hidden: int = H, intermediate: int = I, top_k: int = TOP_K) 
     return 2 * top_k * (hidden * 2 * intermediate + intermediate * hidden)
 
 
-def synth_layer(device: torch.device, seed: int = 0) -> MoeLayer:
-    """Random weights straight in the layout; scales near real gpt-oss values (2^-8 .. 2^-4)."""
+def synth_layer(device: torch.device, seed: int = 0) -> tuple[MoeLayer, ExpertWeights]:
+    """A random layer in checkpoint form, scales near real gpt-oss values (2^-8 .. 2^-4), built
+    into the kernel's layout by the layout itself; returns (layer, checkpoint experts), the latter
+    for the fp32 reference."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def u8(shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
         return torch.randint(lo, hi, shape, generator=g, device=device, dtype=torch.uint8)
 
-    return MoeLayer(
-        w13_blocks=to_panels(u8((E, 2 * I, H // 2), 0, 256)),
-        w13_scales=u8((E, H // 32, 2 * I), 119, 124),
-        w13_bias=torch.randn((E, 2 * I), generator=g, device=device) * 0.1,
-        w2_blocks=to_panels(u8((E, H, I // 2), 0, 256)),
-        w2_scales=u8((E, I // 32, H), 119, 124),
-        w2_bias=torch.randn((E, H), generator=g, device=device) * 0.1,
-        num_experts=E,
-        expert_range=(0, E),
-        valid_intermediate=I,
-        top_k=TOP_K,
+    source = ExpertWeights(
+        gate_up_proj_blocks=u8((E, 2 * I, H // 32, 16), 0, 256),
+        gate_up_proj_scales=u8((E, 2 * I, H // 32), 119, 124),
+        gate_up_proj_bias=(torch.randn((E, 2 * I), generator=g, device=device) * 0.1).to(torch.bfloat16),
+        down_proj_blocks=u8((E, H, I // 32, 16), 0, 256),
+        down_proj_scales=u8((E, H, I // 32), 119, 124),
+        down_proj_bias=(torch.randn((E, H), generator=g, device=device) * 0.1).to(torch.bfloat16),
     )
+    plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), RankSpec(), LayoutOptions())
+    layer = MoeLayer.from_tensors(
+        LAYOUT.build(source, plan), layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
+        valid_intermediate=I, top_k=TOP_K, facts=plan.facts,
+    )  # fmt: skip
+    return layer, source
 
 
 # --- device ceilings ---------------------------------------------------------------------------
@@ -179,8 +184,9 @@ def dequant_layout(panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def torch_baseline(
     layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """The layer in plain torch: route, then per hit expert dequantize and matmul in ``dtype``
-    (bf16: the speed baseline; fp32 without TF32: the unquantized reference of ``--activations``)."""
+    """The speed baseline in plain torch: route, then per hit expert dequantize the stored panel
+    bytes and matmul in ``dtype``. The same work as the layer, not its values (the panel bytes are
+    read in storage order); the accuracy reference is :func:`moe_reference`."""
     values, ids = torch.topk(logits.float(), TOP_K, dim=-1)
     weights = torch.softmax(values, dim=-1)
     out = torch.zeros((x.shape[0], H), dtype=torch.float32, device=x.device)
@@ -352,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
         f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s"
     )
-    layer = synth_layer(device)
+    layer, source = synth_layer(device)
     pinned = {}
     if args.tactics:
         raw = json.loads(Path(args.tactics).read_text())
@@ -389,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         err = float("nan")
         if len(policies) > 1 or policy != "bf16":
             torch.backends.cuda.matmul.allow_tf32 = False
-            ref = torch_baseline(layer, x, logits, torch.float32)
+            ref = moe_reference(x, logits, source.as_dict(), top_k=TOP_K)
             err = relative_error(moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32), ref)
         row = {
             "tokens": T,
