@@ -25,6 +25,19 @@ def holder_pid(lock_path: Path) -> int | None:
         return None
 
 
+def is_held(lock_path: Path) -> bool:
+    """True when some process holds ``lock_path`` now. Writes and creates nothing (a dry run may ask)."""
+    if not lock_path.is_file():
+        return False
+    lock = filelock.FileLock(str(lock_path), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
+
+
 @contextmanager
 def exclusive(
     lock_path: Path,
