@@ -107,3 +107,40 @@ def test_a_finished_folder_keeps_only_its_lock_beside_the_output(ep_ckpt: Path, 
     listed = {MANIFEST_NAME, *manifest["files"], *(f for r in manifest["ranks"] for f in r["files"])}
     on_disk = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()}
     assert on_disk - listed == {PREPARE_LOCK}
+
+
+def test_every_rename_and_link_into_the_folder_is_followed_by_a_sync_of_its_parent(
+    ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rename is durable only once its folder is synced: record both, and check the order.
+    events: list[tuple[str, int]] = []
+    real_replace, real_link, real_fsync = os.replace, os.link, os.fsync
+
+    def replace(src: str | Path, dst: str | Path) -> None:
+        real_replace(src, dst)
+        events.append(("name", os.stat(Path(dst).parent).st_ino))
+
+    def link(src: str | Path, dst: str | Path) -> None:
+        real_link(src, dst)
+        events.append(("name", os.stat(Path(dst).parent).st_ino))
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        st = os.fstat(fd)
+        if st.st_mode & 0o040000:
+            events.append(("sync", st.st_ino))
+
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "out"
+    code, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")
+    assert code == 0, stderr
+    named = [i for i, (kind, _) in enumerate(events) if kind == "name"]
+    assert len(named) >= 10  # shared file, 4 rank files, 2 links, 2 indexes, the manifest, the journal
+    for i in named:
+        folder = events[i][1]
+        assert ("sync", folder) in events[i + 1 :], f"event {i}: no sync of the folder after it"
+    # the folders prepare created are synced into their parents too
+    synced = {ino for kind, ino in events if kind == "sync"}
+    assert {os.stat(p).st_ino for p in (tmp_path, out, out / "shared", out / "rank0")} <= synced
