@@ -89,7 +89,8 @@ def prepare(
 
     Reads each layer once, writes every rank's file from it, and finishes with
     OUT/manifest.json (layout id, source hashes, per-rank sizes, sha256 of every
-    file). An interrupted run resumes: rerun the same command.
+    file). An interrupted run resumes, even after kill -9: rerun the same command.
+    A second run on the same OUT is refused (exit 3) with the pid of the first.
 
     \b
     Example:
