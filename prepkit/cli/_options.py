@@ -26,3 +26,21 @@ def json_option(f: F) -> F:
 
 def quiet_option(f: F) -> F:
     return click.option("--quiet", "-q", is_flag=True, help="No progress bars.")(f)
+
+
+class RenamedOption(click.Option):
+    """An option whose old spellings still work but are not shown in ``--help``: pass them as
+    ``old_names`` (kept for one release after a rename, so scripts do not break at once)."""
+
+    def __init__(self, *args: Any, old_names: tuple[str, ...] = (), **kwargs: Any) -> None:
+        decls = list(args[0]) if args else list(kwargs.pop("param_decls"))
+        super().__init__([*decls, *old_names], *args[1:], **kwargs)
+        self.old_names = old_names
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        shown = [o for o in self.opts if o not in self.old_names]
+        opts, self.opts = self.opts, shown
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
