@@ -340,3 +340,36 @@ def test_show_prints_whole_ranges_on_stdout_in_80_columns() -> None:
         assert row[2] == (f"{w['median_us']:.1f}" if w["median_us"] else "-")
         sp = w["speedup_vs_default"]
         assert row[3] == (f"{sp:.2f}x" if sp else "-")
+
+
+def test_an_export_merges_like_the_db_it_came_from(filled: Path, tmp_path: Path) -> None:
+    """What a user sends back (`tactics export > my-gpu.json`) merges into another DB."""
+    r = invoke("tactics", "export", "--db", str(filled))
+    assert r.exit_code == 0
+    export = tmp_path / "my-gpu.json"
+    export.write_text(r.stdout)
+    from_db = invoke("tactics", "merge", str(filled), "--db", str(tmp_path / "a.db"), "--json")
+    from_json = invoke("tactics", "merge", str(export), "--db", str(tmp_path / "b.db"), "--json")
+    assert from_json.exit_code == 0, from_json.output
+    assert json.loads(from_json.output)["added"] == json.loads(from_db.output)["added"]
+    a = invoke("tactics", "export", "--db", str(tmp_path / "a.db")).stdout
+    b = invoke("tactics", "export", "--db", str(tmp_path / "b.db")).stdout
+    assert json.loads(a)["tables"] == json.loads(b)["tables"]
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('{"format": "something-else", "tables": {}}', "not a prepkit tactics export"),
+        ('{"format": "prepkit-tactics", "schema_version": 999, "tables": {}}', "upgrade prepkit"),
+        ('{"format": "prepkit-tactics", "schema_version": 1, "tables": {"winner": [3]}}', "tables.winner[0]"),
+        ("{ not json", "not a readable tactics export"),
+    ],
+)
+def test_a_bad_export_is_refused_naming_the_file(tmp_path: Path, text: str, says: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    r = invoke("tactics", "merge", str(bad), "--db", str(tmp_path / "dest.db"))
+    assert r.exit_code == 3
+    assert says in r.output and "bad.json" in r.output
+    assert "Traceback" not in r.output

@@ -105,6 +105,7 @@ def export_command(db_path: Path | None, as_json: bool) -> None:
 def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) -> None:
     """Merge the rows of SRC into the DB named by --db; SRC is only read.
 
+    SRC is a tactics DB or the JSON `prepkit tactics export` wrote (what users send back).
     Measurements, checks and blocklist entries are unions; for each GPU and problem the winner
     ranges of the newer run win as a whole.
 
@@ -112,6 +113,7 @@ def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) 
     Example:
         prepkit tactics merge gpu1.db
         prepkit tactics merge gpu1.db --db team.db
+        prepkit tactics merge my-gpu.json --db team.db
     """
     from prepkit.tactics import store
     from prepkit.tactics.lookup import user_db_path

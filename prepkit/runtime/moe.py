@@ -15,6 +15,7 @@ Triton's decomposition, and says so once per process.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -199,15 +200,27 @@ class MoeLayer:
 _DECOMPOSED_WARNED: set[tuple[str, tuple[int, int]]] = set()
 
 
-def lowers_natively(capability: tuple[int, int]) -> bool:
+# The oldest Triton whose sm_120 / sm_121 lowering of same-format MX ``tl.dot_scaled`` to the
+# block-scaled ``mma.sync`` has been checked (docs/sm12x.md).
+NATIVE_MX_TRITON_SM12X = (3, 6)
+
+
+def lowers_natively(capability: tuple[int, int], triton_version: str | None = None) -> bool:
     """Whether Triton lowers same-format MX ``tl.dot_scaled`` to block-scaled MMA on a GPU of
-    this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``), given a
-    Triton that has ``tl.dot_scaled``. Elsewhere (Hopper and older) it upcasts to bf16 first."""
+    this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``, from Triton
+    3.6). Elsewhere (Hopper and older) it upcasts to bf16 first. ``triton_version``: the
+    installed one by default."""
     if capability[0] not in (10, 12):
         return False
+    import triton
     import triton.language as tl
 
-    return hasattr(tl, "dot_scaled")
+    if not hasattr(tl, "dot_scaled"):
+        return False
+    if capability[0] == 12:
+        found = re.match(r"(\d+)\.(\d+)", triton_version or triton.__version__)
+        return found is not None and (int(found[1]), int(found[2])) >= NATIVE_MX_TRITON_SM12X
+    return True
 
 
 def _warn_if_decomposed(layer: MoeLayer, device: DeviceInfo, on_cuda: bool) -> None:
@@ -221,7 +234,8 @@ def _warn_if_decomposed(layer: MoeLayer, device: DeviceInfo, on_cuda: bool) -> N
     where = f"{device.name} (sm_{device.capability[0]}{device.capability[1]})" if on_cuda else "the CPU interpreter"
     warnings.warn(
         f"activations {layer.activations!r} run decomposed on {where}: Triton upcasts the MX operands to bf16 "
-        "before the matrix unit (same numerics, no speed-up); block-scaled MMA needs SM10x or SM12x",
+        "before the matrix unit (same numerics, no speed-up); block-scaled MMA needs SM10x, or SM12x with "
+        f"Triton >= {'.'.join(map(str, NATIVE_MX_TRITON_SM12X))}",
         stacklevel=3,
     )
 

@@ -455,7 +455,10 @@ class TacticsDB:
         # Migrate a private copy so the source file is never written.
         with tempfile.TemporaryDirectory() as tmp:
             copy = Path(tmp) / "src.db"
-            _snapshot(src_path, copy)
+            if _is_json_export(src_path):
+                _db_from_export(src_path, copy)
+            else:
+                _snapshot(src_path, copy)
             open_db(copy).close()
             before = self.counts()
             # ATTACH cannot run inside a transaction; the merge itself is one transaction.
@@ -535,6 +538,47 @@ def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> dic
 
     with exclusive(dest.with_name(dest.name + ".merge-lock"), busy=busy), open_db(dest) as tdb:
         return tdb.merge_from(src)
+
+
+def _is_json_export(path: Path) -> bool:
+    """Whether ``path`` holds ``prepkit tactics export`` JSON rather than a SQLite DB."""
+    try:
+        with path.open("rb") as f:
+            return f.read(64).lstrip()[:1] == b"{"
+    except OSError:
+        return False
+
+
+def _db_from_export(src: Path, dest: Path) -> None:
+    """A DB at ``dest`` holding the rows of the ``prepkit tactics export`` JSON ``src``, so that a
+    shared export merges like a DB file."""
+    try:
+        data = json.loads(src.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise TacticsError(f"{src}: not a readable tactics export ({err})") from err
+    tables = data.get("tables") if isinstance(data, dict) else None
+    if not isinstance(tables, dict) or data.get("format") != "prepkit-tactics":
+        raise TacticsError(f"{src}: not a prepkit tactics export (no 'format': 'prepkit-tactics' with 'tables')")
+    version = data.get("schema_version")
+    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
+        raise TacticsError(
+            f"{src}: export of tactics schema {version!r}; this prepkit reads up to {schema.SCHEMA_VERSION}",
+            hint="upgrade prepkit",
+        )
+    with open_db(dest, wal=False) as tdb, tdb.write() as db:
+        for table in TABLES:
+            rows = tables.get(table) or []
+            known = list(columns(table))
+            for i, row in enumerate(rows):
+                if not isinstance(row, dict):
+                    raise TacticsError(f"{src}: tables.{table}[{i}] is not an object")
+            if rows:
+                cols = [c for c in known if any(c in r for r in rows)]
+                marks = ", ".join("?" for _ in cols)
+                db.conn.executemany(
+                    f"INSERT OR IGNORE INTO {table} ({', '.join(cols)}) VALUES ({marks})",
+                    [tuple(r.get(c) for c in cols) for r in rows],
+                )
 
 
 def _snapshot(src: Path, dest: Path) -> None:

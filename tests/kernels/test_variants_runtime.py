@@ -338,3 +338,22 @@ def test_mx_layer_maps_the_default_and_warns_once_where_it_runs_decomposed(monke
         run_moe(other, x, logits)
     assert moe_module.lowers_natively((12, 0)) and moe_module.lowers_natively((12, 1))
     assert moe_module.lowers_natively((10, 0)) and not moe_module.lowers_natively((9, 0))
+
+
+@pytest.mark.parametrize(
+    ("capability", "triton_version", "native"),
+    [
+        ((12, 0), "3.6.0", True),
+        ((12, 1), "3.9.1", True),
+        ((12, 1), "3.10.0", True),
+        ((12, 0), "3.5.1", False),
+        ((12, 1), "3.3.0+git1234", False),
+        ((12, 0), "unknown", False),
+        ((9, 0), "3.9.0", False),
+        ((10, 0), "3.5.0", True),
+    ],
+)
+def test_native_mx_needs_sm12x_and_a_checked_triton(capability, triton_version, native):
+    from prepkit.runtime.moe import lowers_natively
+
+    assert lowers_natively(capability, triton_version) is native
