@@ -1,4 +1,4 @@
-"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``recipes/*.json``.
+"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``prepkit/data/recipes/*.json``.
 
 Recipes hold names and shape *formulas*; actual dims come from the checkpoint's config.json, so a
 small synthetic gpt-oss checkpoint is prepared by the same recipe as the real one.
@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from prepkit.data import RECIPES_DIR as PACKAGED_RECIPES_DIR
 from prepkit.errors import RecipeError
 from prepkit.layouts.base import ModelDims
 
-RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES") or PACKAGED_RECIPES_DIR)
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {
