@@ -45,7 +45,9 @@ def lookup() -> str | None:
     bundled = bundled_db_path()
     if bundled is None or bundled.resolve() != SHIPPED_DB:
         return f"bundled_db_path() is {bundled}, expected {SHIPPED_DB}"
-    problems = gpt_oss_problems(kernel=KERNEL_NAME, kernel_version=str(KERNEL_VERSION), weight_layout=TRITON_MOE_LAYOUT_ID)
+    problems = gpt_oss_problems(
+        kernel=KERNEL_NAME, kernel_version=str(KERNEL_VERSION), weight_layout=TRITON_MOE_LAYOUT_ID
+    )
     for role, problem in problems.items():
         table = TacticTable.load(problem, h100, user_db="/nonexistent/tactics.db")
         if table.source != "bundled" or table.tier != "exact" or not table.ranges:

@@ -28,6 +28,7 @@ from prepkit.errors import PrepkitError, TacticsError
 from prepkit.tactics import store
 from prepkit.tactics.lookup import Range, RangeTable
 
+
 def _thin(tdb: store.TacticsDB) -> None:
     """Turn a migrated private copy of the full DB into the shipped one (see the module docstring)."""
     with tdb.write() as db:
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         counts = write_bundle(args.src, args.dest)
     except PrepkitError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
+        print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
+        return err.exit_code
     size = args.dest.stat().st_size
     print(f"{args.dest}: {size / 1e6:.2f} MB, " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     return 0
