@@ -75,6 +75,11 @@ def available() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
 
 
+def _known_models_hint() -> str:
+    known = f"known models: {', '.join(available()) or 'none'}"
+    return known + ("; the folder is set by PREPKIT_RECIPES" if os.environ.get("PREPKIT_RECIPES") else "")
+
+
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """Load a recipe by model name (``gpt-oss-120b``), hub id (``openai/gpt-oss-120b``) or path."""
     path = Path(name_or_path)
@@ -82,7 +87,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         wanted = str(name_or_path).split("/")[-1]
         path = RECIPES_DIR / f"{wanted}.json"
     if not path.is_file():
-        raise RecipeError(f"no recipe {str(name_or_path)!r}", hint=f"known models: {', '.join(available())}")
+        raise RecipeError(f"no recipe {str(name_or_path)!r} in {path.parent}", hint=_known_models_hint())
     try:
         raw = json.loads(path.read_text())
         layer_prefix = raw["layer_prefix"]
