@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from prepkit.constants import INDEX_NAME
 from prepkit.errors import CheckpointError
 from prepkit.layouts.base import SOURCE_ROLES, ExpertWeights, ModelDims
 from prepkit.recipes import SAFETENSORS_DTYPES, Recipe, check_config, model_dims, shape_of
 
-INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -225,7 +225,7 @@ class Checkpoint:
         row_bytes = entry.nbytes // max(entry.shape[0], 1) if entry.shape else entry.nbytes
         count = (hi - lo) * row_bytes
         # A caller streaming many chunks passes a reused buffer: fresh memory costs a page fault
-        # per 4 KiB on first touch, which is slower than the read itself.
+        # per 4 KiB on first touch.
         if buffer is not None and buffer.numel() >= count and buffer.dtype == torch.uint8:
             out = buffer[:count]
         else:
@@ -286,11 +286,3 @@ def _st_name(dtype: torch.dtype) -> str:
         if v == dtype:
             return k
     return str(dtype)
-
-
-def free_bytes(path: Path) -> int:
-    probe = path
-    while not probe.exists():
-        probe = probe.parent
-    st = os.statvfs(probe)
-    return st.f_bavail * st.f_frsize

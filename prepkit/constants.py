@@ -1,7 +1,30 @@
-"""Names spelled in more than one module: layout ids and file names. Standard library only."""
+"""Names that more than one module spells: layout ids, and the files prepkit writes and reads.
+
+Standard library only and nothing but constants, so any module (the runtime included) imports it
+for free. A layout id is stored in manifests and tactics.db: bump its ``_v<N>`` when even one
+output byte of that layout changes.
+"""
 
 from __future__ import annotations
 
-# The bundled Triton kernel's weight layout (prepkit.layouts.triton_moe); manifests and tactics.db
-# store it, the kernel and the runtime check it.
-TRITON_MOE_LAYOUT_ID = "triton_moe_v3"
+# Versioned layout ids (the CLI spells layouts plainly: ``--layout trtllm-gen``).
+TRTLLM_GEN_LAYOUT_ID = "trtllm_gen_v1"
+TRITON_MOE_LAYOUT_ID = "triton_moe_v3"  # the bundled kernel's weight layout
+CUTLASS_SM90_LAYOUT_ID = "cutlass_sm90_v1"
+CUTLASS_SM12X_LAYOUT_ID = "cutlass_sm12x_v1"
+
+# A model folder: the checkpoint's index, and the record of whoever wrote the folder.
+INDEX_NAME = "model.safetensors.index.json"
+FETCH_RECORD = "prepkit-fetch.json"  # written by ``prepkit fetch`` (hub-verified hashes)
+SYNTH_RECORD = "prepkit-synth.json"  # written by ``prepkit synth`` (hashes taken at creation)
+
+# A prepared shard set (``prepkit prepare --out``).
+MANIFEST_NAME = "manifest.json"  # written last: a folder without it is not finished
+JOURNAL_NAME = ".prepkit-journal.json"  # finished files of an interrupted run
+SHARED_DIR = "shared"  # non-expert tensors, written once and linked into every rank folder
+EXPERTS_FILE = "rank{rank}/experts-{layer:05d}.safetensors"  # one rank's experts of one layer
+SHARED_FILE = SHARED_DIR + "/non-expert-{index:05d}.safetensors"
+
+# Inside the package (prepkit/data, found through importlib.resources by prepkit.data).
+RECIPES_FOLDER = "recipes"  # ``<model>.json`` per supported checkpoint
+TACTICS_DB_NAME = "tactics.db"  # the bundled DB, and the user's under $XDG_CACHE_HOME/prepkit

@@ -25,7 +25,6 @@ import logging
 import os
 import queue
 import re
-import shutil
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -34,13 +33,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from prepkit import __version__
+from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
+from prepkit.fsutil import format_bytes, free_bytes, write_json_atomic
 
 logger = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
 
-RECORD_NAME = "prepkit-fetch.json"
 RECORD_FORMAT = "prepkit-fetch/1"
 STATE_FORMAT = "prepkit-fetch-state/1"
 STATE_PATH = Path(".cache") / "prepkit" / "fetch-state.json"
@@ -279,7 +279,7 @@ def plan_fetch(
         endpoint=endpoint,
         offline=offline,
         include_original=include_original,
-        free_bytes=_free_bytes(dest),
+        free_bytes=free_bytes(dest),
         orphan_bytes=sum(size for _, size in _orphans(dest)),
     )
 
@@ -351,13 +351,6 @@ def _local_status(dest: Path, remote: RemoteFile, state: _State | None) -> Plann
     if state is not None and state.is_verified(remote, st):
         return PlannedFile(remote, "verified", st.st_size)
     return PlannedFile(remote, "unverified", st.st_size)
-
-
-def _free_bytes(dest: Path) -> int:
-    probe = dest
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return shutil.disk_usage(probe).free
 
 
 def _orphans(dest: Path) -> list[tuple[Path, int]]:
@@ -441,7 +434,7 @@ class _State:
             "files": [f.to_json() for f in self.files],
             "verified": self.verified,
         }
-        _write_json_atomic(self.dest / STATE_PATH, payload)
+        write_json_atomic(self.dest / STATE_PATH, payload)
 
 
 @dataclass(frozen=True)
@@ -468,13 +461,6 @@ def _hash_matches(remote: RemoteFile, sha256: str | None, git_blob: str | None) 
     if remote.git_blob is not None:
         return git_blob == remote.git_blob
     return sha256 is not None  # the hub gave no hash: the size check is all there is
-
-
-def _write_json_atomic(path: Path, payload: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
 
 
 @contextlib.contextmanager
@@ -541,18 +527,6 @@ class FetchRecord:
     def matches(self, source: Source) -> bool:
         return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
 
-    def provenance(self) -> dict[str, Any]:
-        """The part of the record a prepared manifest cites."""
-        return {
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "endpoint": self.endpoint,
-            "fetched_at": self.fetched_at,
-            "fetch_record": RECORD_NAME,
-            "files": {e.path: {"size": e.size, "sha256": e.sha256} for e in self.entries},
-        }
-
     def to_json(self) -> dict[str, Any]:
         return {
             "format": RECORD_FORMAT,
@@ -579,7 +553,7 @@ def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
     Raises:
         FetchError: the record exists but is not a prepkit fetch record this version can read.
     """
-    path = Path(model_dir) / RECORD_NAME
+    path = Path(model_dir) / FETCH_RECORD
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -673,8 +647,8 @@ def fetch(
         removed = _remove_orphans(dest)
         if not plan.fits:
             raise FetchError(
-                f"not enough disk space in {dest}: {_human(plan.need_bytes)} to download "
-                f"+ {_human(plan.margin_bytes)} margin, {_human(plan.free_bytes + plan.orphan_bytes)} free",
+                f"not enough disk space in {dest}: {format_bytes(plan.need_bytes)} to download "
+                f"+ {format_bytes(plan.margin_bytes)} margin, {format_bytes(plan.free_bytes + plan.orphan_bytes)} free",
                 hint="free some space, or fetch elsewhere with --dir DIR or PREPKIT_HOME",
             )
         state = _State.load(dest)
@@ -700,7 +674,7 @@ def fetch(
             state.save()
         if any(f.status != "verified" for f in plan.files):
             # The folder is about to change: until every file is verified again it must not look complete.
-            (dest / RECORD_NAME).unlink(missing_ok=True)
+            (dest / FETCH_RECORD).unlink(missing_ok=True)
         if plan.offline:
             _refuse_incomplete_offline(plan)
         progress = _Progress(on_progress, plan)
@@ -755,7 +729,7 @@ def _remove_orphans(dest: Path) -> int:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed += 1
-            logger.info("removed partial file of an interrupted run: %s (%s)", path.name, _human(size))
+            logger.info("removed partial file of an interrupted run: %s (%s)", path.name, format_bytes(size))
     return removed
 
 
@@ -901,7 +875,7 @@ def _write_record(plan: FetchPlan, state: _State) -> FetchRecord:
             )
         )
     record = FetchRecord(
-        path=plan.dest / RECORD_NAME,
+        path=plan.dest / FETCH_RECORD,
         repo_id=plan.source.repo_id,
         revision=plan.source.revision,
         commit=plan.commit,
@@ -912,7 +886,7 @@ def _write_record(plan: FetchPlan, state: _State) -> FetchRecord:
         prepkit_version=__version__,
         entries=tuple(entries),
     )
-    _write_json_atomic(record.path, record.to_json())
+    write_json_atomic(record.path, record.to_json())
     return record
 
 
@@ -1095,16 +1069,3 @@ def _revision_hint(source: Source, api: Any) -> str:
             if names:
                 hint += f"; {source.repo_id} has: {', '.join(names[:10])}"
     return hint
-
-
-def _human(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"
-
-
-def human_bytes(n: int) -> str:
-    return _human(n)

@@ -15,25 +15,38 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from prepkit import __version__
-from prepkit.checkpoint import Checkpoint, free_bytes
-from prepkit.errors import OutputError
+from prepkit.allocator import keep_freed_memory
+from prepkit.checkpoint import Checkpoint
+from prepkit.constants import FETCH_RECORD, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, SHARED_DIR, SYNTH_RECORD
+from prepkit.errors import CheckpointError, FetchError, OutputError, VerifyError
+from prepkit.fetch import read_fetch_record
+from prepkit.fsutil import free_bytes, temp_path
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
 from prepkit.layouts.base import SOURCE_ROLES
-from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
+from prepkit.manifest import (
+    FETCHED,
+    LOCAL,
+    SYNTHESIZED,
+    FileHash,
+    LayoutRecord,
+    Manifest,
+    ModelRecord,
+    Parallel,
+    Provenance,
+    RankRecord,
+    TensorRecord,
+    experts_file,
+    shared_file,
+)
 from prepkit.recipes import Recipe
 from prepkit.shards import (
-    INDEX_NAME,
-    JOURNAL_NAME,
-    MANIFEST_FORMAT,
-    MANIFEST_NAME,
-    MANIFEST_VERSION,
     Journal,
     WrittenFile,
     link_or_copy,
@@ -42,23 +55,13 @@ from prepkit.shards import (
     write_json_atomic,
     write_safetensors,
 )
+from prepkit.synth import read_synth_record
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]
-SHARED_DIR = "shared"
 CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
 SHARED_FILE_BYTES = 2 * 1024**3  # non-expert tensors are grouped into files of at most this payload
-FETCH_RECORD = "prepkit-fetch.json"  # written by ``prepkit fetch`` (hub-verified hashes)
-SYNTH_RECORD = "prepkit-synth.json"  # written by ``prepkit synth`` (hashes taken at creation)
-
-
-def experts_file(rank: int, layer: int) -> str:
-    return f"rank{rank}/experts-{layer:05d}.safetensors"
-
-
-def shared_file(index: int) -> str:
-    return f"{SHARED_DIR}/non-expert-{index:05d}.safetensors"
 
 
 @dataclass
@@ -156,22 +159,7 @@ def plan_prepare(
         specs = [specs[r] for r in sorted(set(ranks))]
     rank_plans = [layout.plan_rank(dims, spec, options) for spec in specs]
 
-    warnings = []
-    alternatives = {
-        v: [layout.plan_rank(dims, s, LayoutOptions(trtllm_version=v)) for s in specs]
-        for v in TRTLLM_VERSIONS
-        if v != options.trtllm_version and "trtllm_version" in getattr(layout, "uses_options", ())
-    }
-    for version, plans in alternatives.items():
-        differ = [
-            p.spec.rank for p, q in zip(rank_plans, plans, strict=True) if p.intermediate_range != q.intermediate_range
-        ]
-        if differ:
-            warnings.append(
-                f"at tp={tp_size} the per-rank bytes depend on the TensorRT-LLM version: using "
-                f"--trtllm-version {options.trtllm_version} ({rank_plans[0].sharding_rule}); "
-                f"--trtllm-version {version} would place different rows on ranks {differ}"
-            )
+    warnings = layout.plan_warnings(dims, rank_plans, options)
 
     shared_names = checkpoint.non_expert_names()
     groups: list[list[str]] = [[]]
@@ -231,6 +219,17 @@ def _fingerprint(
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _finished_manifest(out_dir: Path) -> Manifest | None:
+    """The manifest of an earlier finished run in ``out_dir``; None when there is none this
+    version reads (the journal, or the folder's contents, decide then)."""
+    if not (out_dir / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return Manifest.read(out_dir)
+    except VerifyError:
+        return None
+
+
 def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
     if not out_dir.exists():
         return
@@ -239,20 +238,15 @@ def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
     entries = [p.name for p in out_dir.iterdir()]
     if not entries:
         return
-    if MANIFEST_NAME in entries:
-        try:
-            manifest = json.loads((out_dir / MANIFEST_NAME).read_text())
-        except (OSError, json.JSONDecodeError):
-            manifest = {}
-        if manifest.get("format") == MANIFEST_FORMAT and manifest.get("fingerprint") == fingerprint:
+    manifest = _finished_manifest(out_dir)
+    if manifest is not None:
+        if manifest.fingerprint == fingerprint:
             return
-        if manifest.get("format") == MANIFEST_FORMAT:
-            raise OutputError(
-                f"{out_dir} holds a different prepared shard set (layout {manifest.get('layout', {}).get('id')}, "
-                f"tp={manifest.get('parallel', {}).get('tp_size')}, ep={manifest.get('parallel', {}).get('ep_size')}, "
-                "or another source)",
-                hint="choose another --out, or delete that folder first",
-            )
+        raise OutputError(
+            f"{out_dir} holds a different prepared shard set (layout {manifest.layout.id}, "
+            f"tp={manifest.parallel.tp_size}, ep={manifest.parallel.ep_size}, or another source)",
+            hint="choose another --out, or delete that folder first",
+        )
     if JOURNAL_NAME in entries:
         try:
             journal = json.loads((out_dir / JOURNAL_NAME).read_text())
@@ -283,7 +277,7 @@ class PrepareResult:
     bytes_written: int
     source_bytes_read: int
     seconds: float
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -305,7 +299,7 @@ class _RankFile:
         self.rel = rel
         self.final = root / rel
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.final.with_name(f"{self.final.name}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.final)
         metas = {prefix + n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in plan.tensors.items()}
         header, order = safetensors_header(metas, metadata)
         self.offsets: dict[str, int] = {}
@@ -354,7 +348,8 @@ class _RankFile:
         self.tmp.unlink(missing_ok=True)
 
 
-OUTPUT_TENSOR_BYTES = 24 * 1024 * 1024  # below glibc's largest mmap threshold (32 MiB), see below
+OUTPUT_TENSOR_BYTES = 24 * 1024 * 1024  # below the mmap threshold set by allocator.keep_freed_memory
+IN_FLIGHT_CHUNKS = 2  # chunks the writer thread may hold before the main thread waits for it
 
 
 def _chunks(lo: int, hi: int, step: int) -> list[tuple[int, int]]:
@@ -366,24 +361,6 @@ def _experts_per_chunk(plan: PreparePlan, per_expert_source: int) -> int:
     output tensor of one rank stays under the allocator's mmap threshold (reused, not faulted)."""
     largest = max(t.nbytes // max(t.shape[0], 1) for p in plan.ranks for t in p.tensors.values())
     return max(1, min(plan.chunk_bytes // max(per_expert_source, 1), OUTPUT_TENSOR_BYTES // max(largest, 1)))
-
-
-def _keep_freed_memory() -> None:
-    """Ask glibc to keep freed blocks of up to 32 MiB in the heap instead of unmapping them.
-
-    Every chunk allocates the same tensor sizes again; served from the heap they cost nothing,
-    served from fresh mmaps every page is faulted in and zeroed by the kernel first, which made
-    page faults the largest cost of a run. Best effort: other C libraries are left alone.
-    """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)
-        libc.mallopt(m_trim_threshold, 1024 * 1024 * 1024)
-    except (OSError, AttributeError):
-        pass
 
 
 def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> PrepareResult:
@@ -404,139 +381,213 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
     root.mkdir(parents=True, exist_ok=True)
     for leftover in root.glob("**/*.tmp-*"):
         leftover.unlink(missing_ok=True)  # a killed run's partial file: never complete, never kept
-    journal = Journal.load(root, plan.fingerprint)
-    if (root / MANIFEST_NAME).is_file():
-        manifest = json.loads((root / MANIFEST_NAME).read_text())
-        journal.files = {
-            rel: WrittenFile(rel, v["sha256"], v["bytes"])
-            for rel, v in manifest["files"].items()
-            if rel.endswith(".safetensors")
-        }
-    ckpt = plan.checkpoint
-    dims = ckpt.dims
-    progress = on_progress or (lambda label, done, total: None)
-    total_source = plan.expert_source_bytes + plan.shared_bytes
-    done_source = 0
-    written = skipped = 0
-    bytes_written = 0
-    source_read = 0
-    files: dict[str, WrittenFile] = {}
-    metadata = {"format": "pt", "producer": f"prepkit {__version__}", "layout": plan.layout.layout_id}
-    hasher = ThreadPoolExecutor(max_workers=2)  # fsync + hash overlap the next layer's work
-    writer = ThreadPoolExecutor(max_workers=1)
-    in_flight: list[Future[None]] = []
-    pending: list[tuple[Future[str], str, int]] = []
-    rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank, strict=False)}
-    rank_done = dict.fromkeys(rank_total, 0)
-    source_hashes = {p.name: hasher.submit(sha256_file, p) for p in _sources_to_hash(ckpt)}
-
-    def drain(block: bool) -> None:
-        nonlocal pending
-        keep = []
-        for fut, rel, size in pending:
-            if block or fut.done():
-                wf = WrittenFile(rel, fut.result(), size)
-                files[rel] = wf
-                journal.record(wf)
-            else:
-                keep.append((fut, rel, size))
-        pending = keep
-
+    run = _Run(plan, _resume_journal(plan), on_progress)
     try:
-        # Non-expert tensors: carried through unchanged, written once, shared by every rank.
-        for i, names in enumerate(plan.shared_groups):
-            rel = shared_file(i)
-            group_bytes = sum(ckpt.entries[n].nbytes for n in names)
-            if journal.is_done(rel):
-                files[rel] = journal.files[rel]
-                skipped += 1
-            else:
-                tensors = {n: ckpt.read(n) for n in names}
-                wf = write_safetensors(root, rel, tensors, {"format": "pt", "producer": f"prepkit {__version__}"})
-                source_read += group_bytes
-                files[rel] = wf
-                journal.record(wf)
-                written += 1
-                bytes_written += wf.bytes
-            done_source += group_bytes
-            progress("source", done_source, total_source)
-
-        per_expert_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(0)) // dims.num_experts
-        step = _experts_per_chunk(plan, per_expert_source)
-        _keep_freed_memory()
-        buffers = {
-            role: torch.empty(
-                step * ckpt.entries[ckpt.recipe.expert_name(0, role)].nbytes // dims.num_experts, dtype=torch.uint8
-            )
-            for role in SOURCE_ROLES
-        }
-        for layer in range(dims.num_layers):
-            layer_source = sum(ckpt.entries[n].nbytes for n in ckpt.expert_names(layer))
-            todo = [p for p in plan.ranks if not journal.is_done(experts_file(p.spec.rank, layer))]
-            for p in plan.ranks:
-                if p not in todo:
-                    rel = experts_file(p.spec.rank, layer)
-                    files[rel] = journal.files[rel]
-                    skipped += 1
-            if todo:
-                prefix = plan.recipe.output_expert_prefix(layer)
-                outs = {
-                    p.spec.rank: _RankFile(root, experts_file(p.spec.rank, layer), p, prefix, metadata) for p in todo
-                }
-                try:
-                    # Chunks never straddle an EP boundary, so each chunk feeds whole ranks.
-                    for e_lo, e_hi in sorted({p.expert_range for p in todo}):
-                        for c_lo, c_hi in _chunks(e_lo, e_hi, step):
-                            weights = ckpt.read_experts_range(layer, c_lo, c_hi, buffers)
-                            source_read += weights.nbytes()
-                            for p in todo:
-                                if p.expert_range != (e_lo, e_hi):
-                                    continue
-                                built = plan.layout.build(weights, p)
-                                # The writer thread copies into the page cache (and blocks on a
-                                # slow disk) while this thread shuffles the next chunk.
-                                while len(in_flight) >= 2:
-                                    in_flight.pop(0).result()
-                                in_flight.append(writer.submit(outs[p.spec.rank].write_chunk, c_lo - e_lo, built))
-                                del built
-                            del weights
-                            progress("source", done_source + layer_source * c_hi // dims.num_experts, total_source)
-                    while in_flight:
-                        in_flight.pop(0).result()
-                    for p in todo:
-                        f = outs[p.spec.rank]
-                        pending.append((hasher.submit(f.commit_and_hash), f.rel, f.size))
-                        written += 1
-                        bytes_written += f.size
-                        rank_done[p.spec.rank] += f.size
-                        progress(f"rank {p.spec.rank}", rank_done[p.spec.rank], rank_total[p.spec.rank])
-                except BaseException:
-                    for fut in in_flight:
-                        fut.cancel()
-                    wait(in_flight)
-                    in_flight.clear()
-                    for f in outs.values():
-                        if not any(rel == f.rel for _, rel, _ in pending):
-                            f.abort()
-                    raise
-            done_source += layer_source
-            progress("source", done_source, total_source)
-            drain(block=len(pending) > 2 * len(plan.ranks))  # at most ~2 layers in flight
-        drain(block=True)
+        source_hashes = {p.name: run.hasher.pool.submit(sha256_file, p) for p in _sources_to_hash(plan.checkpoint)}
+        run.write_shared_files()
+        run.write_expert_layers()
     except OSError as err:
         raise OutputError(
             f"writing {root} failed: {err}",
             hint="free disk space or fix permissions, then rerun: finished files are kept",
         ) from err
     finally:
-        writer.shutdown(wait=True)
-        hasher.shutdown(wait=True)
+        run.shutdown()
+    manifest = _finish(plan, run.files, {name: fut.result() for name, fut in source_hashes.items()})
+    seconds = time.perf_counter() - started
+    return PrepareResult(root, run.written, run.skipped, run.bytes_written, run.source_read, seconds, manifest)
 
-    manifest = _finish(plan, files, {name: fut.result() for name, fut in source_hashes.items()})
-    return PrepareResult(root, written, skipped, bytes_written, source_read, time.perf_counter() - started, manifest)
+
+def _resume_journal(plan: PreparePlan) -> Journal:
+    """The files an earlier run of this plan finished: from its journal, or, when it got as far as
+    the manifest, from that."""
+    journal = Journal.load(plan.out_dir, plan.fingerprint)
+    finished = _finished_manifest(plan.out_dir)
+    if finished is not None:
+        journal.files = {
+            rel: WrittenFile(rel, h.sha256, h.bytes)
+            for rel, h in finished.files.items()
+            if rel.endswith(".safetensors")
+        }
+    return journal
 
 
-def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dict[str, str]) -> dict[str, Any]:
+class _ChunkWriter:
+    """One thread that copies built chunks into rank files (and blocks on a slow disk) while the
+    main thread reads and shuffles the next chunk."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.in_flight: list[Future[None]] = []
+
+    def submit(self, out: _RankFile, first_local_expert: int, tensors: dict[str, torch.Tensor]) -> None:
+        while len(self.in_flight) >= IN_FLIGHT_CHUNKS:
+            self.in_flight.pop(0).result()
+        self.in_flight.append(self.pool.submit(out.write_chunk, first_local_expert, tensors))
+
+    def finish(self) -> None:
+        """Wait for every chunk; raises the first failure."""
+        while self.in_flight:
+            self.in_flight.pop(0).result()
+
+    def cancel(self) -> None:
+        for fut in self.in_flight:
+            fut.cancel()
+        wait(self.in_flight)
+        self.in_flight.clear()
+
+
+class _FileHasher:
+    """Two threads that fsync, rename and hash finished rank files, overlapping the next layer's
+    work; each result is recorded in the journal as it is collected."""
+
+    def __init__(self, journal: Journal, files: dict[str, WrittenFile]) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=2)
+        self.journal = journal
+        self.files = files
+        self.pending: list[tuple[Future[str], str, int]] = []
+
+    def commit(self, out: _RankFile) -> None:
+        self.pending.append((self.pool.submit(out.commit_and_hash), out.rel, out.size))
+
+    def is_committing(self, rel: str) -> bool:
+        return any(rel == pending_rel for _, pending_rel, _ in self.pending)
+
+    def collect(self, block: bool) -> None:
+        """Record the finished hashes (all of them when ``block``); raises the first failure."""
+        keep = []
+        for fut, rel, size in self.pending:
+            if block or fut.done():
+                written = WrittenFile(rel, fut.result(), size)
+                self.files[rel] = written
+                self.journal.record(written)
+            else:
+                keep.append((fut, rel, size))
+        self.pending = keep
+
+
+class _Run:
+    """One streaming pass over the plan: the counters, the journal and the worker threads."""
+
+    def __init__(self, plan: PreparePlan, journal: Journal, on_progress: ProgressFn | None) -> None:
+        self.plan = plan
+        self.ckpt = plan.checkpoint
+        self.journal = journal
+        self.progress = on_progress or (lambda label, done, total: None)
+        self.files: dict[str, WrittenFile] = {}
+        self.writer = _ChunkWriter()
+        self.hasher = _FileHasher(journal, self.files)
+        self.written = self.skipped = self.bytes_written = self.source_read = 0
+        self.total_source = plan.expert_source_bytes + plan.shared_bytes
+        self.done_source = 0
+        self.rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank, strict=False)}
+        self.rank_done = dict.fromkeys(self.rank_total, 0)
+
+    def shutdown(self) -> None:
+        self.writer.pool.shutdown(wait=True)
+        self.hasher.pool.shutdown(wait=True)
+
+    def _reuse(self, rel: str) -> None:
+        self.files[rel] = self.journal.files[rel]
+        self.skipped += 1
+
+    def write_shared_files(self) -> None:
+        """Non-expert tensors: carried through unchanged, written once, shared by every rank."""
+        metadata = {"format": "pt", "producer": f"prepkit {__version__}"}
+        for i, names in enumerate(self.plan.shared_groups):
+            rel = shared_file(i)
+            group_bytes = sum(self.ckpt.entries[n].nbytes for n in names)
+            if self.journal.is_done(rel):
+                self._reuse(rel)
+            else:
+                written = write_safetensors(self.plan.out_dir, rel, {n: self.ckpt.read(n) for n in names}, metadata)
+                self.source_read += group_bytes
+                self.files[rel] = written
+                self.journal.record(written)
+                self.written += 1
+                self.bytes_written += written.bytes
+            self.done_source += group_bytes
+            self.progress("source", self.done_source, self.total_source)
+
+    def write_expert_layers(self) -> None:
+        """Every layer's experts, in chunks read once into reused buffers, into every rank's file."""
+        dims = self.ckpt.dims
+        per_expert_source = sum(self.ckpt.entries[n].nbytes for n in self.ckpt.expert_names(0)) // dims.num_experts
+        step = _experts_per_chunk(self.plan, per_expert_source)
+        with keep_freed_memory():
+            buffers = {
+                role: torch.empty(
+                    step * self.ckpt.entries[self.ckpt.recipe.expert_name(0, role)].nbytes // dims.num_experts,
+                    dtype=torch.uint8,
+                )
+                for role in SOURCE_ROLES
+            }
+            for layer in range(dims.num_layers):
+                self.write_layer(layer, step, buffers)
+                # at most about two layers' files wait for their hashes
+                self.hasher.collect(block=len(self.hasher.pending) > 2 * len(self.plan.ranks))
+            self.hasher.collect(block=True)
+
+    def write_layer(self, layer: int, step: int, buffers: dict[str, torch.Tensor]) -> None:
+        """One layer's file of every rank not finished yet; the files go to the hasher."""
+        layer_source = sum(self.ckpt.entries[n].nbytes for n in self.ckpt.expert_names(layer))
+        todo = []
+        for p in self.plan.ranks:
+            rel = experts_file(p.spec.rank, layer)
+            if self.journal.is_done(rel):
+                self._reuse(rel)
+            else:
+                todo.append(p)
+        if todo:
+            prefix = self.plan.recipe.output_expert_prefix(layer)
+            metadata = {"format": "pt", "producer": f"prepkit {__version__}", "layout": self.plan.layout.layout_id}
+            outs = {
+                p.spec.rank: _RankFile(self.plan.out_dir, experts_file(p.spec.rank, layer), p, prefix, metadata)
+                for p in todo
+            }
+            try:
+                self._fill(layer, layer_source, step, buffers, todo, outs)
+            except BaseException:
+                self.writer.cancel()
+                for out in outs.values():
+                    if not self.hasher.is_committing(out.rel):
+                        out.abort()
+                raise
+        self.done_source += layer_source
+        self.progress("source", self.done_source, self.total_source)
+
+    def _fill(
+        self,
+        layer: int,
+        layer_source: int,
+        step: int,
+        buffers: dict[str, torch.Tensor],
+        todo: list[RankPlan],
+        outs: dict[int, _RankFile],
+    ) -> None:
+        """Read the layer chunk by chunk; build and write every rank's part of each chunk."""
+        num_experts = self.ckpt.dims.num_experts
+        # Chunks never straddle an EP boundary, so each chunk feeds whole ranks.
+        for e_lo, e_hi in sorted({p.expert_range for p in todo}):
+            owners = [p for p in todo if p.expert_range == (e_lo, e_hi)]
+            for c_lo, c_hi in _chunks(e_lo, e_hi, step):
+                weights = self.ckpt.read_experts_range(layer, c_lo, c_hi, buffers)
+                self.source_read += weights.nbytes()
+                for p in owners:
+                    self.writer.submit(outs[p.spec.rank], c_lo - e_lo, self.plan.layout.build(weights, p))
+                del weights
+                self.progress("source", self.done_source + layer_source * c_hi // num_experts, self.total_source)
+        self.writer.finish()
+        for p in todo:
+            out = outs[p.spec.rank]
+            self.hasher.commit(out)
+            self.written += 1
+            self.bytes_written += out.size
+            self.rank_done[p.spec.rank] += out.size
+            self.progress(f"rank {p.spec.rank}", self.rank_done[p.spec.rank], self.rank_total[p.spec.rank])
+
+
+def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dict[str, str]) -> Manifest:
     """Link shared files into every rank, write rank indexes, then the manifest, last."""
     root = plan.out_dir
     ckpt = plan.checkpoint
@@ -567,116 +618,121 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
         files[f"rank{r}/{INDEX_NAME}"] = write_json_atomic(root, f"rank{r}/{INDEX_NAME}", index)
         rank_files.append(f"rank{r}/{INDEX_NAME}")
         rank_entries.append(
-            {
-                "rank": r,
-                "tp_rank": p.spec.tp_rank,
-                "ep_rank": p.spec.ep_rank,
-                "expert_range": list(p.expert_range),
-                "intermediate_range": list(p.intermediate_range),
-                "valid_intermediate": p.valid_intermediate,
-                "padded_intermediate": p.padded_intermediate,
-                "padded_hidden": p.padded_hidden,
-                "sharding_rule": p.sharding_rule,
-                "facts": p.facts,
-                "tensors": {
-                    n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "dims": list(t.dims)}
-                    for n, t in p.tensors.items()
+            RankRecord(
+                rank=r,
+                tp_rank=p.spec.tp_rank,
+                ep_rank=p.spec.ep_rank,
+                expert_range=p.expert_range,
+                intermediate_range=p.intermediate_range,
+                valid_intermediate=p.valid_intermediate,
+                padded_intermediate=p.padded_intermediate,
+                padded_hidden=p.padded_hidden,
+                sharding_rule=p.sharding_rule,
+                facts=p.facts,
+                tensors={
+                    n: TensorRecord(t.shape, str(t.dtype).removeprefix("torch."), t.dims) for n, t in p.tensors.items()
                 },
-                "files": sorted(rank_files),
-            }
+                files=tuple(sorted(rank_files)),
+            )
         )
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "format_version": MANIFEST_VERSION,
-        "prepkit_version": __version__,
-        "fingerprint": plan.fingerprint,
-        "layout": {
-            "name": plan.layout.name,
-            "id": plan.layout.layout_id,
-            "w13_row_order": plan.layout.w13_row_order,
-            "options": _used_options(plan),
-        },
-        "model": {
-            "recipe": plan.recipe.name,
-            "repo_id": plan.recipe.repo_id,
-            "revision": plan.recipe.revision,
-            "dims": plan.checkpoint.dims.__dict__,
-            "config": ckpt.config,
-            **_provenance(ckpt, source_hashes),
-        },
-        "parallel": {"tp_size": plan.tp_size, "ep_size": plan.ep_size},
-        "expert_tensor_prefix": plan.recipe.expert_prefix,
-        "shared_files": [shared_file(i) for i in range(len(plan.shared_groups))],
-        "shared_file_link": link_method,
-        "ranks": rank_entries,
-        "files": {rel: {"sha256": wf.sha256, "bytes": wf.bytes} for rel, wf in sorted(files.items())},
-    }
-    write_json_atomic(root, MANIFEST_NAME, manifest)
+    manifest = Manifest(
+        prepkit_version=__version__,
+        fingerprint=plan.fingerprint,
+        layout=LayoutRecord(
+            name=plan.layout.name,
+            id=plan.layout.layout_id,
+            w13_row_order=plan.layout.w13_row_order,
+            options=_used_options(plan),
+        ),
+        model=ModelRecord(
+            recipe=plan.recipe.name,
+            repo_id=plan.recipe.repo_id,
+            revision=plan.recipe.revision,
+            dims=ckpt.dims,
+            config=ckpt.config,
+            provenance=_provenance(ckpt, source_hashes),
+        ),
+        parallel=Parallel(tp_size=plan.tp_size, ep_size=plan.ep_size),
+        expert_tensor_prefix=plan.recipe.expert_prefix,
+        shared_files=tuple(shared_file(i) for i in range(len(plan.shared_groups))),
+        shared_file_link=link_method,
+        ranks=tuple(rank_entries),
+        files={rel: FileHash(wf.sha256, wf.bytes) for rel, wf in sorted(files.items())},
+    )
+    write_json_atomic(root, MANIFEST_NAME, manifest.to_json())
     Journal(root, plan.fingerprint).remove()
     return manifest
 
 
-def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
-    """Source files whose sha256 no fetch or synth record vouches for."""
-    known = _fetch_record_files(ckpt, _fetch_record(ckpt))
-    return [p for p in ckpt.source_files() if not (known.get(p.name) or {}).get("sha256")]
+@dataclass(frozen=True)
+class _SourceRecord:
+    """The record of whoever wrote the source folder (``prepkit fetch``, else ``prepkit synth``):
+    the hashes it vouches for, and the provenance the manifest cites (without file hashes)."""
+
+    files: dict[str, tuple[int, str]]  # path -> (size, sha256) as recorded
+    provenance: Provenance
 
 
-def _fetch_record_files(ckpt: Checkpoint, record: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-    """The record's hashes of files whose size is still what the record says."""
-    if not record:
-        return {}
-    known = {}
-    for f in record.get("files", []):
-        if not isinstance(f, dict) or "path" not in f:
-            continue
-        path = ckpt.root / f["path"]
-        # A file changed since the fetch (other size) is hashed again rather than trusted.
-        if path.is_file() and path.stat().st_size == f.get("size"):
-            known[f["path"]] = {"sha256": f.get("sha256"), "bytes": f.get("size")}
-    return known
-
-
-def _fetch_record(ckpt: Checkpoint) -> dict[str, Any] | None:
-    """The record of whoever wrote the folder: ``prepkit fetch``, else ``prepkit synth``."""
-    for name in (FETCH_RECORD, SYNTH_RECORD):
-        path = ckpt.root / name
-        if not path.is_file():
-            continue
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            log.warning("ignoring unreadable %s", path)
-            continue
-        if isinstance(record, dict):
-            return {**record, "_record": name}
+def _source_record(ckpt: Checkpoint) -> _SourceRecord | None:
+    """The fetch record, else the synth record; one that cannot be read is ignored with a warning
+    (its files are hashed again instead)."""
+    try:
+        fetched = read_fetch_record(ckpt.root)
+    except FetchError as err:
+        log.warning("ignoring %s: %s", ckpt.root / FETCH_RECORD, err)
+        fetched = None
+    if fetched is not None:
+        return _SourceRecord(
+            {e.path: (e.size, e.sha256) for e in fetched.entries},
+            Provenance(
+                FETCHED,
+                source_repo=fetched.repo_id,
+                source_revision=fetched.revision,
+                source_commit=fetched.commit,
+                fetched_at=fetched.fetched_at,
+                fetch_record=FETCH_RECORD,
+            ),
+        )
+    try:
+        synthesized = read_synth_record(ckpt.root)
+    except CheckpointError as err:
+        log.warning("ignoring %s: %s", ckpt.root / SYNTH_RECORD, err)
+        synthesized = None
+    if synthesized is not None:
+        return _SourceRecord(
+            {f.path: (f.size, f.sha256) for f in synthesized.files},
+            Provenance(SYNTHESIZED, synth_record=SYNTH_RECORD, seed=synthesized.seed),
+        )
     return None
 
 
-def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> dict[str, Any]:
+def _vouched_hashes(ckpt: Checkpoint, record: _SourceRecord | None) -> dict[str, str]:
+    """The record's hashes of files whose size is still what the record says."""
+    if record is None:
+        return {}
+    known = {}
+    for rel, (size, sha256) in record.files.items():
+        path = ckpt.root / rel
+        # A file changed since the record was written (other size) is hashed again rather than trusted.
+        if sha256 and path.is_file() and path.stat().st_size == size:
+            known[rel] = sha256
+    return known
+
+
+def _sources_to_hash(ckpt: Checkpoint) -> list[Path]:
+    """Source files whose sha256 no fetch or synth record vouches for."""
+    known = _vouched_hashes(ckpt, _source_record(ckpt))
+    return [p for p in ckpt.source_files() if p.name not in known]
+
+
+def _provenance(ckpt: Checkpoint, source_hashes: dict[str, str]) -> Provenance:
     """Source revision and file hashes: from the fetch record when the model came through
     ``prepkit fetch`` (verified against the hub there), else hashed during the run."""
-    record = _fetch_record(ckpt)
-    known = _fetch_record_files(ckpt, record)
-    source_files = {}
-    for p in ckpt.source_files():
-        entry = known.get(p.name) or {}
-        source_files[p.name] = {"sha256": entry.get("sha256") or source_hashes.get(p.name), "bytes": p.stat().st_size}
-    if record and record["_record"] == SYNTH_RECORD:
-        return {
-            "provenance": "prepkit synth",
-            "synth_record": SYNTH_RECORD,
-            "seed": record.get("seed"),
-            "source_files": source_files,
-        }
-    if record:
-        return {
-            "provenance": "prepkit fetch",
-            "source_repo": record.get("repo_id"),
-            "source_revision": record.get("revision"),
-            "source_commit": record.get("commit"),
-            "fetched_at": record.get("fetched_at"),
-            "fetch_record": FETCH_RECORD,
-            "source_files": source_files,
-        }
-    return {"provenance": "local folder", "source_files": source_files}
+    record = _source_record(ckpt)
+    known = _vouched_hashes(ckpt, record)
+    source_files = {
+        p.name: FileHash(known.get(p.name) or source_hashes.get(p.name) or sha256_file(p), p.stat().st_size)
+        for p in ckpt.source_files()
+    }
+    cited = record.provenance if record else Provenance(LOCAL)
+    return replace(cited, source_files=source_files)

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from prepkit.data import RECIPES_DIR as PACKAGED_RECIPES_DIR
+from prepkit.data import recipes_dir
+from prepkit.dims import ModelDims
 from prepkit.errors import RecipeError
-from prepkit.layouts.base import ModelDims
 
-RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES") or PACKAGED_RECIPES_DIR)
+RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES") or recipes_dir())
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {

@@ -1,9 +1,10 @@
-"""Crash-safe output files: a streaming safetensors writer, the journal, and the manifest.
+"""Crash-safe output files: a streaming safetensors writer and the journal.
 
-Every file is written under ``<name>.tmp-<pid>``, fsynced, then renamed into place, and its
-sha256 is computed from the bytes as they are written (no second read). The manifest is written
-last, so a folder without ``manifest.json`` is never mistaken for a finished one; the journal
-records finished files so an interrupted run resumes where it stopped.
+Every file is written under a temp name, fsynced, then renamed into place
+(:func:`prepkit.fsutil.write_atomic`), and its sha256 is computed from the bytes as they are
+written (no second read). The manifest is written last, so a folder without ``manifest.json`` is
+never mistaken for a finished one; the journal records finished files so an interrupted run
+resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -20,13 +21,10 @@ from typing import Any
 
 import torch
 
-from prepkit.errors import OutputError, VerifyError
-
-MANIFEST_NAME = "manifest.json"
-JOURNAL_NAME = ".prepkit-journal.json"
-MANIFEST_FORMAT = "prepkit-shards"
-MANIFEST_VERSION = 1
-INDEX_NAME = "model.safetensors.index.json"
+from prepkit.constants import JOURNAL_NAME
+from prepkit.errors import OutputError
+from prepkit.fsutil import json_bytes
+from prepkit.fsutil import write_atomic as write_file_atomic
 
 ST_DTYPE = {
     torch.uint8: "U8",
@@ -80,33 +78,18 @@ def safetensors_header(
 
 
 def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
-    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` through a temp file, fsync, rename."""
+    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` crash-safely; OutputError on failure."""
     final = root / rel
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{os.getpid()}")
-    digest = hashlib.sha256()
-    total = 0
     try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks_fn():
-                f.write(chunk)
-                digest.update(chunk)
-                total += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
+        sha256, total = write_file_atomic(final, chunks_fn())
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         if err.errno == errno.ENOSPC:
             raise OutputError(
                 f"no space left on the device while writing {final}",
                 hint="free disk space (prepare --dry-run shows the bytes needed) and rerun: finished files are kept",
             ) from err
         raise OutputError(f"cannot write {final}: {err.strerror}") from err
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return WrittenFile(rel, digest.hexdigest(), total)
+    return WrittenFile(rel, sha256, total)
 
 
 def write_safetensors(
@@ -125,13 +108,12 @@ def write_safetensors(
 
 
 def write_json_atomic(root: Path, rel: str, payload: Any) -> WrittenFile:
-    data = (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode()
-    return write_atomic(root, rel, lambda: [data])
+    return write_atomic(root, rel, lambda: [json_bytes(payload)])
 
 
 def sha256_file(path: Path) -> str:
     """sha256 of a file, hashed straight from the page cache through mmap windows: no copy into
-    user memory (2.5x faster than read() here), and resident memory bounded by one window."""
+    user memory, and resident memory bounded by one window."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -202,31 +184,3 @@ class Journal:
 
     def remove(self) -> None:
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
-
-
-# --- manifest ---------------------------------------------------------------------------------
-
-
-def read_manifest(out_dir: str | Path) -> dict[str, Any]:
-    """The manifest of a finished shard set; raises VerifyError when absent or foreign."""
-    path = Path(out_dir) / MANIFEST_NAME
-    if not path.is_file():
-        journal = Path(out_dir) / JOURNAL_NAME
-        hint = (
-            "the run was interrupted; rerun the same prepare command to finish it"
-            if journal.is_file()
-            else "run prepkit prepare first"
-        )
-        raise VerifyError(f"{path} is missing: {out_dir} is not a finished prepkit shard set", hint=hint)
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise VerifyError(f"{path} is not valid JSON: {err}") from err
-    if manifest.get("format") != MANIFEST_FORMAT:
-        raise VerifyError(f"{path} is not a prepkit manifest (format={manifest.get('format')!r})")
-    if int(manifest.get("format_version", 0)) > MANIFEST_VERSION:
-        raise VerifyError(
-            f"{path} has format_version {manifest['format_version']}, this prepkit reads up to {MANIFEST_VERSION}",
-            hint="upgrade prepkit",
-        )
-    return manifest

@@ -14,17 +14,20 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from prepkit.constants import INDEX_NAME, SYNTH_RECORD
+from prepkit.errors import CheckpointError
+from prepkit.fsutil import temp_path, write_json_atomic
 from prepkit.recipes import Recipe, load_recipe, shape_of
 from prepkit.shards import sha256_file
 
-SYNTH_RECORD = "prepkit-synth.json"
-
+SYNTH_RECORD_FORMAT = "prepkit-synth/1"
 SCALE_LOW, SCALE_HIGH = 112, 132  # E8M0 exponents 2^-15 .. 2^4: realistic, never 0xFF
 DEFAULT_MAX_SHARD_BYTES = 4_800_000_000  # the hub converter's cap
 
@@ -194,7 +197,7 @@ def write_synthetic_checkpoint(
     done = 0
     for file_name, names in zip(files, groups, strict=False):
         tensors = {n: random_tensor(n, *table[n], seed=seed) for n in names}
-        tmp = out / f"{file_name}.tmp-{os.getpid()}"
+        tmp = temp_path(out / file_name)
         save_file(tensors, str(tmp), metadata={"format": "pt"})
         os.chmod(tmp, 0o644)
         os.replace(tmp, out / file_name)
@@ -204,7 +207,7 @@ def write_synthetic_checkpoint(
         if on_progress:
             on_progress("synthesize", done, total)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(out / "model.safetensors.index.json", index)
+    _write_json(out / INDEX_NAME, index)
     _write_json(
         out / "generation_config.json",
         {
@@ -219,7 +222,7 @@ def write_synthetic_checkpoint(
     # Hashes taken now, while the bytes are fresh, so prepare can cite them as provenance
     # instead of reading the whole checkpoint again (as it does with a fetch record).
     record = {
-        "format": "prepkit-synth/1",
+        "format": SYNTH_RECORD_FORMAT,
         "generator": "prepkit synth",
         "seed": seed,
         "files": [
@@ -232,6 +235,45 @@ def write_synthetic_checkpoint(
     return out
 
 
+@dataclass(frozen=True)
+class SynthFile:
+    path: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class SynthRecord:
+    """What ``prepkit-synth.json`` says: the seed, and every file with the hash taken at creation."""
+
+    seed: int | None
+    files: tuple[SynthFile, ...]
+
+
+def read_synth_record(model_dir: str | Path) -> SynthRecord | None:
+    """The synth record of ``model_dir``, or None when ``prepkit synth`` did not write the folder.
+
+    Raises:
+        CheckpointError: the record exists but is not a synth record this version can read.
+    """
+    path = Path(model_dir) / SYNTH_RECORD
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable: {err}", hint="write the model again: prepkit synth") from err
+    try:
+        if raw.get("format") != SYNTH_RECORD_FORMAT:
+            raise ValueError(f"format is {raw.get('format')!r}, expected {SYNTH_RECORD_FORMAT!r}")
+        files = tuple(SynthFile(f["path"], int(f["size"]), f["sha256"]) for f in raw["files"])
+        return SynthRecord(seed=raw.get("seed"), files=files)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{path} is not a prepkit synth record: {err}", hint="write the model again: prepkit synth"
+        ) from err
+
+
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     n = 1
     for d in shape:
@@ -240,4 +282,5 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 def _write_json(path: Path, payload: Any) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    # Keys in the order they are built (config.json follows the hub's order, which is not sorted).
+    write_json_atomic(path, payload, sort_keys=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,9 @@ from safetensors import safe_open
 from prepkit.checkpoint import Checkpoint
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
+from prepkit.manifest import Manifest, experts_file
 from prepkit.recipes import load_recipe
-from prepkit.shards import read_manifest, sha256_file
+from prepkit.shards import sha256_file
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -50,27 +51,26 @@ def verify(
 ) -> VerifyReport:
     """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor)."""
     root = Path(out_dir)
-    manifest = read_manifest(root)
+    manifest = Manifest.read(root)
     report = VerifyReport(root)
     progress = on_progress or (lambda label, done, total: None)
-    files = manifest["files"]
-    total = sum(v["bytes"] for v in files.values())
+    total = sum(f.bytes for f in manifest.files.values())
     done = 0
-    for rel, info in sorted(files.items()):
+    for rel, recorded in sorted(manifest.files.items()):
         path = root / rel
         if not path.is_file():
             report.problems.append(f"{rel}: missing")
-        elif path.stat().st_size != info["bytes"]:
-            report.problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {info['bytes']}")
-        elif sha256_file(path) != info["sha256"]:
+        elif path.stat().st_size != recorded.bytes:
+            report.problems.append(f"{rel}: {path.stat().st_size} bytes, manifest says {recorded.bytes}")
+        elif sha256_file(path) != recorded.sha256:
             report.problems.append(f"{rel}: sha256 differs from the manifest")
         report.files_checked += 1
-        done += info["bytes"]
+        done += recorded.bytes
         progress("hashes", done, total)
-    for rank in manifest["ranks"]:
-        for rel in rank["files"]:
+    for rank in manifest.ranks:
+        for rel in rank.files:
             if not (root / rel).is_file():
-                report.problems.append(f"rank {rank['rank']}: {rel} is missing")
+                report.problems.append(f"rank {rank.rank}: {rel} is missing")
     if src is not None and not report.problems:
         _verify_against_source(root, manifest, Path(src), sample, seed, report, progress)
     if report.problems:
@@ -85,34 +85,34 @@ def verify(
 
 def _verify_against_source(
     root: Path,
-    manifest: dict[str, Any],
+    manifest: Manifest,
     src: Path,
     sample: int | None,
     seed: int,
     report: VerifyReport,
     progress: ProgressFn,
 ) -> None:
-    recipe = load_recipe(manifest["model"]["recipe"])
+    recipe = load_recipe(manifest.model.recipe)
     ckpt = Checkpoint(src, recipe)
     ckpt.validate()
-    layout = get_layout(manifest["layout"]["id"])
-    options = LayoutOptions(**manifest["layout"].get("options", {}))
+    layout = get_layout(manifest.layout.id)
+    options = LayoutOptions(**manifest.layout.options)
     dims = ckpt.dims
-    if dims.__dict__ != manifest["model"]["dims"]:
+    if dims != manifest.model.dims:
         raise VerifyError(
-            f"--src {src} has dims {dims.__dict__}, the shards were made from {manifest['model']['dims']}"
+            f"--src {src} has dims {asdict(dims)}, the shards were made from {asdict(manifest.model.dims)}"
         )
-    tp, ep = manifest["parallel"]["tp_size"], manifest["parallel"]["ep_size"]
+    tp, ep = manifest.parallel.tp_size, manifest.parallel.ep_size
     rng = random.Random(seed)
-    steps = len(manifest["ranks"]) * dims.num_layers
+    steps = len(manifest.ranks) * dims.num_layers
     step = 0
-    for entry in manifest["ranks"]:
-        spec = RankSpec(tp_size=tp, tp_rank=entry["tp_rank"], ep_size=ep, ep_rank=entry["ep_rank"])
+    for entry in manifest.ranks:
+        spec = RankSpec(tp_size=tp, tp_rank=entry.tp_rank, ep_size=ep, ep_rank=entry.ep_rank)
         plan = layout.plan_rank(dims, spec, options)
         r = spec.rank
-        if list(plan.intermediate_range) != entry["intermediate_range"]:
+        if plan.intermediate_range != entry.intermediate_range:
             report.problems.append(
-                f"rank {r}: manifest says intermediate rows {entry['intermediate_range']}, "
+                f"rank {r}: manifest says intermediate rows {list(entry.intermediate_range)}, "
                 f"the layout gives {list(plan.intermediate_range)}"
             )
             continue
@@ -122,7 +122,7 @@ def _verify_against_source(
             if sample is not None and sample < len(experts):
                 experts = sorted(rng.sample(experts, sample))
             prefix = recipe.output_expert_prefix(layer)
-            rel = f"rank{r}/experts-{layer:05d}.safetensors"
+            rel = experts_file(r, layer)
             with safe_open(str(root / rel), framework="pt") as f:
                 for e in experts:
                     local = e - e_lo
@@ -142,7 +142,7 @@ def _verify_against_source(
             progress("experts", step, steps)
     # Rank folders hold links to these same files, whose hashes were checked above.
     shared = set(ckpt.non_expert_names())
-    for rel in manifest["shared_files"]:
+    for rel in manifest.shared_files:
         with safe_open(str(root / rel), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
                 if name not in shared:

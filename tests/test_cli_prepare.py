@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from prepkit.cli import cli
-from prepkit.shards import JOURNAL_NAME, MANIFEST_NAME
+from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME, SYNTH_RECORD
 
 
 def run(*args: str) -> tuple[int, str, str]:
@@ -252,7 +252,7 @@ def test_source_hashes_come_from_the_record_only_for_unchanged_files(ep_ckpt: Pa
 
     src = tmp_path / "src"
     shutil.copytree(ep_ckpt, src)
-    record_path = src / "prepkit-synth.json"
+    record_path = src / SYNTH_RECORD
     record = json.loads(record_path.read_text())
     shard = sorted(src.glob("model-*.safetensors"))[0]
     # a record that lies about a file of another size must not be believed

@@ -22,6 +22,7 @@ from click.testing import CliRunner, Result
 from huggingface_hub import errors as hf_errors
 
 from prepkit import fetch as fetching
+from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
 
 COMMIT = "c0ffee" + "0" * 34
@@ -162,10 +163,10 @@ def test_default_model_dir_follows_prepkit_home(monkeypatch: pytest.MonkeyPatch,
 
 def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
     assert fetching.read_fetch_record(tmp_path) is None
-    (tmp_path / fetching.RECORD_NAME).write_text("{not json")
+    (tmp_path / FETCH_RECORD).write_text("{not json")
     with pytest.raises(FetchError, match="unreadable"):
         fetching.read_fetch_record(tmp_path)
-    (tmp_path / fetching.RECORD_NAME).write_text(json.dumps({"format": "something-else/9"}))
+    (tmp_path / FETCH_RECORD).write_text(json.dumps({"format": "something-else/9"}))
     with pytest.raises(FetchError, match="not a prepkit fetch record"):
         fetching.read_fetch_record(tmp_path)
 
@@ -249,7 +250,7 @@ def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
     assert "broke off" in result.stderr and shard in result.stderr and "again" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dest / shard).exists()
-    assert not (dest / fetching.RECORD_NAME).exists()
+    assert not (dest / FETCH_RECORD).exists()
 
     fake_hub.download = None
     fake_hub.calls.clear()
@@ -277,7 +278,7 @@ def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
     assert f"disk full while writing {shard}" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dest / shard).exists()
-    assert not (dest / fetching.RECORD_NAME).exists()
+    assert not (dest / FETCH_RECORD).exists()
 
 
 def test_server_error_on_a_file(fake_hub: FakeHub, tmp_path: Path) -> None:

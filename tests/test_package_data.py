@@ -21,13 +21,15 @@ ROOT = PKG.parent
 
 
 def test_recipes_and_the_tactics_db_live_inside_the_package() -> None:
-    assert data.RECIPES_DIR.parent == data.TACTICS_DB.parent == PKG / "data"
-    assert recipes.RECIPES_DIR == data.RECIPES_DIR  # no PREPKIT_RECIPES in the test environment
+    # importlib.resources resolves them in the package that was imported (this tree), not a copy
+    assert data.recipes_dir() == PKG / "data" / "recipes" and data.recipes_dir().is_dir()
+    assert data.tactics_db() == PKG / "data" / "tactics.db" and data.tactics_db().is_file()
+    assert data.recipes_dir() == recipes.RECIPES_DIR  # no PREPKIT_RECIPES in the test environment
     names = recipes.available()
     assert {"gpt-oss-120b", "gpt-oss-20b"} <= set(names)
     for name in names:
-        assert recipes.load_recipe(name).path.parent == data.RECIPES_DIR
-    assert bundled_db_path() == data.TACTICS_DB
+        assert recipes.load_recipe(name).path.parent == data.recipes_dir()
+    assert bundled_db_path() == data.tactics_db()
     # one copy only: nothing left at the repository top for a source checkout to fall back on
     assert not (ROOT / "recipes").exists() and not (ROOT / "tactics.db").exists()
 
@@ -48,7 +50,7 @@ def test_pyproject_ships_every_data_file_and_the_license() -> None:
 def test_prepkit_recipes_overrides_the_packaged_folder(tmp_path: Path) -> None:
     mine = tmp_path / "recipes"
     mine.mkdir()
-    raw = json.loads((data.RECIPES_DIR / "gpt-oss-20b.json").read_text())
+    raw = json.loads((data.recipes_dir() / "gpt-oss-20b.json").read_text())
     (mine / "my-model.json").write_text(json.dumps({**raw, "name": "my-model"}))
     code = (
         "from prepkit import recipes\n"
@@ -76,3 +78,30 @@ def test_the_cli_finds_the_recipes_from_any_folder(tmp_path: Path) -> None:
     code = "from prepkit import recipes; r = recipes.load_recipe('openai/gpt-oss-120b'); print(r.name, r.repo_id)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=workdir)
     assert out.stdout.split() == ["gpt-oss-120b", "openai/gpt-oss-120b"]
+
+
+def test_a_zip_imported_package_gets_real_paths(tmp_path: Path) -> None:
+    """SQLite opens only real files: from a zip archive the DB and the recipes are extracted."""
+    import zipfile
+
+    archive = tmp_path / "prepkit.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for path in [PKG / "__init__.py", PKG / "errors.py", PKG / "constants.py", *(PKG / "data").rglob("*")]:
+            if path.is_file() and "__pycache__" not in path.parts:
+                zf.write(path, path.relative_to(ROOT).as_posix())
+    code = (
+        "import sqlite3, prepkit.data as d\n"
+        "assert '.zip' in d.__file__, d.__file__\n"
+        "db = d.tactics_db()\n"
+        "winners = sqlite3.connect(f'file:{db}?mode=ro', uri=True).execute('select count(*) from winner')\n"
+        "print(db.is_file(), winners.fetchone()[0] > 0)\n"
+        "print(sorted(p.name for p in d.recipes_dir().glob('*.json')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(archive)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "True True"
+    assert lines[1] == "['gpt-oss-120b.json', 'gpt-oss-20b.json']"

@@ -11,6 +11,7 @@ from prepkit import console
 from prepkit import fetch as fetching
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, model_option, quiet_option
+from prepkit.fsutil import format_bytes
 
 _STATUS = {
     "verified": "[green]verified[/]",
@@ -82,7 +83,6 @@ def fetch_command(
 
 
 def _show_plan(plan: fetching.FetchPlan) -> None:
-    human = fetching.human_bytes
     pinned = " (pinned by the recipe)" if plan.source.recipe and plan.commit == plan.source.revision else ""
     console.info(f"[bold]{plan.source.repo_id}[/] @ {plan.commit}{pinned}")
     console.info(f"into {plan.dest}" + (" (offline)" if plan.offline else f" from {plan.endpoint}"))
@@ -91,16 +91,16 @@ def _show_plan(plan: fetching.FetchPlan) -> None:
     table.add_column("size", justify="right")
     table.add_column("status")
     for f in plan.files:
-        table.add_row(f.path, human(f.remote.size), _STATUS.get(f.status, f.status))
+        table.add_row(f.path, format_bytes(f.remote.size), _STATUS.get(f.status, f.status))
     console.err_console.print(table)
     console.info(
-        f"{len(plan.files)} files, {human(plan.total_bytes)}: {plan.count('verified')} verified, "
-        f"{plan.count('unverified')} to verify, {human(plan.download_bytes)} to download"
+        f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {plan.count('verified')} verified, "
+        f"{plan.count('unverified')} to verify, {format_bytes(plan.download_bytes)} to download"
     )
-    orphans = f" + {human(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
-    console.info(f"free disk: {human(plan.free_bytes)}{orphans}")
+    orphans = f" + {format_bytes(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
+    console.info(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")
     if not plan.fits:
-        needed = f"{human(plan.need_bytes)} + {human(plan.margin_bytes)} margin"
+        needed = f"{format_bytes(plan.need_bytes)} + {format_bytes(plan.margin_bytes)} margin"
         console.warn(f"not enough disk space: {needed} needed; the download would be refused")
 
 

@@ -9,6 +9,8 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, model_option, quiet_option
+from prepkit.constants import MANIFEST_NAME
+from prepkit.fsutil import format_bytes
 from prepkit.layouts import LAYOUTS, LayoutOptions, get_layout
 from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
 from prepkit.recipes import load_recipe
@@ -19,14 +21,6 @@ def default_src(model: str) -> Path:
     from prepkit.fetch import default_model_dir
 
     return Path(default_model_dir(load_recipe(model)))
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 @cli.command()
@@ -127,7 +121,7 @@ def prepare(
         return
     if plan.bytes_to_write > plan.free_bytes:
         raise OutputError(
-            f"{out} needs {_human(plan.bytes_to_write)} but only {_human(plan.free_bytes)} is free",
+            f"{out} needs {format_bytes(plan.bytes_to_write)} but only {format_bytes(plan.free_bytes)} is free",
             hint="free disk space or choose --out on another disk",
         )
     with console.progress(enabled=not quiet) as on_progress:
@@ -138,10 +132,10 @@ def prepare(
     else:
         console.info(
             f"[green]done:[/] {summary['files_written']} files written, {summary['files_skipped']} "
-            f"already complete, {_human(summary['bytes_written'])} in {summary['seconds']:.1f} s "
+            f"already complete, {format_bytes(summary['bytes_written'])} in {summary['seconds']:.1f} s "
             f"({summary['source_gb_per_s']:.2f} GB/s of source)"
         )
-        click.echo(str(result.out_dir / "manifest.json"))
+        click.echo(str(result.out_dir / MANIFEST_NAME))
 
 
 def _show_plan(plan: pipeline.PreparePlan) -> None:  # type: ignore[name-defined]  # noqa: F821
@@ -166,14 +160,14 @@ def _show_plan(plan: pipeline.PreparePlan) -> None:  # type: ignore[name-defined
             str(r["valid_intermediate"]),
             str(r["padded_intermediate"]),
             r["sharding_rule"],
-            _human(r["bytes"]),
+            format_bytes(r["bytes"]),
         )
     console.err_console.print(table)
     shapes = ", ".join(f"{n} {v}" for n, v in s["ranks"][0]["tensors_per_layer"].items())
     console.info(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
     console.info(
-        f"to write: {_human(s['bytes_to_write'])} (shared non-expert tensors {_human(s['shared_bytes'])}, "
-        f"written once); free: {_human(s['free_bytes'])}"
+        f"to write: {format_bytes(s['bytes_to_write'])} (shared non-expert tensors {format_bytes(s['shared_bytes'])}, "
+        f"written once); free: {format_bytes(s['free_bytes'])}"
     )
     for w in s["warnings"]:
         console.warn(w)

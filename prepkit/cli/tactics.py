@@ -108,8 +108,7 @@ def merge_command(dest: Path, src: Path, as_json: bool) -> None:
     """
     from prepkit.tactics import store
 
-    with store.open_db(dest) as tdb:
-        added = tdb.merge_from(src)
+    added = store.merge_into(dest, src)
     if as_json:
         console.emit_json({"db": str(dest), "added": added})
         return

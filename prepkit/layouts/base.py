@@ -7,14 +7,15 @@ no device probing. The pipeline does the reading and writing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from prepkit.dims import ModelDims
 from prepkit.errors import LayoutError
-from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS
+from prepkit.mxfp4 import BLOCK_ELEMS
 
 # Expert tensor roles in checkpoint order; the names are the checkpoint's suffixes.
 SOURCE_ROLES = (
@@ -25,29 +26,6 @@ SOURCE_ROLES = (
     "down_proj_scales",
     "down_proj_bias",
 )
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """Model-wide MoE dimensions (from config.json)."""
-
-    num_layers: int
-    num_experts: int  # E
-    hidden: int  # H
-    intermediate: int  # I
-    top_k: int
-
-    def source_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """Checkpoint shape and dtype of every expert tensor of one layer."""
-        E, H, I = self.num_experts, self.hidden, self.intermediate
-        return {
-            "gate_up_proj_blocks": ((E, 2 * I, H // BLOCK_ELEMS, BLOCK_BYTES), torch.uint8),
-            "gate_up_proj_scales": ((E, 2 * I, H // BLOCK_ELEMS), torch.uint8),
-            "gate_up_proj_bias": ((E, 2 * I), torch.bfloat16),
-            "down_proj_blocks": ((E, H, I // BLOCK_ELEMS, BLOCK_BYTES), torch.uint8),
-            "down_proj_scales": ((E, H, I // BLOCK_ELEMS), torch.uint8),
-            "down_proj_bias": ((E, H), torch.bfloat16),
-        }
 
 
 @dataclass
@@ -216,6 +194,11 @@ class Layout(Protocol):
 
     def plan_rank(self, dims: ModelDims, spec: RankSpec, options: LayoutOptions) -> RankPlan:
         """Shapes, ranges and facts of one rank; raises ``LayoutError`` for splits that do not fit."""
+        ...
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        """What a user should hear about these rank plans before any byte is written, e.g. that
+        another engine version would place other rows on some ranks; empty when nothing."""
         ...
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:

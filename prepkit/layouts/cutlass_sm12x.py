@@ -25,11 +25,12 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from prepkit.constants import CUTLASS_SM12X_LAYOUT_ID
 from prepkit.errors import LayoutError
 from prepkit.layouts import ops
 from prepkit.layouts.base import (
@@ -171,7 +172,7 @@ def unpadded_pieces(pieces: Mapping[str, torch.Tensor], plan: RankPlan, names: M
 
 class CutlassSm12xLayout:
     name = "cutlass-sm12x"
-    layout_id = "cutlass_sm12x_v1"
+    layout_id = CUTLASS_SM12X_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = "CUTLASS MoE, MXFP4 weights x MXFP8 activations (SM100/SM120/SM121): plain rows, 128x4 scales"
     uses_options: tuple[str, ...] = ()
@@ -200,6 +201,9 @@ class CutlassSm12xLayout:
             "bias_dtype": "bfloat16 (the activation dtype)",
         }
         return plan_cutlass_rank(dims, spec, facts)
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)

@@ -21,11 +21,12 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
 import torch
 
+from prepkit.constants import CUTLASS_SM90_LAYOUT_ID
 from prepkit.layouts.base import (
     ExpertWeights,
     LayoutOptions,
@@ -194,7 +195,7 @@ def unfold_scales_sm90(s: torch.Tensor) -> torch.Tensor:
 
 class CutlassSm90Layout:
     name = "cutlass-sm90"
-    layout_id = "cutlass_sm90_v1"
+    layout_id = CUTLASS_SM90_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = f"FlashInfer {FLASHINFER_VERSION} SM90 W4A16 CUTLASS MoE: interleaved nibbles, folded scales"
     uses_options: tuple[str, ...] = ()
@@ -231,6 +232,9 @@ class CutlassSm90Layout:
         # Ip and H2 are multiples of 128, which the interleave (n % 16, K % 64) and the fold
         # (rows % 64, K % 128) need.
         return plan_cutlass_rank(dims, spec, facts)
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         p = padded_pieces(weights, plan)

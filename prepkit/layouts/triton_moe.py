@@ -1,6 +1,6 @@
 """``--layout triton-moe``: the layout of prepkit's own Triton MXFP4 MoE kernel.
 
-Consumer: ``prepkit.kernels.moe_mxfp4`` (``WEIGHT_LAYOUT = "triton_moe_v3"``) through
+Consumer: ``prepkit.kernels.moe_mxfp4`` (its ``WEIGHT_LAYOUT`` is this layout's id) through
 ``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
 
 Design, per expert and rank:
@@ -30,10 +30,11 @@ Design, per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.errors import LayoutError
 from prepkit.layouts import ops
 from prepkit.layouts.base import (
@@ -48,7 +49,6 @@ from prepkit.layouts.base import (
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, pack_nibbles, unpack_nibbles
 
-LAYOUT_ID = "triton_moe_v3"
 SHARDING_RULE = "balanced-32-groups"
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 # K elements per weight panel; every K step the kernel takes (32 .. 256) divides it.
@@ -170,7 +170,7 @@ def from_fragment_order(groups: torch.Tensor) -> torch.Tensor:
 
 class TritonMoeLayout:
     name = "triton-moe"
-    layout_id = LAYOUT_ID
+    layout_id = TRITON_MOE_LAYOUT_ID
     w13_row_order = "interleaved"
     summary = "prepkit's Triton MXFP4 MoE kernel (any CUDA arch): 256-wide K panels, [K/32, N] scales"
     uses_options: tuple[str, ...] = ()
@@ -206,6 +206,9 @@ class TritonMoeLayout:
             sharding_rule=SHARDING_RULE,
             facts=facts,
         )
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        return []
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         check_experts(weights, plan)

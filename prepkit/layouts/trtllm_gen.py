@@ -21,12 +21,13 @@ Per expert and rank:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
 
+from prepkit.constants import TRTLLM_GEN_LAYOUT_ID
 from prepkit.errors import LayoutError
 from prepkit.layouts import ops
 from prepkit.layouts.base import (
@@ -105,7 +106,7 @@ def intermediate_split(intermediate: int, tp_size: int, tp_rank: int, trtllm_ver
 
 class TrtllmGenLayout:
     name = "trtllm-gen"
-    layout_id = "trtllm_gen_v1"
+    layout_id = TRTLLM_GEN_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = "TensorRT-LLM trtllm-gen MXFP4 MoE (SM100 family): shuffled rows, 128x4 scales"
     uses_options = ("trtllm_version",)
@@ -166,6 +167,27 @@ class TrtllmGenLayout:
         )
 
     # --- forward --------------------------------------------------------------------------
+
+    def plan_warnings(self, dims: ModelDims, plans: Sequence[RankPlan], options: LayoutOptions) -> list[str]:
+        """Where the TensorRT-LLM versions split the intermediate axis differently (only some TP
+        sizes), the bytes fit one version only: say so, naming the ranks that differ."""
+        warnings = []
+        for version in TRTLLM_VERSIONS:
+            if version == options.trtllm_version or not plans:
+                continue
+            other = replace(options, trtllm_version=version)
+            differ = [
+                p.spec.rank
+                for p in plans
+                if self.plan_rank(dims, p.spec, other).intermediate_range != p.intermediate_range
+            ]
+            if differ:
+                warnings.append(
+                    f"at tp={plans[0].spec.tp_size} the per-rank bytes depend on the TensorRT-LLM version: using "
+                    f"--trtllm-version {options.trtllm_version} ({plans[0].sharding_rule}); "
+                    f"--trtllm-version {version} would place different rows on ranks {differ}"
+                )
+        return warnings
 
     def build(self, weights: ExpertWeights, plan: RankPlan) -> dict[str, torch.Tensor]:
         check_experts(weights, plan)

@@ -6,7 +6,7 @@ the bundled kernel's runtime loads its layout through the same function.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from prepkit.errors import LayoutError, VerifyError
-from prepkit.shards import read_manifest, sha256_file
+from prepkit.manifest import Manifest, RankRecord, experts_file
+from prepkit.shards import sha256_file
 
 _DTYPES = {
     "uint8": torch.uint8,
@@ -28,76 +29,80 @@ _DTYPES = {
 
 @dataclass
 class LoadedShards:
-    """A rank's expert tensors by layer (names without the layer prefix) and its facts."""
+    """A rank's expert tensors by layer (names without the layer prefix) and its facts.
+
+    ``manifest`` is the whole shard set's :class:`~prepkit.manifest.Manifest` and ``rank_entry``
+    this rank's record in it; the properties below are shortcuts into them.
+    """
 
     out_dir: Path
     rank: int
     device: torch.device
-    manifest: dict[str, Any]
-    rank_entry: dict[str, Any]
+    manifest: Manifest
+    rank_entry: RankRecord
     layers: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def layout_id(self) -> str:
-        return str(self.manifest["layout"]["id"])
+        return self.manifest.layout.id
 
     @property
     def layout_name(self) -> str:
-        return str(self.manifest["layout"]["name"])
+        return self.manifest.layout.name
 
     @property
     def w13_row_order(self) -> str:
-        return str(self.manifest["layout"]["w13_row_order"])
+        return self.manifest.layout.w13_row_order
 
     @property
     def tp_size(self) -> int:
-        return int(self.manifest["parallel"]["tp_size"])
+        return self.manifest.parallel.tp_size
 
     @property
     def ep_size(self) -> int:
-        return int(self.manifest["parallel"]["ep_size"])
+        return self.manifest.parallel.ep_size
 
     @property
     def tp_rank(self) -> int:
-        return int(self.rank_entry["tp_rank"])
+        return self.rank_entry.tp_rank
 
     @property
     def ep_rank(self) -> int:
-        return int(self.rank_entry["ep_rank"])
+        return self.rank_entry.ep_rank
 
     @property
     def expert_range(self) -> tuple[int, int]:
-        lo, hi = self.rank_entry["expert_range"]
-        return int(lo), int(hi)
+        return self.rank_entry.expert_range
 
     @property
     def intermediate_range(self) -> tuple[int, int]:
-        lo, hi = self.rank_entry["intermediate_range"]
-        return int(lo), int(hi)
+        return self.rank_entry.intermediate_range
 
     @property
     def valid_intermediate(self) -> int:
-        return int(self.rank_entry["valid_intermediate"])
+        return self.rank_entry.valid_intermediate
 
     @property
     def padded_intermediate(self) -> int:
-        return int(self.rank_entry["padded_intermediate"])
+        return self.rank_entry.padded_intermediate
 
     @property
     def padded_hidden(self) -> int:
-        return int(self.rank_entry["padded_hidden"])
+        return self.rank_entry.padded_hidden
 
     @property
     def facts(self) -> dict[str, Any]:
-        return dict(self.rank_entry.get("facts", {}))
+        return dict(self.rank_entry.facts)
 
     @property
     def dims(self) -> dict[str, int]:
-        return dict(self.manifest["model"]["dims"])
+        """The model's dims as a dict (``num_layers``, ``num_experts``, ``hidden``, ``intermediate``,
+        ``top_k``); ``manifest.model.dims`` holds them typed."""
+        return asdict(self.manifest.model.dims)
 
     @property
     def config(self) -> dict[str, Any]:
-        return dict(self.manifest["model"].get("config", {}))
+        return dict(self.manifest.model.config)
 
     def layer(self, index: int) -> dict[str, torch.Tensor]:
         try:
@@ -122,42 +127,39 @@ def load_shards(
     first (slow on big models; ``prepkit verify`` does the same offline).
     """
     root = Path(out_dir)
-    manifest = read_manifest(root)
-    layout = manifest["layout"]
-    if expect_layout is not None and expect_layout not in (layout["id"], layout["name"]):
+    manifest = Manifest.read(root)
+    layout = manifest.layout
+    if expect_layout is not None and expect_layout not in (layout.id, layout.name):
         raise LayoutError(
-            f"{root} holds layout {layout['id']!r} ({layout['name']}), expected {expect_layout!r}",
+            f"{root} holds layout {layout.id!r} ({layout.name}), expected {expect_layout!r}",
             hint=f"prepare it for that layout: prepkit prepare --layout ... --out {root}-other",
         )
-    by_rank = {int(r["rank"]): r for r in manifest["ranks"]}
-    if rank not in by_rank:
+    entry = manifest.rank_record(rank)
+    if entry is None:
         raise LayoutError(
-            f"{root} holds ranks {sorted(by_rank)}, not rank {rank}",
+            f"{root} holds ranks {sorted(r.rank for r in manifest.ranks)}, not rank {rank}",
             hint="pass one of those ranks or prepare the missing one with --rank",
         )
-    entry = by_rank[rank]
-    dims = manifest["model"]["dims"]
-    wanted = list(range(int(dims["num_layers"]))) if layers is None else layers
+    wanted = list(range(manifest.model.dims.num_layers)) if layers is None else layers
     shards = LoadedShards(root, rank, torch.device(device), manifest, entry)
-    prefix_template = manifest["expert_tensor_prefix"]
     for layer in wanted:
-        rel = f"rank{rank}/experts-{layer:05d}.safetensors"
+        rel = experts_file(rank, layer)
         path = root / rel
         if not path.is_file():
             raise VerifyError(f"{path} is missing", hint=f"run: prepkit verify {root}")
-        if check_hashes and sha256_file(path) != manifest["files"][rel]["sha256"]:
+        if check_hashes and sha256_file(path) != manifest.files[rel].sha256:
             raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=f"run: prepkit verify {root}")
-        prefix = prefix_template.format(layer=layer)
+        prefix = manifest.expert_tensor_prefix.format(layer=layer)
         raw = load_file(str(path), device=str(shards.device))
         tensors: dict[str, torch.Tensor] = {}
-        for name, spec in entry["tensors"].items():
+        for name, spec in entry.tensors.items():
             t = raw.get(prefix + name)
             if t is None:
                 raise VerifyError(f"{rel}: tensor {prefix + name} is missing")
-            if list(t.shape) != spec["shape"] or t.dtype != _DTYPES.get(spec["dtype"]):
+            if tuple(t.shape) != spec.shape or t.dtype != _DTYPES.get(spec.dtype):
                 raise VerifyError(
                     f"{rel}: {prefix + name} is {list(t.shape)} {t.dtype}, the manifest says "
-                    f"{spec['shape']} {spec['dtype']}"
+                    f"{list(spec.shape)} {spec.dtype}"
                 )
             tensors[name] = t
         shards.layers[layer] = tensors

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.errors import DeviceError, LayoutError
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
@@ -24,7 +25,7 @@ from prepkit.layouts.triton_moe import tensor_specs
 
 # Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
 # manifest does not import triton.
-WEIGHT_LAYOUT = "triton_moe_v3"
+WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
 TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]

@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from prepkit.data import TACTICS_DB
+from prepkit.constants import TACTICS_DB_NAME
+from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
 from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, gpt_oss_problems, triton_minor
 from prepkit.tactics.schema import MIN_READABLE_SCHEMA, open_readonly
@@ -165,13 +166,14 @@ def user_db_path() -> Path:
     if env:
         return Path(env).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "prepkit" / "tactics.db"
+    return Path(cache) / "prepkit" / TACTICS_DB_NAME
 
 
 def bundled_db_path() -> Path | None:
     """The DB shipped inside the package (``prepkit/data/tactics.db``), in a wheel install and an
     editable one alike; ``None`` if it is missing (a broken install: the lookup then skips it)."""
-    return TACTICS_DB if TACTICS_DB.is_file() else None
+    path = tactics_db()
+    return path if path.is_file() else None
 
 
 def db_to_read(explicit: Path | None = None) -> Path:

@@ -515,6 +515,28 @@ class TacticsDB:
             conn.close()
 
 
+def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> dict[str, int]:
+    """Merge ``src`` into ``dest`` (created if missing) while holding ``DEST.merge-lock``: a second
+    merge into the same DB is refused at once, naming the holder's pid.
+
+    Raises:
+        TacticsError: another merge holds ``dest``, or either DB cannot be read or written.
+    """
+    from prepkit.locks import exclusive
+
+    dest = Path(dest)
+
+    def busy(pid: int | None) -> TacticsError:
+        who = f"pid {pid}" if pid else "another process"
+        return TacticsError(
+            f"{dest}: another `prepkit tactics merge` ({who}) is writing it",
+            hint="wait for it to finish, then merge again",
+        )
+
+    with exclusive(dest.with_name(dest.name + ".merge-lock"), busy=busy), open_db(dest) as tdb:
+        return tdb.merge_from(src)
+
+
 def _snapshot(src: Path, dest: Path) -> None:
     """Consistent copy of a possibly-live DB (WAL included) via the backup API."""
     if not src.is_file():

@@ -72,21 +72,21 @@ def tune_problems(
     from prepkit.layouts.triton_moe import intermediate_split
 
     if shards is not None:
-        from prepkit.shards import read_manifest
+        from prepkit.manifest import Manifest
 
-        man = read_manifest(shards)
-        if man["layout"]["id"] != TRITON_MOE_LAYOUT_ID:
+        man = Manifest.read(shards)
+        if man.layout.id != TRITON_MOE_LAYOUT_ID:
             raise RecipeError(
-                f"{shards} is in layout {man['layout']['id']!r}; the bundled kernel (the one tuned) reads "
+                f"{shards} is in layout {man.layout.id!r}; the bundled kernel (the one tuned) reads "
                 f"{TRITON_MOE_LAYOUT_ID!r}",
                 hint="prepare with --layout triton-moe, or tune with --model",
             )
-        d = man["model"]["dims"]
-        m_tp, ep = int(man["parallel"]["tp_size"]), int(man["parallel"]["ep_size"])
+        d = man.model.dims
+        m_tp, ep = man.parallel.tp_size, man.parallel.ep_size
         if tp is not None and tp != m_tp:
             raise RecipeError(f"--tp {tp} but {shards} was prepared for tp={m_tp}", hint="drop --tp")
         tp = m_tp
-        E, H, I, k = d["num_experts"], d["hidden"], d["intermediate"], d["top_k"]
+        E, H, I, k = d.num_experts, d.hidden, d.intermediate, d.top_k
     else:
         from prepkit.recipes import load_recipe
 

@@ -1,0 +1,52 @@
+"""One writer at a time: an exclusive lock file that a second process is refused at once, with
+the pid of the holder in the message. Used for output folders, fetch folders and tactics DBs.
+
+The lock is an advisory ``flock`` through ``filelock`` (it disappears with the process, so a killed
+run never leaves a stale lock); the holder writes its pid into the lock file for the message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import filelock
+
+from prepkit.errors import PrepkitError
+
+
+def holder_pid(lock_path: Path) -> int | None:
+    """The pid the holder wrote into the lock file, if it can be read."""
+    try:
+        return int(lock_path.read_text().strip() or "x")
+    except (OSError, ValueError):
+        return None
+
+
+@contextmanager
+def exclusive(
+    lock_path: Path,
+    *,
+    busy: Callable[[int | None], PrepkitError],
+) -> Iterator[None]:
+    """Hold ``lock_path`` for the block; if another process holds it, raise ``busy(pid)`` at once.
+
+    Raises:
+        PrepkitError: whatever ``busy`` returns, when the lock is held elsewhere.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(lock_path), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise busy(holder_pid(lock_path)) from None
+    try:
+        # filelock opens without truncating, so a refused contender never erases this pid
+        with open(lock_path, "r+") as fh:
+            fh.truncate(0)
+            fh.write(f"{os.getpid()}\n")
+        yield
+    finally:
+        lock.release()
