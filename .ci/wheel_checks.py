@@ -3,9 +3,10 @@
 ``python wheel_checks.py show < tactics-show.json``: ``prepkit tactics show --json`` read the DB
 shipped inside the installed package and lists its winners.
 
-``python wheel_checks.py lookup``: the runtime's tactic lookup for gpt-oss-120b TP 1 on an H100
-is served by that DB, with tuned ranges for both GEMMs (needs the ``gpu`` extra: the kernel
-version lives in the kernel module).
+``python wheel_checks.py lookup``: the runtime's tactic lookup (``make_tactic_lookup``, as
+``load_moe_layers`` installs it) for gpt-oss-120b TP 1 on an H100 is served by that DB for both
+GEMMs, without a miss, and returns tuned tactics that differ from the built-in default (needs the
+``gpu`` extra: the kernel version lives in the kernel module).
 
 Each exits non-zero with the reason on stderr.
 """
@@ -13,12 +14,14 @@ Each exits non-zero with the reason on stderr.
 from __future__ import annotations
 
 import json
+import sqlite3
 import sys
 import sysconfig
 from pathlib import Path
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 SHIPPED_DB = SITE / "prepkit" / "data" / "tactics.db"
+H100 = "NVIDIA H100 80GB HBM3"
 
 
 def show() -> str | None:
@@ -27,39 +30,56 @@ def show() -> str | None:
     if Path(db).resolve() != SHIPPED_DB:
         return f"tactics show read {db}, not {SHIPPED_DB}"
     gpus = sorted({w["gpu_name"] for w in shown["winners"]})
-    if "NVIDIA H100 80GB HBM3" not in gpus:
+    if H100 not in gpus:
         return f"tactics show lists no H100 winners (GPUs: {gpus})"
     print(f"{db}: {len(shown['winners'])} winner ranges on {gpus}")
     return None
 
 
+def _h100_triton_version(db: Path) -> str:
+    """The Triton version the shipped H100 rows were tuned with (rows never serve another minor)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        row = conn.execute("SELECT triton_version FROM env WHERE gpu_name = ?", (H100,)).fetchone()
+    return row[0] if row else ""
+
+
 def lookup() -> str | None:
-    from prepkit.constants import TRITON_MOE_LAYOUT_ID
+    import warnings
+
+    from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from prepkit.kernels.tactic import GemmTactic
-    from prepkit.runtime import Environment, TacticTable, gpt_oss_problems
-    from prepkit.tactics.keys import KERNEL_NAME
+    from prepkit.kernels.variants import MoeProblem, default_tactics
+    from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup
     from prepkit.tactics.lookup import bundled_db_path
 
-    h100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", triton_version="3.6.0")
     bundled = bundled_db_path()
     if bundled is None or bundled.resolve() != SHIPPED_DB:
         return f"bundled_db_path() is {bundled}, expected {SHIPPED_DB}"
-    problems = gpt_oss_problems(
-        kernel=KERNEL_NAME, kernel_version=str(KERNEL_VERSION), weight_layout=TRITON_MOE_LAYOUT_ID
-    )
-    for role, problem in problems.items():
-        table = TacticTable.load(problem, h100, user_db="/nonexistent/tactics.db")
-        if table.source != "bundled" or table.tier != "exact" or not table.ranges:
-            return (
-                f"{role} (kernel v{KERNEL_VERSION}) on {h100.name}: source {table.source!r}, tier {table.tier!r}, "
-                f"{len(table.ranges)} ranges; notes: {list(table.notes)}"
-            )
-        points = (1, 64, table.max_tuned)
-        decoded = {m: table.get(m, lambda m: None, GemmTactic.from_json) for m in points}
-        if any(t is None for t in decoded.values()):
-            return f"{role}: a tuned range does not decode into a GemmTactic: {decoded}"
-        print(f"{role}: {len(table.ranges)} tuned ranges up to {table.max_tuned} tokens from {table.db_path}")
+    device = DeviceInfo(name=H100, capability=(9, 0), sm_count=132, max_shared_mem=232448)
+    env = Environment(cc_major=9, cc_minor=0, name=H100, sm_count=132, triton_version=_h100_triton_version(bundled))
+    # The runtime's own lookup (what load_moe_layers installs); no user DB, and a miss is an error
+    # here, not the warning a user would get before the layer falls back to the built-in default.
+    resolver = TacticResolver(user_db="/nonexistent/prepkit-user/tactics.db")
+    lookup_fn = make_tactic_lookup(resolver=resolver, tp_size=1)
+    tuned_points = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for tokens in (1, 8, 64, 512, 4096):
+            # gpt-oss-120b, TP 1: every expert local, the full intermediate size valid.
+            problem = MoeProblem(num_tokens=tokens, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+            got = lookup_fn(problem, env)
+            if got is None:
+                return f"{tokens} tokens: the runtime lookup returned no tactic (built-in default)"
+            default = default_tactics(problem, device)
+            tuned_points += got != default
+            print(f"{tokens:>5} tokens: gemm1 {got[0]}, gemm2 {got[1]}" + ("" if got != default else " (= default)"))
+    stats = resolver.stats()
+    sources = set(stats["tables"].values())
+    if sources != {"bundled/exact"} or stats["misses"]:
+        return f"tables came from {stats['tables']} with {stats['misses']} misses, expected bundled/exact only"
+    if not tuned_points:
+        return "every tuned tactic equals the built-in default: nothing shows the DB was read"
+    print(f"kernel v{KERNEL_VERSION} on {H100} (Triton {env.triton_version}): {stats['tables']}, {stats['hits']} hits")
     return None
 
 
