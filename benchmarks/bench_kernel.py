@@ -1,6 +1,7 @@
 """Benchmark of the bundled MXFP4 MoE kernel: one gpt-oss-120b MoE layer per call.
 
     python -m benchmarks.bench_kernel [--tokens 1,8,8192] [--sweep] [--baseline/--no-baseline]
+        [--activations bf16,mxfp8,mxfp4]
 
 Weights are synthesized on the GPU directly in the triton_moe_v3 layout (no disk). Per token count
 it prints the median µs per layer (CUDA graph; cold L2 by rotating input sets whose experts
@@ -8,6 +9,9 @@ differ, so each replay reads its experts from memory), the distinct expert bytes
 GB/s that makes, TFLOP/s, each as a fraction of the device's copy bandwidth and bf16 matmul rate
 measured in the same run, and a plain-torch baseline (dequantize + matmul) side by side.
 ``--sweep`` times GEMM1/GEMM2 variants per token count first and uses the fastest.
+``--activations`` runs each listed precision policy and prints µs and the relative error against
+the unquantized fp32 layer side by side (MX policies run natively only on SM10x/SM12x; elsewhere
+Triton decomposes them, so their µs there is information, not a target).
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prepkit.kernels.activations import ACTIVATION_POLICIES, check_policy  # noqa: E402
 from prepkit.kernels.device import DeviceInfo  # noqa: E402
+from prepkit.kernels.reference import moe_reference, relative_error  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
-from prepkit.kernels.variants import MoeProblem, default_tactics  # noqa: E402
-from prepkit.layouts.triton_moe import to_panels  # noqa: E402
+from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant  # noqa: E402
+from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankSpec  # noqa: E402
+from prepkit.layouts.triton_moe import LAYOUT  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -49,25 +56,29 @@ def flops_per_token(hidden: int = H, intermediate: int = I, top_k: int = TOP_K) 
     return 2 * top_k * (hidden * 2 * intermediate + intermediate * hidden)
 
 
-def synth_layer(device: torch.device, seed: int = 0) -> MoeLayer:
-    """Random weights straight in the layout; scales near real gpt-oss values (2^-8 .. 2^-4)."""
+def synth_layer(device: torch.device, seed: int = 0) -> tuple[MoeLayer, ExpertWeights]:
+    """A random layer in checkpoint form, scales near real gpt-oss values (2^-8 .. 2^-4), built
+    into the kernel's layout by the layout itself; returns (layer, checkpoint experts), the latter
+    for the fp32 reference."""
     g = torch.Generator(device=device).manual_seed(seed)
 
     def u8(shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
         return torch.randint(lo, hi, shape, generator=g, device=device, dtype=torch.uint8)
 
-    return MoeLayer(
-        w13_blocks=to_panels(u8((E, 2 * I, H // 2), 0, 256)),
-        w13_scales=u8((E, H // 32, 2 * I), 119, 124),
-        w13_bias=torch.randn((E, 2 * I), generator=g, device=device) * 0.1,
-        w2_blocks=to_panels(u8((E, H, I // 2), 0, 256)),
-        w2_scales=u8((E, I // 32, H), 119, 124),
-        w2_bias=torch.randn((E, H), generator=g, device=device) * 0.1,
-        num_experts=E,
-        expert_range=(0, E),
-        valid_intermediate=I,
-        top_k=TOP_K,
+    source = ExpertWeights(
+        gate_up_proj_blocks=u8((E, 2 * I, H // 32, 16), 0, 256),
+        gate_up_proj_scales=u8((E, 2 * I, H // 32), 119, 124),
+        gate_up_proj_bias=(torch.randn((E, 2 * I), generator=g, device=device) * 0.1).to(torch.bfloat16),
+        down_proj_blocks=u8((E, H, I // 32, 16), 0, 256),
+        down_proj_scales=u8((E, H, I // 32), 119, 124),
+        down_proj_bias=(torch.randn((E, H), generator=g, device=device) * 0.1).to(torch.bfloat16),
     )
+    plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), RankSpec(), LayoutOptions())
+    layer = MoeLayer.from_tensors(
+        LAYOUT.build(source, plan), layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
+        valid_intermediate=I, top_k=TOP_K, facts=plan.facts,
+    )  # fmt: skip
+    return layer, source
 
 
 # --- device ceilings ---------------------------------------------------------------------------
@@ -170,18 +181,22 @@ def dequant_layout(panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (vals * scale[..., None]).flatten(-2).to(torch.bfloat16)
 
 
-def torch_baseline(layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """The layer in plain torch: route, then per hit expert dequantize and matmul in bf16."""
+def torch_baseline(
+    layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """The speed baseline in plain torch: route, then per hit expert dequantize the stored panel
+    bytes and matmul in ``dtype``. The same work as the layer, not its values (the panel bytes are
+    read in storage order); the accuracy reference is :func:`moe_reference`."""
     values, ids = torch.topk(logits.float(), TOP_K, dim=-1)
     weights = torch.softmax(values, dim=-1)
     out = torch.zeros((x.shape[0], H), dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        w13 = dequant_layout(layer.w13_blocks[e], layer.w13_scales[e])
-        y = (x[tok] @ w13.T).float() + layer.w13_bias[e]
+        w13 = dequant_layout(layer.w13_blocks[e], layer.w13_scales[e]).to(dtype)
+        y = (x[tok].to(dtype) @ w13.T).float() + layer.w13_bias[e]
         gate, up = y[:, 0::2].clamp(max=7.0), y[:, 1::2].clamp(-7.0, 7.0)
-        act = (gate * torch.sigmoid(1.702 * gate) * (up + 1)).to(torch.bfloat16)
-        w2 = dequant_layout(layer.w2_blocks[e], layer.w2_scales[e])
+        act = (gate * torch.sigmoid(1.702 * gate) * (up + 1)).to(dtype)
+        w2 = dequant_layout(layer.w2_blocks[e], layer.w2_scales[e]).to(dtype)
         z = (act @ w2.T).float() + layer.w2_bias[e]
         out.index_add_(0, tok, z * weights[tok, slot, None])
     return out
@@ -221,19 +236,29 @@ def _precompile(fns: list[Callable[[], object]]) -> None:
 
 
 def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], None]) -> tuple[GemmTactic, GemmTactic]:
-    """Fastest GEMM1 and GEMM2 variants at ``T`` tokens (each timed alone, L2 flushed)."""
+    """Fastest GEMM1 and GEMM2 variants at ``T`` tokens (each timed alone, L2 flushed), for the
+    layer's activation policy."""
     import triton.testing
 
     from prepkit.kernels import moe_mxfp4 as k
 
+    policy = layer.activations
+    info = DeviceInfo.from_torch(device)
     x, logits = make_inputs(T, 1, device, seed=T)[0]
-    routing = k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H)
-    h1 = torch.randn((T * TOP_K, I), device=device).to(torch.bfloat16)
+    routing = k.route(
+        logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H, hidden_states=x, activations=policy
+    )
+    first = {g: [policy_variant(t, g, info, policy) for t in sweep_candidates(T, g)] for g in ("gemm1", "gemm2")}
+    if policy == "bf16":
+        h1 = torch.randn((T * TOP_K, I), device=device).to(torch.bfloat16)
+    else:  # GEMM2 reads quantized rows: GEMM1's own output
+        w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
+        h1 = k.gemm1_swiglu(routing, x, *w13, valid_intermediate=I, tactic=first["gemm1"][0], activations=policy)
     best: dict[str, tuple[float, GemmTactic]] = {}
     small = layer.small_scales
     for gemm in ("gemm1", "gemm2"):
         fns = []
-        for t in sweep_candidates(T, gemm):
+        for t in dict.fromkeys(first[gemm]):
             if gemm == "gemm1":
 
                 def fn(t: GemmTactic = t) -> object:
@@ -246,12 +271,20 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
                         valid_intermediate=I,
                         tactic=t,
                         small_scales=small[0],
+                        activations=policy,
                     )
             else:
 
                 def fn(t: GemmTactic = t) -> object:
                     return k.gemm2_combine(
-                        routing, h1, layer.w2_blocks, layer.w2_scales, layer.w2_bias, tactic=t, small_scales=small[1]
+                        routing,
+                        h1,
+                        layer.w2_blocks,
+                        layer.w2_scales,
+                        layer.w2_bias,
+                        tactic=t,
+                        small_scales=small[1],
+                        activations=policy,
                     )
 
             fns.append((t, fn))
@@ -270,6 +303,26 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
     return g1, g2
 
 
+def policy_table(rows: list[dict], policies: list[str], info: DeviceInfo) -> str:
+    """µs per layer and relative error against the unquantized fp32 layer, one column pair per
+    activation policy, one line per token count."""
+    native = info.capability[0] in (10, 12)
+    head = "| tokens | " + " | ".join(f"{p} µs | {p} rel err" for p in policies) + " |"
+    lines = [
+        f"activation policies on {info.name}: MX "
+        + ("native (block-scaled MMA)" if native else "decomposed by Triton (information only)"),
+        head,
+        "|---:|" + "---:|---:|" * len(policies),
+    ]
+    by_t: dict[int, dict[str, dict]] = {}
+    for r in rows:
+        by_t.setdefault(r["tokens"], {})[r["activations"]] = r
+    for T, per in by_t.items():
+        cells = " | ".join(f"{per[p]['us']:.1f} | {per[p]['rel_err']:.3g}" for p in policies)
+        lines.append(f"| {T} | {cells} |")
+    return "\n".join(lines)
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -281,7 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tactics", help="JSON file {T: [gemm1, gemm2]} used instead of the defaults")
     parser.add_argument("--tuned", action="store_true", help="take variants from the tactic DBs, as the runtime does")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument(
+        "--activations",
+        default="bf16",
+        help=f"comma-separated precision policies, side by side ({', '.join(ACTIVATION_POLICIES)})",
+    )
     args = parser.parse_args(argv)
+    policies = [check_policy(p.strip()) for p in args.activations.split(",") if p.strip()]
     if not torch.cuda.is_available():
         print("bench_kernel needs a CUDA device", file=sys.stderr)
         return 2
@@ -299,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
         f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s"
     )
-    layer = synth_layer(device)
+    layer, source = synth_layer(device)
     pinned = {}
     if args.tactics:
         raw = json.loads(Path(args.tactics).read_text())
@@ -313,12 +372,14 @@ def main(argv: list[str] | None = None) -> int:
 
         lookup = make_tactic_lookup(tp_size=1)
     rows = []
-    for T in [int(t) for t in args.tokens.split(",")]:
+    for T, policy in itertools.product([int(t) for t in args.tokens.split(",")], policies):
+        layer.activations = policy
         problem = MoeProblem(T, E, H, I, TOP_K)
         tuned = lookup(problem, info) if lookup is not None else None
         tactics = (
             sweep(layer, T, device, log) if args.sweep else pinned.get(T) or tuned or default_tactics(problem, info)
         )
+        tactics = (policy_variant(tactics[0], "gemm1", info, policy), policy_variant(tactics[1], "gemm2", info, policy))
         inputs = make_inputs(T, rotation_sets(T), device, seed=1000 + T)
         us = time_layer_graph(layer, inputs, tactics)
         hit = distinct_experts(inputs)
@@ -326,13 +387,20 @@ def main(argv: list[str] | None = None) -> int:
         gbs = nbytes / us / 1e3
         tflops = T * flops_per_token() / us / 1e6
         base_us = float("nan")
+        x, logits = inputs[0]
         if args.baseline:
-            x, logits = inputs[0]
             base_us = (
                 events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits), iters=3, warmup=1) * 1e3
             )
+        err = float("nan")
+        if len(policies) > 1 or policy != "bf16":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            ref = moe_reference(x, logits, source.as_dict(), top_k=TOP_K)
+            err = relative_error(moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32), ref)
         row = {
             "tokens": T,
+            "activations": policy,
+            "rel_err": err,
             "experts_hit": hit,
             "us": us,
             "gbs": gbs,
@@ -345,20 +413,23 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows.append(row)
         log(
-            f"T={T:5d} hit={hit:6.1f} {us:9.1f} us {gbs:7.0f} GB/s ({100 * gbs / copy_gbs:5.1f}% copy) "
+            f"T={T:5d} {policy:5s} hit={hit:6.1f} {us:9.1f} us {gbs:7.0f} GB/s ({100 * gbs / copy_gbs:5.1f}% copy) "
             f"{tflops:6.1f} TFLOP/s ({100 * tflops / mm_tflops:5.1f}% bf16) torch {base_us:10.1f} us "
-            f"[{tactics[0].key()} / {tactics[1].key()}]"
+            f"rel err {err:.3g} [{tactics[0].key()} / {tactics[1].key()}]"
         )
 
     log("")
-    log("| tokens | experts hit | µs | GB/s | % copy BW | TFLOP/s | % bf16 | torch µs | speedup |")
-    log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    log("| tokens | activations | experts hit | µs | GB/s | % copy BW | TFLOP/s | % bf16 | torch µs | speedup |")
+    log("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         log(
-            f"| {r['tokens']} | {r['experts_hit']:.1f} | {r['us']:.1f} | {r['gbs']:.0f} | "
+            f"| {r['tokens']} | {r['activations']} | {r['experts_hit']:.1f} | {r['us']:.1f} | {r['gbs']:.0f} | "
             f"{100 * r['copy_frac']:.1f} | {r['tflops']:.1f} | {100 * r['mm_frac']:.1f} | "
             f"{r['torch_us']:.0f} | {r['torch_us'] / r['us']:.1f}x |"
         )
+    if len(policies) > 1:
+        log("")
+        log(policy_table(rows, policies, info))
     if args.json_out:
         Path(args.json_out).write_text(
             json.dumps({"device": info.name, "copy_gbs": copy_gbs, "bf16_tflops": mm_tflops, "rows": rows}, indent=1)

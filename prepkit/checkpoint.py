@@ -8,6 +8,7 @@ cheap on 65 GB, and it reports every problem at once, naming file and tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -38,8 +39,8 @@ class TensorEntry:
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
-    """The header dict and the data section's start offset; raises CheckpointError when the file
-    is shorter than its header says (a truncated download)."""
+    """The header dict and the data section's start offset; raises CheckpointError, naming the
+    file, when it is shorter than its header says (a truncated download) or the header is malformed."""
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -57,16 +58,54 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             header = json.loads(f.read(header_len))
     except OSError as err:
         raise CheckpointError(f"{path.name}: cannot read ({err.strerror})") from err
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path.name}: header is not valid JSON", hint="re-download it") from err
     data_start = 8 + header_len
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    end = _check_header(path, header)
     if data_start + end > size:
         raise CheckpointError(
             f"{path.name}: truncated: holds {size} bytes, its header needs {data_start + end}",
             hint="re-download it (prepkit fetch verifies sha256 and resumes)",
         )
     return header, data_start
+
+
+def _check_header(path: Path, header: Any) -> int:
+    """Check every entry's dtype, shape and offsets (so reads by them cannot go astray); returns
+    the data section's length."""
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path.name}: malformed safetensors header: {why}", hint="re-download it")
+
+    if not isinstance(header, dict):
+        raise bad("not a JSON object")
+    end = 0
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise bad(f"{name} is not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad(f"{name} has no dtype")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"{name} has shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise bad(f"{name} has data_offsets {offsets!r}")
+        known = SAFETENSORS_DTYPES.get(dtype)
+        if known is not None:
+            need = math.prod(shape) * known.itemsize
+            if offsets[1] - offsets[0] != need:
+                raise bad(
+                    f"{name} ({dtype} {shape}) needs {need} bytes, its data_offsets span {offsets[1] - offsets[0]}"
+                )
+        end = max(end, offsets[1])
+    return end
 
 
 class Checkpoint:
@@ -101,8 +140,10 @@ class Checkpoint:
                 f"{path} is missing", hint=f"download the model: prepkit fetch --model {self.recipe.name}"
             )
         try:
-            value = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            value = json.loads(path.read_bytes())
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot read ({err.strerror})") from err
+        except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CheckpointError(f"{path} is not valid JSON: {err}") from err
         if not isinstance(value, dict):
             raise CheckpointError(f"{path} must hold a JSON object")
@@ -113,8 +154,11 @@ class Checkpoint:
             index = self._read_json(INDEX_NAME)
             weight_map = index.get("weight_map")
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{INDEX_NAME} has no weight_map")
-            return {str(k): str(v) for k, v in weight_map.items()}
+                raise CheckpointError(f"{self.root / INDEX_NAME} has no weight_map")
+            for name, file in weight_map.items():
+                if not isinstance(file, str) or not file:
+                    raise CheckpointError(f"{self.root / INDEX_NAME}: {name} maps to {file!r}, not a file name")
+            return dict(weight_map)
         if (self.root / SINGLE_FILE).is_file():
             header, _ = read_safetensors_header(self.root / SINGLE_FILE)
             return {k: SINGLE_FILE for k in header if k != "__metadata__"}
@@ -145,22 +189,23 @@ class Checkpoint:
             path = self.root / file
             if not path.is_file():
                 names = sorted(n for n, f in self.weight_map.items() if f == file)
-                problems.append(f"{file}: missing (holds {len(names)} tensors, e.g. {names[0]})")
+                problems.append(f"{file}: missing ({INDEX_NAME} puts {len(names)} tensors there, e.g. {names[0]})")
                 continue
             try:
                 headers[file] = read_safetensors_header(path)
             except CheckpointError as err:
                 problems.append(str(err))
-        for name, (shape, dtype) in self.expected_tensors().items():
+        expected = self.expected_tensors()
+        for name, (shape, dtype) in expected.items():
             file = self.weight_map.get(name)
             if file is None:
                 problems.append(f"{name}: not in {INDEX_NAME}")
                 continue
             if file not in headers:
                 continue
-            info = headers[file][0].get(name)
+            info = _stored(headers[file][0], name)
             if info is None:
-                problems.append(f"{file}: {name} is listed in the index but not stored in the file")
+                problems.append(f"{file}: {name} is listed in {INDEX_NAME} but not stored in the file")
                 continue
             got_dtype = SAFETENSORS_DTYPES.get(info["dtype"])
             got_shape = tuple(info["shape"])
@@ -173,8 +218,13 @@ class Checkpoint:
                 name, file, got_dtype, info["dtype"], got_shape, hi - lo, headers[file][1] + lo
             )
         for name, file in self.weight_map.items():
-            if name not in self.entries and file in headers and name in headers[file][0]:
-                info = headers[file][0][name]
+            if name in expected or file not in headers:
+                continue
+            info = _stored(headers[file][0], name)
+            if info is None:
+                # every listed tensor is read (the non-expert ones are carried over), so each must be there
+                problems.append(f"{file}: {name} is listed in {INDEX_NAME} but not stored in the file")
+            else:
                 lo, hi = info["data_offsets"]
                 self.entries[name] = TensorEntry(
                     name,
@@ -279,6 +329,11 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stored(header: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The header entry of tensor ``name`` (``__metadata__`` is not a tensor)."""
+    return None if name == "__metadata__" else header.get(name)
 
 
 def _st_name(dtype: torch.dtype) -> str:

@@ -20,7 +20,8 @@ SYNTH_RECORD = "prepkit-synth.json"  # written by ``prepkit synth`` (hashes take
 
 # A prepared shard set (``prepkit prepare --out``).
 MANIFEST_NAME = "manifest.json"  # written last: a folder without it is not finished
-JOURNAL_NAME = ".prepkit-journal.json"  # finished files of an interrupted run
+JOURNAL_NAME = ".prepkit-journal.json"  # written first; finished files of an interrupted run
+PREPARE_LOCK = ".prepkit-lock"  # held by the one prepare writing the folder (holds its pid)
 SHARED_DIR = "shared"  # non-expert tensors, written once and linked into every rank folder
 EXPERTS_FILE = "rank{rank}/experts-{layer:05d}.safetensors"  # one rank's experts of one layer
 SHARED_FILE = SHARED_DIR + "/non-expert-{index:05d}.safetensors"

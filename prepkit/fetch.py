@@ -1,18 +1,25 @@
 """Download a checkpoint from the Hugging Face hub: only the files ``prepare`` needs, each one
 checked against the hub's hashes, plus a fetch record that ``prepare`` cites as provenance.
 
-huggingface_hub moves the bytes (``hf_hub_download`` into a plain folder); this module adds what it
-leaves out for a 61 GiB download: a plan with a free-disk check, sha256 verification of every file
-(the library only compares sizes), one retry of a file that fails it, cleanup of the partial files
-an interrupted run leaves behind (huggingface_hub 2.x never resumes them), and a completeness check
-against ``model.safetensors.index.json``.
+huggingface_hub moves the bytes (``hf_hub_download``); this module adds what it leaves out for a
+61 GiB download: a plan with a free-disk check, verification of every file (sha256 for LFS files,
+the git blob id for small ones; the library only compares sizes), one retry of a file that fails
+it, reuse of copies already on disk, cleanup of the partial files an interrupted run leaves behind
+(huggingface_hub 2.x never resumes them), and a completeness check against the index.
 
-Layout of a model folder::
+Where the files go, by default the Hugging Face cache, huggingface_hub's own layout (so a model
+already fetched with ``hf download`` is reused, and one fetched here is reused by everything that
+reads the cache)::
 
-    <dir>/model-00000-of-00014.safetensors ...    the repo files, at their repo paths
-    <dir>/prepkit-fetch.json                      written last, only when every file is verified
-    <dir>/.cache/prepkit/fetch-state.json         plan + per-file verification (for reruns, --offline)
-    <dir>/.cache/huggingface/                     huggingface_hub's own bookkeeping
+    $HF_HUB_CACHE/models--<org>--<name>/blobs/<sha256 or git blob id>   the bytes
+    $HF_HUB_CACHE/models--<org>--<name>/snapshots/<commit>/<repo path>   links to the blobs
+    .../snapshots/<commit>/prepkit-fetch.json                             written last, when all is verified
+    .../snapshots/<commit>/.cache/prepkit/fetch-state.json                plan + per-file verification
+
+With ``--local-dir DIR`` (or a folder fetched by an earlier prepkit into ``$PREPKIT_HOME/models``) the
+files are plain files at their repo paths in DIR, with the same record and state beside them and
+huggingface_hub's bookkeeping under ``DIR/.cache/huggingface/``. Files already there (from ``hf
+download --local-dir DIR``, say) are hashed and kept when they match.
 """
 
 from __future__ import annotations
@@ -27,15 +34,16 @@ import queue
 import re
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
 from prepkit import __version__
-from prepkit.constants import FETCH_RECORD
+from prepkit.constants import FETCH_RECORD, INDEX_NAME
 from prepkit.errors import FetchError, RecipeError
-from prepkit.fsutil import format_bytes, free_bytes, write_json_atomic
+from prepkit.fsutil import format_bytes, free_bytes, write_atomic, write_json_atomic
+from prepkit.locks import exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +97,19 @@ class Source:
     include: tuple[str, ...] = DEFAULT_INCLUDE
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     original: tuple[str, ...] = DEFAULT_ORIGINAL
+    subset: bool = False  # the user chose the files (--include): no completeness checks
+
+    def narrowed(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Source:
+        """``--include`` replaces the recipe's file list (as for ``hf download``); ``--exclude`` adds
+        to its exclusions. metal/ stays excluded whatever is asked."""
+        if not include and not exclude:
+            return self
+        return replace(
+            self,
+            include=tuple(include) or self.include,
+            exclude=self.exclude + tuple(p for p in exclude if p not in self.exclude),
+            subset=self.subset or bool(include),
+        )
 
     def patterns(self, include_original: bool) -> tuple[list[str], list[str]]:
         include = list(self.include) + (list(self.original) if include_original else [])
@@ -123,14 +144,75 @@ def prepkit_home() -> Path:
 
 
 def model_dir_for(repo_id: str, revision: str) -> Path:
-    """``$PREPKIT_HOME/models/<org>--<name>/<revision>``: one folder per pinned revision."""
+    """``$PREPKIT_HOME/models/<org>--<name>/<revision>``: where prepkit 0.1 fetched models. Still read
+    (by ``prepare``) and still completed (by ``fetch``) when a fetch was started there."""
     safe_revision = revision.replace("/", "--")
     return prepkit_home() / "models" / repo_id.replace("/", "--") / safe_revision
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face cache, by huggingface_hub's rule: ``$HF_HUB_CACHE``, else ``$HF_HOME/hub``,
+    else ``~/.cache/huggingface/hub``. Read from the environment at call time (the library reads it
+    once, at import)."""
+    from huggingface_hub import constants
+
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE).expanduser()
+
+
+def repo_cache_dir(cache: Path, repo_id: str) -> Path:
+    from huggingface_hub.file_download import repo_folder_name
+
+    return Path(cache) / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+
+def cached_commit(cache: Path, repo_id: str, revision: str) -> str | None:
+    """The commit ``revision`` names in the cache: itself when it is a commit sha, else what
+    ``refs/<revision>`` says (written by whoever fetched that branch or tag)."""
+    if _COMMIT.match(revision):
+        return revision
+    try:
+        commit = (repo_cache_dir(cache, repo_id) / "refs" / revision).read_text().strip()
+    except (OSError, ValueError):
+        return None
+    return commit if _COMMIT.match(commit) else None
+
+
+def snapshot_dir(cache: Path, repo_id: str, commit: str) -> Path:
+    return repo_cache_dir(cache, repo_id) / "snapshots" / commit
+
+
+def find_model_dir(repo_id: str, revision: str, *, cache: Path | None = None) -> Path:
+    """Where a model fetched before lies: the hub cache's snapshot of ``revision`` (fetched by prepkit
+    or by ``hf download``), else the ``$PREPKIT_HOME/models`` folder of prepkit 0.1. A folder with a
+    fetch record wins over one that only holds an index. When neither exists, the snapshot folder a
+    fetch would fill (for the error message)."""
+    cache = Path(cache) if cache is not None else hub_cache_dir()
+    commit = cached_commit(cache, repo_id, revision)
+    snapshot = snapshot_dir(cache, repo_id, commit or revision)
+    candidates = [snapshot, model_dir_for(repo_id, revision)]
+    for marker in (FETCH_RECORD, INDEX_NAME):
+        for folder in candidates:
+            if (folder / marker).is_file():
+                return folder
+    return snapshot
+
+
 def default_model_dir(recipe: RecipeLike) -> Path:
-    """Where ``prepkit fetch --model <recipe>`` puts the model, and where ``prepare`` looks by default."""
-    return model_dir_for(recipe.repo_id, recipe.revision)
+    """Where ``prepare --model <recipe>`` looks when no ``--src`` is given (see :func:`find_model_dir`)."""
+    return find_model_dir(recipe.repo_id, recipe.revision)
+
+
+def earlier_local_dir(source: Source) -> Path | None:
+    """The ``$PREPKIT_HOME/models`` folder an earlier prepkit fetched ``source`` into, if any: a rerun
+    without ``--local-dir`` goes on there rather than fetching the model a second time."""
+    folder = model_dir_for(source.repo_id, source.revision)
+    if (folder / FETCH_RECORD).is_file() or (folder / STATE_PATH).is_file():
+        return folder
+    return None
 
 
 # ------------------------------------------------------------------------------------------ plan
@@ -143,6 +225,11 @@ class RemoteFile:
     sha256: str | None  # the LFS oid; None for small files stored in git
     git_blob: str | None  # git blob sha1 of a small file; None for LFS files
 
+    @property
+    def oid(self) -> str | None:
+        """The name of its blob in the hub cache (huggingface_hub names blobs by the file's etag)."""
+        return self.sha256 or self.git_blob
+
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "sha256": self.sha256, "git_blob": self.git_blob}
 
@@ -154,7 +241,9 @@ class RemoteFile:
 @dataclass(frozen=True)
 class PlannedFile:
     remote: RemoteFile
-    status: str  # "verified" | "unverified" (present, right size, not hashed yet) | "wrong-size" | "missing"
+    # "verified" | "unverified" (present, right size, not hashed yet) | "cached" (its blob is in the
+    # hub cache, not yet linked into this snapshot) | "wrong-size" | "missing"
+    status: str
     local_size: int = 0
 
     @property
@@ -164,7 +253,7 @@ class PlannedFile:
     @property
     def need_bytes(self) -> int:
         """Extra disk bytes a download of this file takes (a stale copy is deleted first)."""
-        if self.status in ("verified", "unverified"):
+        if self.status in ("verified", "unverified", "cached"):
             return 0
         return max(self.remote.size - self.local_size, 0)
 
@@ -176,6 +265,7 @@ class FetchPlan:
     dest: Path
     files: tuple[PlannedFile, ...]
     endpoint: str
+    cache: Path | None  # the hub cache when ``dest`` is one of its snapshots; None for a plain folder
     offline: bool
     include_original: bool
     free_bytes: int
@@ -212,6 +302,7 @@ class FetchPlan:
             "commit": self.commit,
             "recipe": self.source.recipe,
             "dir": str(self.dest),
+            "cache": str(self.cache) if self.cache else None,
             "endpoint": self.endpoint,
             "offline": self.offline,
             "include_original": self.include_original,
@@ -227,40 +318,46 @@ class FetchPlan:
 
 def plan_fetch(
     source: Source,
-    dest: Path,
+    local_dir: Path | None = None,
     *,
+    cache_dir: Path | None = None,
     include_original: bool = False,
     offline: bool = False,
     endpoint: str | None = None,
     token: str | bool | None = None,
 ) -> FetchPlan:
-    """List the files to fetch with their hub sizes and hashes, and what ``dest`` already holds.
+    """List the files to fetch with their hub sizes and hashes, and what the target already holds.
 
-    Online this asks the hub for the commit and the file tree; offline it reuses the plan an earlier
-    fetch into ``dest`` stored. Nothing is written.
+    The target is ``local_dir`` when given (a plain folder), else the hub cache (``cache_dir``, by
+    default :func:`hub_cache_dir`): the snapshot folder of the resolved commit, where blobs already
+    in the cache count as present. A model an earlier prepkit fetched into ``$PREPKIT_HOME/models``
+    is completed there. Online this asks the hub for the commit and the file tree; offline it reuses
+    the plan an earlier fetch stored. Nothing is written.
 
     Raises:
         FetchError: the repo or revision does not exist, access is denied, the hub is unreachable,
             no file matches, a required file is missing from the repo, or (offline) nothing was
-            fetched into ``dest`` before.
+            fetched into the target before.
     """
     from huggingface_hub import constants
 
-    dest = Path(dest).expanduser().resolve()
+    local = Path(local_dir).expanduser().resolve() if local_dir is not None else earlier_local_dir(source)
+    cache = None if local is not None else Path(cache_dir or hub_cache_dir()).expanduser().resolve()
     offline = offline or bool(constants.HF_HUB_OFFLINE)
     endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
     include, exclude = source.patterns(include_original)
     if offline:
-        commit, remote = _plan_offline(source, dest, include_original)
+        commit, remote = _plan_offline(source, local, cache, include_original)
     else:
         commit, remote = _plan_online(source, endpoint=endpoint, token=token)
+    dest = local if local is not None else snapshot_dir(cache, source.repo_id, commit)  # type: ignore[arg-type]
     selected = _select(remote, include, exclude)
     if not selected:
         raise FetchError(
             f"no file of {source.repo_id} at {commit[:12]} matches {include} (excluding {exclude})",
-            hint="check --model; a repo without safetensors shards cannot be prepared",
+            hint="check --model and --include; a repo without safetensors shards cannot be prepared",
         )
-    if source.recipe is not None:
+    if source.recipe is not None and not source.subset:
         names = {f.path for f in selected}
         missing = [name for name in REQUIRED if name not in names]
         if missing:
@@ -270,17 +367,19 @@ def plan_fetch(
                 hint="check --model and --revision",
             )
     state = _State.load(dest)
-    files = tuple(_local_status(dest, f, state) for f in selected)
+    blobs = repo_cache_dir(cache, source.repo_id) / "blobs" if cache is not None else None
+    files = tuple(_local_status(dest, f, state, blobs) for f in selected)
     return FetchPlan(
         source=source,
         commit=commit,
         dest=dest,
         files=files,
         endpoint=endpoint,
+        cache=cache,
         offline=offline,
         include_original=include_original,
         free_bytes=free_bytes(dest),
-        orphan_bytes=sum(size for _, size in _orphans(dest)),
+        orphan_bytes=sum(size for _, size in _orphans(dest, cache, source.repo_id)),
     )
 
 
@@ -322,7 +421,20 @@ def _plan_online(source: Source, *, endpoint: str, token: str | bool | None) -> 
     return commit, remote
 
 
-def _plan_offline(source: Source, dest: Path, include_original: bool) -> tuple[str, list[RemoteFile]]:
+def _plan_offline(
+    source: Source, local: Path | None, cache: Path | None, include_original: bool
+) -> tuple[str, list[RemoteFile]]:
+    if local is not None:
+        dest = local
+    else:
+        assert cache is not None
+        commit = cached_commit(cache, source.repo_id, source.revision)
+        if commit is None:
+            raise FetchError(
+                f"--offline: {source.repo_id}@{source.revision} is not in the Hugging Face cache {cache}",
+                hint="run `prepkit fetch` once with network access, or give the folder it used with --local-dir",
+            )
+        dest = snapshot_dir(cache, source.repo_id, commit)
     state = _State.load(dest)
     if state is not None and state.matches(source):
         if include_original and not state.include_original:
@@ -336,15 +448,21 @@ def _plan_offline(source: Source, dest: Path, include_original: bool) -> tuple[s
         return record.commit, list(record.files)
     raise FetchError(
         f"--offline: no earlier fetch of {source.repo_id}@{source.revision} in {dest}",
-        hint="run `prepkit fetch` once with network access, or point --dir at the folder it used",
+        hint="run `prepkit fetch` once with network access (it reuses the files already there), "
+        "or give the folder it used with --local-dir",
     )
 
 
-def _local_status(dest: Path, remote: RemoteFile, state: _State | None) -> PlannedFile:
+def _local_status(dest: Path, remote: RemoteFile, state: _State | None, blobs: Path | None) -> PlannedFile:
     path = dest / remote.path
     try:
         st = path.stat()
     except FileNotFoundError:
+        # In the hub cache, the same bytes may already be a blob (another revision, or a broken link).
+        if blobs is not None and remote.oid is not None:
+            with contextlib.suppress(OSError):
+                if (blobs / remote.oid).stat().st_size == remote.size:
+                    return PlannedFile(remote, "cached", remote.size)
         return PlannedFile(remote, "missing")
     if st.st_size != remote.size:
         return PlannedFile(remote, "wrong-size", st.st_size)
@@ -353,17 +471,40 @@ def _local_status(dest: Path, remote: RemoteFile, state: _State | None) -> Plann
     return PlannedFile(remote, "unverified", st.st_size)
 
 
-def _orphans(dest: Path) -> list[tuple[Path, int]]:
-    """Partial downloads under huggingface_hub's download folder (each run writes a new unique name,
-    so a killed run's file is never reused, only left behind)."""
-    root = dest / HF_DOWNLOAD_DIR
+def _orphans(dest: Path, cache: Path | None, repo_id: str) -> list[tuple[Path, int]]:
+    """Partial downloads an interrupted run left (huggingface_hub writes each under a new unique
+    name and never resumes one): under a plain folder's download bookkeeping, or in the cache's
+    blobs of this repo, skipping any whose download another process still holds the lock of."""
+    if cache is None:
+        root, pattern = dest / HF_DOWNLOAD_DIR, "**/*.incomplete"
+    else:
+        root, pattern = repo_cache_dir(cache, repo_id) / "blobs", "*.incomplete"
     if not root.is_dir():
         return []
     found = []
-    for path in root.rglob("*.incomplete"):
+    for path in root.glob(pattern):
+        if cache is not None and _download_in_progress(cache, repo_id, path):
+            continue
         with contextlib.suppress(OSError):
             found.append((path, path.stat().st_size))
     return found
+
+
+def _download_in_progress(cache: Path, repo_id: str, partial: Path) -> bool:
+    """Whether a live process holds huggingface_hub's lock on the blob ``partial`` is becoming
+    (``<etag>.<random>.incomplete`` under ``.locks/<repo folder>/<etag>.lock``)."""
+    import filelock
+
+    etag = partial.name.split(".", 1)[0]
+    lock = filelock.FileLock(str(cache / ".locks" / repo_cache_dir(cache, repo_id).name / f"{etag}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    except OSError:
+        return False  # no lock folder (never locked) or not writable: nobody downloads here
+    lock.release()
+    return False
 
 
 # ------------------------------------------------------------------------------- local bookkeeping
@@ -440,19 +581,22 @@ class _State:
 @dataclass(frozen=True)
 class _Digest:
     sha256: str
-    git_blob: str
+    git_blob: str | None  # only for files stored in git (small): their oid on the hub
 
 
-def _hash_file(path: Path) -> _Digest:
-    """sha256 (the LFS oid) and the git blob sha1 (the oid of a small file) in one read."""
-    size = path.stat().st_size
+def _hash_file(path: Path, *, git_blob: bool) -> _Digest:
+    """One read of ``path``: its sha256 (the LFS oid, and what the record cites), and for a small
+    file stored in git also its git blob sha1 (the oid the hub gives for it)."""
     sha256 = hashlib.sha256()
-    blob = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    blob = None
+    if git_blob:
+        blob = hashlib.sha1(f"blob {path.stat().st_size}\0".encode(), usedforsecurity=False)
     with path.open("rb") as fh:
         while chunk := fh.read(_HASH_CHUNK):
             sha256.update(chunk)
-            blob.update(chunk)
-    return _Digest(sha256=sha256.hexdigest(), git_blob=blob.hexdigest())
+            if blob is not None:
+                blob.update(chunk)
+    return _Digest(sha256=sha256.hexdigest(), git_blob=blob.hexdigest() if blob is not None else None)
 
 
 def _hash_matches(remote: RemoteFile, sha256: str | None, git_blob: str | None) -> bool:
@@ -466,25 +610,39 @@ def _hash_matches(remote: RemoteFile, sha256: str | None, git_blob: str | None) 
 @contextlib.contextmanager
 def _folder_lock(dest: Path) -> Iterator[None]:
     """One fetch per folder: the orphan cleanup would delete another run's in-flight partial files."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no advisory locks, run unguarded
+
+    def busy(pid: int | None) -> FetchError:
+        holder = f" (pid {pid})" if pid else ""
+        return FetchError(
+            f"another prepkit fetch{holder} is writing {dest}",
+            hint="wait for it to finish, or fetch elsewhere with --local-dir",
+        )
+
+    with exclusive(dest / LOCK_PATH, busy=busy):
         yield
+
+
+def _remove_own_temps(dest: Path, cache: Path | None, repo_id: str) -> None:
+    """Temp files of the record, the state and the ref a killed fetch left; called under the folder
+    lock, so none of them belongs to a live run."""
+    patterns = [(dest, f"{FETCH_RECORD}.tmp-*"), (dest / STATE_PATH.parent, "*.tmp-*")]
+    if cache is not None:
+        patterns.append((repo_cache_dir(cache, repo_id) / "refs", "**/*.tmp-*"))
+    for folder, pattern in patterns:
+        for path in folder.glob(pattern):
+            path.unlink(missing_ok=True)
+
+
+def _write_ref(cache: Path, repo_id: str, revision: str, commit: str) -> None:
+    """``refs/<revision>`` names the commit, as huggingface_hub writes it (no newline), so that
+    ``prepare --model`` and ``fetch --offline`` find the snapshot of a branch or tag."""
+    if revision == commit:
         return
-    path = dest / LOCK_PATH
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            raise FetchError(
-                f"another prepkit fetch is running on {dest}",
-                hint="wait for it to finish, or use another --dir",
-            ) from err
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    ref = repo_cache_dir(cache, repo_id) / "refs" / revision
+    with contextlib.suppress(OSError):
+        if ref.read_text() == commit:
+            return
+    write_atomic(ref, [commit.encode()])
 
 
 # ---------------------------------------------------------------------------------------- record
@@ -643,14 +801,18 @@ def fetch(
     """
     dest = plan.dest
     dest.mkdir(parents=True, exist_ok=True)
+    repo_id = plan.source.repo_id
     with _folder_lock(dest):
-        removed = _remove_orphans(dest)
+        _remove_own_temps(dest, plan.cache, repo_id)
+        removed = _remove_orphans(dest, plan.cache, repo_id)
         if not plan.fits:
             raise FetchError(
                 f"not enough disk space in {dest}: {format_bytes(plan.need_bytes)} to download "
                 f"+ {format_bytes(plan.margin_bytes)} margin, {format_bytes(plan.free_bytes + plan.orphan_bytes)} free",
-                hint="free some space, or fetch elsewhere with --dir DIR or PREPKIT_HOME",
+                hint="free some space, or fetch elsewhere with --local-dir DIR or --cache-dir DIR",
             )
+        if plan.cache is not None and not plan.offline:
+            _write_ref(plan.cache, repo_id, plan.source.revision, plan.commit)
         state = _State.load(dest)
         if state is None or state.commit != plan.commit or state.repo_id != plan.source.repo_id:
             # A new commit: keep the hashes of files still planned; the plan compared them already.
@@ -695,11 +857,12 @@ def fetch(
         if mismatched:
             names = ", ".join(sorted(err.path for err in mismatched))
             raise FetchError(
-                f"{len(mismatched)} file(s) failed sha256 verification twice and were deleted: {names}",
+                f"{len(mismatched)} file(s) failed hash verification twice and were deleted: {names}",
                 hint="the hub, a proxy or the disk corrupts data; run the fetch again, and check "
                 "HF_ENDPOINT if you use a mirror",
             )
-        _check_index(plan)
+        if not plan.source.subset:
+            _check_index(plan)
         record = _write_record(plan, state)
     verified_before = [f.path for f in plan.files if f.status == "verified"]
     return FetchResult(
@@ -723,9 +886,9 @@ def _refuse_incomplete_offline(plan: FetchPlan) -> None:
         )
 
 
-def _remove_orphans(dest: Path) -> int:
+def _remove_orphans(dest: Path, cache: Path | None, repo_id: str) -> int:
     removed = 0
-    for path, size in _orphans(dest):
+    for path, size in _orphans(dest, cache, repo_id):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
             removed += 1
@@ -745,42 +908,68 @@ class _Worker:
     def run(self, planned: PlannedFile) -> str:
         remote = planned.remote
         target = self.plan.dest / remote.path
-        if planned.status == "unverified":
+        if planned.status == "cached":
+            self._link_blob(remote, target)
+        if planned.status in ("unverified", "cached"):
             if self._verify(remote, target):
                 self.progress.done(remote)
                 return "reused"
             logger.warning("%s: present but its hash does not match the hub; fetching it again", remote.path)
-            target.unlink(missing_ok=True)
+            self._discard(target)
         elif planned.status == "wrong-size":
-            target.unlink(missing_ok=True)
+            self._discard(target)
         if self.plan.offline:
-            raise _HashMismatch(remote.path, remote.sha256 or remote.git_blob or "?", "a different hash")
+            raise _HashMismatch(remote.path, remote.oid or "?", "a different hash")
         for attempt in (1, 2):
             self._download(remote, force=attempt > 1)
             if self._verify(remote, target):
                 return "downloaded" if attempt == 1 else "retried"
             # Remove it at once so a corrupt file never sits under its final name.
-            target.unlink(missing_ok=True)
-            logger.warning("%s failed sha256 verification (attempt %d of 2)", remote.path, attempt)
-        expected = remote.sha256 or remote.git_blob or "?"
-        raise _HashMismatch(remote.path, expected, "a different hash")
+            self._discard(target)
+            logger.warning("%s failed verification (attempt %d of 2)", remote.path, attempt)
+        raise _HashMismatch(remote.path, remote.oid or "?", "a different hash")
+
+    def _blobs(self) -> Path | None:
+        return repo_cache_dir(self.plan.cache, self.plan.source.repo_id) / "blobs" if self.plan.cache else None
+
+    def _link_blob(self, remote: RemoteFile, target: Path) -> None:
+        """Point the snapshot at a blob the cache already holds, the way huggingface_hub links them
+        (a relative symlink); an existing or broken link is replaced."""
+        blobs = self._blobs()
+        assert blobs is not None and remote.oid is not None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        link = target.with_name(f"{target.name}.tmp-{os.getpid()}-{threading.get_ident()}")
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(blobs / remote.oid, target.parent))
+        os.replace(link, target)
+
+    def _discard(self, target: Path) -> None:
+        """Delete a file that failed its check; in the cache its blob too, so the bad bytes are not
+        linked again under a hash they do not have."""
+        blobs = self._blobs()
+        if blobs is not None and target.is_symlink():
+            blob = Path(os.path.normpath(target.parent / os.readlink(target)))
+            if blob.parent == blobs:
+                blob.unlink(missing_ok=True)
+        target.unlink(missing_ok=True)
 
     def _download(self, remote: RemoteFile, *, force: bool) -> None:
         from huggingface_hub import hf_hub_download
 
         source = self.plan.source
+        where: dict[str, Any] = {"cache_dir": self.plan.cache} if self.plan.cache else {"local_dir": self.plan.dest}
         with _hub_errors(source, self.plan.endpoint, stage="download", filename=remote.path):
             hf_hub_download(
                 source.repo_id,
                 remote.path,
                 revision=self.plan.commit,
-                local_dir=self.plan.dest,
                 endpoint=self.plan.endpoint,
                 token=self.token,
                 force_download=force,
                 tqdm_class=self.progress.bar_for(remote),  # type: ignore[arg-type]
                 library_name="prepkit",
                 library_version=__version__,
+                **where,
             )
 
     def _verify(self, remote: RemoteFile, target: Path) -> bool:
@@ -790,7 +979,7 @@ class _Worker:
             return False
         if st.st_size != remote.size:
             return False
-        digest = _hash_file(target)
+        digest = _hash_file(target, git_blob=remote.sha256 is None)
         if not _hash_matches(remote, digest.sha256, digest.git_blob):
             return False
         self.state.mark(remote, digest, st)

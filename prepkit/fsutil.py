@@ -4,10 +4,14 @@ byte counts for people. Standard library only."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
+import signal
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,13 +32,51 @@ def temp_path(final: Path) -> Path:
     return final.with_name(f"{final.name}.tmp-{os.getpid()}-{threading.get_ident()}")
 
 
+_TEMP_SUFFIX = re.compile(r"\.tmp-(\d+)(?:-\d+)?$")
+
+
+def temp_writer_pid(path: Path) -> int | None:
+    """The pid of the process that named ``path`` through :func:`temp_path` (None when the name
+    is not a temp name)."""
+    match = _TEMP_SUFFIX.search(path.name)
+    return int(match.group(1)) if match else None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in ``path`` durable (a rename or a new entry survives a power loss only once
+    its folder is synced). A file system that cannot sync folders is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Path) -> None:
+    """``mkdir -p`` whose new folders are durable: each one created is synced into its parent."""
+    missing = []
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    for folder in reversed(missing):
+        folder.mkdir(exist_ok=True)
+        fsync_dir(folder.parent)
+
+
 def write_atomic(final: Path, chunks: Iterable[bytes | memoryview]) -> tuple[str, int]:
-    """Write ``chunks`` to ``final`` through a temp file, fsync, rename; returns (sha256, bytes).
+    """Write ``chunks`` to ``final`` through a temp file, fsync, rename, fsync the folder; returns
+    (sha256, bytes).
 
     A reader sees the old file or the whole new one, never a part. Raises OSError; the temp file
     is removed on any failure.
     """
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)
     tmp = temp_path(final)
     digest = hashlib.sha256()
     total = 0
@@ -45,12 +87,33 @@ def write_atomic(final: Path, chunks: Iterable[bytes | memoryview]) -> tuple[str
                 digest.update(chunk)
                 total += len(chunk)
             f.flush()
+            crash_point()
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    crash_point()
+    fsync_dir(final.parent)
     return digest.hexdigest(), total
+
+
+CRASH_AT_ENV = "PREPKIT_TEST_CRASH_AT"
+STEP_DELAY_ENV = "PREPKIT_TEST_STEP_DELAY"
+_crash_steps = itertools.count(1)
+
+
+def crash_point() -> None:
+    """Test hook, called before and after each write and rename of an output file. With
+    ``PREPKIT_TEST_CRASH_AT=N`` set, the process SIGKILLs itself at the N-th call, so a test can kill
+    a run at every step; ``PREPKIT_TEST_STEP_DELAY=S`` sleeps S seconds at each call, so a test can
+    catch a run in the middle. Unset, it does nothing."""
+    delay = os.environ.get(STEP_DELAY_ENV)
+    if delay:
+        time.sleep(float(delay))
+    at = os.environ.get(CRASH_AT_ENV)
+    if at and next(_crash_steps) == int(at):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def json_bytes(payload: Any, *, sort_keys: bool = True) -> bytes:

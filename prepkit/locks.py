@@ -16,6 +16,8 @@ import filelock
 
 from prepkit.errors import PrepkitError
 
+PROBE_GRACE_S = 0.1
+
 
 def holder_pid(lock_path: Path) -> int | None:
     """The pid the holder wrote into the lock file, if it can be read."""
@@ -23,6 +25,19 @@ def holder_pid(lock_path: Path) -> int | None:
         return int(lock_path.read_text().strip() or "x")
     except (OSError, ValueError):
         return None
+
+
+def is_held(lock_path: Path) -> bool:
+    """True when some process holds ``lock_path`` now. Writes and creates nothing (a dry run may ask)."""
+    if not lock_path.is_file():
+        return False
+    lock = filelock.FileLock(str(lock_path), thread_local=False)
+    try:
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        return True
+    lock.release()
+    return False
 
 
 @contextmanager
@@ -39,7 +54,9 @@ def exclusive(
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     lock = filelock.FileLock(str(lock_path), thread_local=False)
     try:
-        lock.acquire(timeout=0)
+        # A moment's grace: an is_held() probe holds the lock for microseconds, and must not make
+        # a starting run refuse itself.
+        lock.acquire(timeout=PROBE_GRACE_S, poll_interval=0.01)
     except filelock.Timeout:
         raise busy(holder_pid(lock_path)) from None
     try:

@@ -4,6 +4,10 @@ Each layer's experts are read once, in chunks of experts, and every rank's file 
 is filled from the same chunk, so ``--tp 8`` reads the source once and memory stays at a chunk
 plus its outputs whatever the model size. Files are written under temporary names, renamed
 when complete, hashed, and recorded in a journal; the manifest comes last.
+
+The journal is the first file a run writes (after taking the folder's lock), so a run killed at any
+instant leaves a folder that the same command resumes, and that a run of another plan refuses
+with what differs.
 """
 
 from __future__ import annotations
@@ -24,12 +28,28 @@ import torch
 from prepkit import __version__
 from prepkit.allocator import keep_freed_memory
 from prepkit.checkpoint import Checkpoint
-from prepkit.constants import FETCH_RECORD, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, SHARED_DIR, SYNTH_RECORD
+from prepkit.constants import (
+    FETCH_RECORD,
+    INDEX_NAME,
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    PREPARE_LOCK,
+    SHARED_DIR,
+    SYNTH_RECORD,
+)
 from prepkit.errors import CheckpointError, FetchError, OutputError, VerifyError
 from prepkit.fetch import read_fetch_record
-from prepkit.fsutil import free_bytes, temp_path
+from prepkit.fsutil import (
+    crash_point,
+    free_bytes,
+    fsync_dir,
+    make_dirs,
+    temp_path,
+    temp_writer_pid,
+)
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
 from prepkit.layouts.base import SOURCE_ROLES
+from prepkit.locks import exclusive, holder_pid, is_held
 from prepkit.manifest import (
     FETCHED,
     LOCAL,
@@ -82,6 +102,7 @@ class PreparePlan:
     fingerprint: str
     warnings: list[str] = field(default_factory=list)
     chunk_bytes: int = CHUNK_BYTES
+    identity: dict[str, Any] = field(default_factory=dict)  # what the fingerprint hashes, spelled out
 
     @property
     def bytes_to_write(self) -> int:
@@ -178,8 +199,12 @@ def plan_prepare(
     )
     per_rank = [p.layer_nbytes() * dims.num_layers for p in rank_plans]
     out_dir = Path(out_dir)
-    fingerprint = _fingerprint(checkpoint, layout, options, tp_size, ep_size, [p.spec.rank for p in rank_plans])
-    _check_output_dir(out_dir, fingerprint)
+    identity = _plan_identity(checkpoint, layout, options, tp_size, ep_size, [p.spec.rank for p in rank_plans])
+    fingerprint = _fingerprint(identity)
+    lock = out_dir / PREPARE_LOCK
+    if is_held(lock):
+        raise _busy(out_dir)(holder_pid(lock))
+    _check_output_dir(out_dir, fingerprint, identity)
     plan = PreparePlan(
         recipe=recipe,
         checkpoint=checkpoint,
@@ -196,27 +221,43 @@ def plan_prepare(
         free_bytes=free_bytes(out_dir),
         fingerprint=fingerprint,
         warnings=warnings,
+        identity=identity,
     )
     return plan
 
 
-def _fingerprint(
+def _plan_identity(
     checkpoint: Checkpoint, layout: Layout, options: LayoutOptions, tp: int, ep: int, ranks: list[int]
-) -> str:
+) -> dict[str, Any]:
+    """Everything that decides the output bytes: a run resumes a folder only when all of it matches."""
     sources = []
     for path in checkpoint.source_files():
         st = path.stat()
         sources.append([path.name, st.st_size, st.st_mtime_ns])
-    payload = {
+    return {
         "prepkit": __version__,
         "layout": layout.layout_id,
-        "options": options.__dict__,
+        "options": dict(options.__dict__),
         "tp": tp,
         "ep": ep,
         "ranks": ranks,
         "sources": sources,
     }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _fingerprint(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def _busy(out_dir: Path) -> Callable[[int | None], OutputError]:
+    def error(pid: int | None) -> OutputError:
+        holder = f"pid {pid}" if pid else "another process"
+        return OutputError(
+            f"another prepkit prepare ({holder}) is writing {out_dir}; two runs never share a folder",
+            hint="wait for it to finish (or stop it: a stopped run resumes), then rerun this command",
+        )
+
+    return error
 
 
 def _finished_manifest(out_dir: Path) -> Manifest | None:
@@ -230,40 +271,131 @@ def _finished_manifest(out_dir: Path) -> Manifest | None:
         return None
 
 
-def _check_output_dir(out_dir: Path, fingerprint: str) -> None:
+def _check_output_dir(out_dir: Path, fingerprint: str, identity: dict[str, Any]) -> None:
+    """Refuse a folder that is not empty, not this plan's finished output and not an unfinished run
+    of this plan; say what differs when it holds another plan's."""
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
         raise OutputError(f"--out {out_dir} is a file", hint="choose a folder")
-    entries = [p.name for p in out_dir.iterdir()]
-    if not entries:
-        return
+    entries = sorted(p.name for p in out_dir.iterdir())
+    if _only_leftovers(out_dir, entries):
+        return  # empty, or a run killed before its journal: nothing in it is complete
+    start_over = f"to start over, delete {out_dir} (or choose another output folder)"
     manifest = _finished_manifest(out_dir)
     if manifest is not None:
         if manifest.fingerprint == fingerprint:
             return
+        differs = _differences(_manifest_identity(manifest), identity)
         raise OutputError(
-            f"{out_dir} holds a different prepared shard set (layout {manifest.layout.id}, "
-            f"tp={manifest.parallel.tp_size}, ep={manifest.parallel.ep_size}, or another source)",
-            hint="choose another --out, or delete that folder first",
+            f"{out_dir} holds a different prepared shard set: " + "; ".join(differs),
+            hint=f"rerun with its options to keep it; {start_over}",
+        )
+    if MANIFEST_NAME in entries and JOURNAL_NAME not in entries:
+        raise OutputError(
+            f"{out_dir / MANIFEST_NAME} cannot be read by prepkit {__version__} (damaged, or written by "
+            "another version)",
+            hint=start_over,
         )
     if JOURNAL_NAME in entries:
+        journal_path = out_dir / JOURNAL_NAME
         try:
-            journal = json.loads((out_dir / JOURNAL_NAME).read_text())
-        except (OSError, json.JSONDecodeError):
-            journal = {}
+            journal = json.loads(journal_path.read_text())
+            if not isinstance(journal, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as err:
+            raise OutputError(
+                f"{journal_path} (the journal of an unfinished run) cannot be read: {err}",
+                hint=start_over,
+            ) from err
         if journal.get("fingerprint") == fingerprint:
             return
-        raise OutputError(
-            f"{out_dir} holds an unfinished run of a different plan",
-            hint="rerun that exact command to finish it, or delete the folder",
+        theirs = journal.get("plan")
+        differs = _differences(theirs, identity) if isinstance(theirs, dict) and theirs else []
+        started = (
+            f" (started from {theirs['source_dir']})" if isinstance(theirs, dict) and "source_dir" in theirs else ""
         )
-    foreign = sorted(e for e in entries if not (e.startswith("rank") or e == SHARED_DIR))
+        raise OutputError(
+            f"{out_dir} holds an unfinished run of another plan{started}: "
+            + ("; ".join(differs) or "it was started by another prepkit version"),
+            hint=f"rerun the command that started it to finish it; {start_over}",
+        )
+    foreign = [e for e in entries if not _is_prepkit_name(e)]
+    if not foreign:
+        raise OutputError(
+            f"--out {out_dir} holds prepared files but neither {MANIFEST_NAME} nor a journal "
+            f"(holds {', '.join(entries[:5])}): they cannot be trusted",
+            hint=start_over,
+        )
     raise OutputError(
-        f"--out {out_dir} is not empty and is not a prepkit output folder "
-        f"(holds {', '.join((foreign or entries)[:5])})",
+        f"--out {out_dir} is not empty and is not a prepkit output folder (holds {', '.join(foreign[:5])})",
         hint="choose an empty or new folder",
     )
+
+
+def _is_rank_dir(name: str) -> bool:
+    return name.startswith("rank") and name[4:].isdigit()
+
+
+def _is_prepkit_name(name: str) -> bool:
+    """A name prepare writes at the top of its folder, besides the manifest and the journal."""
+    return name in (PREPARE_LOCK, SHARED_DIR) or _is_rank_dir(name)
+
+
+def _is_leftover(path: Path) -> bool:
+    return path.is_file() and temp_writer_pid(path) is not None
+
+
+def _only_leftovers(out_dir: Path, entries: list[str]) -> bool:
+    """True when the folder holds nothing complete: at most the lock and temp files of killed runs
+    (at the top, or in prepkit's own subfolders)."""
+    for name in entries:
+        path = out_dir / name
+        if name == PREPARE_LOCK or _is_leftover(path):
+            continue
+        if (name == SHARED_DIR or _is_rank_dir(name)) and path.is_dir() and all(map(_is_leftover, path.iterdir())):
+            continue
+        return False
+    return True
+
+
+def _manifest_identity(manifest: Manifest) -> dict[str, Any]:
+    """The part of a plan's identity a manifest records (sources by name and size, not mtime)."""
+    return {
+        "prepkit": manifest.prepkit_version,
+        "layout": manifest.layout.id,
+        "options": dict(manifest.layout.options),
+        "tp": manifest.parallel.tp_size,
+        "ep": manifest.parallel.ep_size,
+        "ranks": [r.rank for r in manifest.ranks],
+        "sources": [[name, f.bytes] for name, f in sorted(manifest.model.provenance.source_files.items())],
+    }
+
+
+def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    """What a folder's plan (``theirs``) and this run's (``ours``) disagree on, option by option."""
+    out = []
+    for key, label in (("layout", "--layout"), ("tp", "--tp"), ("ep", "--ep"), ("ranks", "--rank")):
+        if key in theirs and theirs[key] != ours.get(key):
+            out.append(f"{label} is {theirs[key]} there, {ours.get(key)} here")
+    their_options = theirs.get("options") or {}
+    for name, value in sorted(their_options.items()):
+        if value != ours.get("options", {}).get(name):
+            out.append(f"--{name.replace('_', '-')} is {value} there, {ours['options'].get(name)} here")
+    their_sources = {s[0]: tuple(s[1:]) for s in theirs.get("sources") or []}
+    our_sources = {s[0]: tuple(s[1 : 1 + len(their_sources.get(s[0], ()))]) for s in ours.get("sources", [])}
+    if "sources" in theirs:
+        if set(their_sources) != set(our_sources):
+            out.append(f"the source files are {sorted(their_sources)} there, {sorted(our_sources)} here")
+        else:
+            changed = sorted(n for n in their_sources if their_sources[n] != our_sources[n])
+            if changed:
+                out.append(f"source file(s) {', '.join(changed)} changed since (size or modification time)")
+    if theirs.get("prepkit") not in (None, ours.get("prepkit")):
+        out.append(f"it was written by prepkit {theirs['prepkit']}, this is prepkit {ours.get('prepkit')}")
+    if not out:
+        out.append("the source files' modification times differ (rewritten or copied since)")
+    return out
 
 
 # --- execution ---------------------------------------------------------------------------------
@@ -298,7 +430,7 @@ class _RankFile:
     def __init__(self, root: Path, rel: str, plan: RankPlan, prefix: str, metadata: dict[str, str]) -> None:
         self.rel = rel
         self.final = root / rel
-        self.final.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.final.parent)
         self.tmp = temp_path(self.final)
         metas = {prefix + n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in plan.tensors.items()}
         header, order = safetensors_header(metas, metadata)
@@ -319,6 +451,7 @@ class _RankFile:
         except OSError:
             self.abort()
             raise
+        crash_point()
 
     def write_chunk(self, first_local_expert: int, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
@@ -327,6 +460,7 @@ class _RankFile:
             written = 0
             while written < len(data):
                 written += os.pwrite(self.fd, data[written:], offset + written)
+        crash_point()
 
     def commit_and_hash(self) -> str:
         """fsync, rename into place, then hash: runs on a worker thread, so the disk flush and
@@ -339,6 +473,8 @@ class _RankFile:
         except BaseException:
             self.abort()
             raise
+        crash_point()
+        fsync_dir(self.final.parent)
         return sha256_file(self.final)
 
     def abort(self) -> None:
@@ -378,30 +514,46 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
 def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult:
     started = time.perf_counter()
     root = plan.out_dir
-    root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob("**/*.tmp-*"):
-        leftover.unlink(missing_ok=True)  # a killed run's partial file: never complete, never kept
-    run = _Run(plan, _resume_journal(plan), on_progress)
     try:
-        source_hashes = {p.name: run.hasher.pool.submit(sha256_file, p) for p in _sources_to_hash(plan.checkpoint)}
-        run.write_shared_files()
-        run.write_expert_layers()
+        make_dirs(root)
+        crash_point()
+        with exclusive(root / PREPARE_LOCK, busy=_busy(root)):
+            crash_point()
+            # Planning looked at the folder before the lock was ours: look again.
+            _check_output_dir(root, plan.fingerprint, plan.identity)
+            _remove_leftovers(root)
+            journal = _resume_journal(plan)
+            journal.save()  # before any output file: from here on the folder is this plan's
+            run = _Run(plan, journal, on_progress)
+            try:
+                hashes = {p.name: run.hasher.pool.submit(sha256_file, p) for p in _sources_to_hash(plan.checkpoint)}
+                run.write_shared_files()
+                run.write_expert_layers()
+            finally:
+                run.shutdown()
+            manifest = _finish(plan, run.files, {name: fut.result() for name, fut in hashes.items()})
     except OSError as err:
         raise OutputError(
             f"writing {root} failed: {err}",
             hint="free disk space or fix permissions, then rerun: finished files are kept",
         ) from err
-    finally:
-        run.shutdown()
-    manifest = _finish(plan, run.files, {name: fut.result() for name, fut in source_hashes.items()})
     seconds = time.perf_counter() - started
     return PrepareResult(root, run.written, run.skipped, run.bytes_written, run.source_read, seconds, manifest)
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Delete the temp files of killed runs: never complete, never kept. Only called under the
+    folder's lock, so every process that named a temp file here is gone."""
+    for leftover in root.glob("**/*.tmp-*"):
+        if temp_writer_pid(leftover) is not None and leftover.is_file():
+            leftover.unlink(missing_ok=True)
+            fsync_dir(leftover.parent)
 
 
 def _resume_journal(plan: PreparePlan) -> Journal:
     """The files an earlier run of this plan finished: from its journal, or, when it got as far as
     the manifest, from that."""
-    journal = Journal.load(plan.out_dir, plan.fingerprint)
+    journal = Journal.load(plan.out_dir, plan.fingerprint, {**plan.identity, "source_dir": str(plan.checkpoint.root)})
     finished = _finished_manifest(plan.out_dir)
     if finished is not None:
         journal.files = {

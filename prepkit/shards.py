@@ -1,10 +1,10 @@
 """Crash-safe output files: a streaming safetensors writer and the journal.
 
-Every file is written under a temp name, fsynced, then renamed into place
+Every file is written under a temp name, fsynced, then renamed into place and its folder fsynced
 (:func:`prepkit.fsutil.write_atomic`), and its sha256 is computed from the bytes as they are
 written (no second read). The manifest is written last, so a folder without ``manifest.json`` is
-never mistaken for a finished one; the journal records finished files so an interrupted run
-resumes where it stopped.
+never mistaken for a finished one; the journal, written first, marks the folder as prepkit's and
+records finished files so an interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from prepkit.constants import JOURNAL_NAME
 from prepkit.errors import OutputError
-from prepkit.fsutil import json_bytes
+from prepkit.fsutil import crash_point, fsync_dir, json_bytes, make_dirs
 from prepkit.fsutil import write_atomic as write_file_atomic
 
 ST_DTYPE = {
@@ -126,14 +126,17 @@ def sha256_file(path: Path) -> str:
 
 def link_or_copy(src: Path, dst: Path) -> str:
     """Share one file between rank folders: hard link, else relative symlink. Returns the method."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(dst.parent)
     dst.unlink(missing_ok=True)
     try:
         os.link(src, dst)
-        return "hardlink"
+        method = "hardlink"
     except OSError:
         os.symlink(os.path.relpath(src, dst.parent), dst)
-        return "symlink"
+        method = "symlink"
+    crash_point()
+    fsync_dir(dst.parent)
+    return method
 
 
 # --- journal ----------------------------------------------------------------------------------
@@ -141,24 +144,27 @@ def link_or_copy(src: Path, dst: Path) -> str:
 
 @dataclass
 class Journal:
-    """Finished files of an interrupted run, valid only for the same plan fingerprint."""
+    """Finished files of an interrupted run, valid only for the same plan fingerprint. ``plan``
+    spells out what the fingerprint hashes (layout, options, split, sources), so a run of another
+    plan can be told what differs."""
 
     root: Path
     fingerprint: str
     files: dict[str, WrittenFile] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, root: Path, fingerprint: str) -> Journal:
+    def load(cls, root: Path, fingerprint: str, plan: dict[str, Any] | None = None) -> Journal:
         path = root / JOURNAL_NAME
-        journal = cls(root, fingerprint)
+        journal = cls(root, fingerprint, plan=plan or {})
         if path.is_file():
             try:
                 raw = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                return journal  # unreadable: start over, every file is rewritten
-            if raw.get("fingerprint") == fingerprint:
-                for rel, info in raw.get("files", {}).items():
-                    journal.files[rel] = WrittenFile(rel, info["sha256"], info["bytes"])
+                if raw.get("fingerprint") == fingerprint:
+                    for rel, info in raw.get("files", {}).items():
+                        journal.files[rel] = WrittenFile(rel, str(info["sha256"]), int(info["bytes"]))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                journal.files.clear()  # unreadable: start over, every file is rewritten
         return journal
 
     def is_done(self, rel: str) -> bool:
@@ -176,11 +182,18 @@ class Journal:
 
     def record(self, written: WrittenFile) -> None:
         self.files[written.path] = written
+        self.save()
+
+    def save(self) -> None:
+        """Write the journal (atomically, folder synced). Saved before any output file, it is what
+        makes a folder recognisably prepkit's from the first byte on."""
         payload = {
             "fingerprint": self.fingerprint,
+            "plan": self.plan,
             "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(self.files.items())},
         }
         write_json_atomic(self.root, JOURNAL_NAME, payload)
 
     def remove(self) -> None:
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+        fsync_dir(self.root)

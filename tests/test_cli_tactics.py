@@ -194,6 +194,10 @@ def test_merge(filled: Path, tmp_path: Path) -> None:
     assert added["winner"] >= 2 and added["measurement"] > 0
     r = invoke("tactics", "merge", str(dest), str(filled), "--json")
     assert set(json.loads(r.output)["added"].values()) == {0}
+    # The spelling of the other tactics commands: SRC, and the DB written with --db.
+    r = invoke("tactics", "merge", str(filled), "--db", str(tmp_path / "new.db"), "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["db"] == str(tmp_path / "new.db") and json.loads(r.output)["added"] == added
 
 
 @pytest.mark.parametrize("kind", ["corrupt", "foreign", "newer", "missing"])

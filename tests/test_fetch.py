@@ -29,6 +29,13 @@ COMMIT = "c0ffee" + "0" * 34
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
 
 
+@pytest.fixture(autouse=True)
+def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
     from prepkit.cli import cli
 
@@ -150,15 +157,32 @@ def test_default_patterns_skip_original_and_metal() -> None:
     assert not any(p.startswith("metal/") for p in pick(True))
 
 
-def test_default_model_dir_follows_prepkit_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path: Path) -> None:
+    from prepkit.constants import INDEX_NAME
     from prepkit.recipes import load_recipe
 
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path))
     recipe = load_recipe("gpt-oss-120b")
-    assert fetching.default_model_dir(recipe) == (
-        tmp_path / "models" / "openai--gpt-oss-120b" / "b5c939de8f754692c1647ca79fbf85e8c1e70f8a"
-    )
-    assert fetching.model_dir_for("a/b", "refs/pr/1") == tmp_path / "models" / "a--b" / "refs--pr--1"
+    repo = tmp_path / "hf-cache" / "models--openai--gpt-oss-120b"
+    snapshot = repo / "snapshots" / recipe.revision
+    legacy = tmp_path / "prepkit-home" / "models" / "openai--gpt-oss-120b" / recipe.revision
+    assert fetching.default_model_dir(recipe) == snapshot  # nothing anywhere: where fetch would put it
+    legacy.mkdir(parents=True)
+    (legacy / INDEX_NAME).write_text("{}")
+    assert fetching.default_model_dir(recipe) == legacy  # fetched by prepkit 0.1
+    snapshot.mkdir(parents=True)
+    (snapshot / INDEX_NAME).write_text("{}")
+    assert fetching.default_model_dir(recipe) == snapshot  # e.g. by `hf download`: the cache wins
+    (legacy / FETCH_RECORD).write_text("{}")
+    assert fetching.default_model_dir(recipe) == legacy  # a verified fetch wins over an unverified copy
+
+    # A branch is found through refs/<branch>, as huggingface_hub writes it.
+    commit = "ab" * 20
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir()
+    (repo / "snapshots" / commit / INDEX_NAME).write_text("{}")
+    assert fetching.find_model_dir("openai/gpt-oss-120b", "main") == repo / "snapshots" / commit
+    assert fetching.model_dir_for("a/b", "refs/pr/1") == tmp_path / "prepkit-home" / "models" / "a--b" / "refs--pr--1"
 
 
 def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
@@ -199,7 +223,7 @@ def test_a_small_file_is_checked_against_its_git_blob_id(fake_hub: FakeHub, tmp_
         return path
 
     fake_hub.download = wrong_config
-    with pytest.raises(FetchError, match=r"failed sha256 verification twice.*config\.json"):
+    with pytest.raises(FetchError, match=r"failed hash verification twice.*config\.json"):
         fetching.fetch(_plan(tmp_path / "m"))
     assert fake_hub.calls.count("config.json") == 2
     assert not (tmp_path / "m" / "config.json").exists()
@@ -221,7 +245,7 @@ def fetch_cli(dest: Path, *extra: str) -> Result:
         "someorg/model",
         "--revision",
         COMMIT,
-        "--dir",
+        "--local-dir",
         str(dest),
         "--endpoint",
         DEAD_ENDPOINT,
@@ -292,17 +316,88 @@ def test_server_error_on_a_file(fake_hub: FakeHub, tmp_path: Path) -> None:
     assert len(fake_hub.calls) == 1  # the first failure stops the rest from starting (1 worker busy)
 
 
-def test_a_second_fetch_into_the_same_folder_is_refused(fake_hub: FakeHub, tmp_path: Path) -> None:
-    import fcntl
+def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fake_hub: FakeHub, tmp_path: Path) -> None:
+    import subprocess
+    import sys
 
     dest = tmp_path / "m"
-    lock = dest / fetching.LOCK_PATH
-    lock.parent.mkdir(parents=True)
-    with lock.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(FetchError, match="another prepkit fetch is running"):
-            fetching.fetch(_plan(dest))
+    hold = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from prepkit.locks import exclusive\n"
+        "with exclusive(Path(sys.argv[1]), busy=lambda pid: RuntimeError(pid)):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(dest / fetching.LOCK_PATH)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        result = fetch_cli(dest)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.exit_code == FetchError.exit_code
+    assert f"another prepkit fetch (pid {holder.pid}) is writing {dest}" in result.stderr
+    assert "Traceback" not in result.stderr
     assert fake_hub.calls == []
+    # The lock goes with its holder: nothing stale is left to refuse the next run.
+    assert fetch_cli(dest).exit_code == 0
+
+
+def test_old_option_spellings_still_work_but_are_not_shown(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    args = ["fetch", "--model", "someorg/model", "--revision", COMMIT, "--endpoint", DEAD_ENDPOINT]
+    result = run_cli(*args, "--dir", str(dest), "--workers", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["dir"] == str(dest.resolve())
+    shown = run_cli("fetch", "--help").stdout
+    for new in ("--local-dir", "--max-workers", "--include", "--exclude", "--token", "--revision", "--cache-dir"):
+        assert new in shown
+    for old in ("--dir ", "--workers"):
+        assert old not in shown
+    assert "hf download" in shown  # -q is documented against hf's meaning
+
+
+def test_include_and_exclude_choose_the_files_like_hf_download(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    args = ["fetch", "--model", "gpt-oss-120b", "--revision", COMMIT, "--endpoint", DEAD_ENDPOINT]
+    result = run_cli(*args, "--local-dir", str(dest), "--include", "*.json", "--exclude", "tokenizer*", "--json")
+    assert result.exit_code == 0, result.stderr
+    # Only what was asked: no shards (so no index completeness check), no tokenizer.
+    assert sorted(json.loads(result.stdout)["downloaded"]) == ["config.json", "model.safetensors.index.json"]
+    assert sorted(fake_hub.calls) == ["config.json", "model.safetensors.index.json"]
+
+
+def test_quiet_prints_only_the_folder(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    result = fetch_cli(dest, "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"{dest.resolve()}\n"
+    assert result.stderr == ""
+
+
+def test_each_file_is_read_once_and_lfs_files_get_no_git_blob_id(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digests: list[tuple[str, Any]] = []
+    real_hash_file = fetching._hash_file
+
+    def recording(path: Path, **kwargs: Any) -> Any:
+        digest = real_hash_file(path, **kwargs)
+        digests.append((path.name, digest))
+        return digest
+
+    monkeypatch.setattr(fetching, "_hash_file", recording)
+    result = fetching.fetch(_plan(tmp_path / "m"))
+    assert sorted(name for name, _ in digests) == sorted(f.path for f in result.plan.files)
+    lfs = {f.path for f in result.plan.files if f.remote.sha256 is not None}
+    assert lfs and len(lfs) < len(digests)
+    for name, digest in digests:
+        assert (digest.git_blob is None) == (name in lfs), name
+    # A rerun trusts what it verified (same size and mtime): nothing is read again.
+    digests.clear()
+    fetching.fetch(_plan(tmp_path / "m"))
+    assert digests == []
 
 
 # ------------------------------------------------------------------------- listing errors
@@ -331,7 +426,7 @@ def test_listing_errors_are_one_clear_message(
 ) -> None:
     _hub_api_raising(monkeypatch, error)
     dest = tmp_path / "m"
-    result = run_cli("fetch", "--model", "someorg/model", "--dir", str(dest), "--endpoint", DEAD_ENDPOINT)
+    result = run_cli("fetch", "--model", "someorg/model", "--local-dir", str(dest), "--endpoint", DEAD_ENDPOINT)
     assert result.exit_code == FetchError.exit_code
     assert message in result.stderr
     assert hint in result.stderr

@@ -15,6 +15,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
@@ -110,14 +111,22 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
         yield Hub(endpoint=endpoint, src=src, repos=repos)
 
 
+@pytest.fixture(autouse=True)
+def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
     from prepkit.cli import cli
 
     return CliRunner().invoke(cli, list(args), env=env, catch_exceptions=False)
 
 
-def fetch_args(hub: Hub, dest: Path, *extra: str, repo: str = REPO) -> list[str]:
-    return ["fetch", "--model", repo, "--revision", "main", "--dir", str(dest), "--endpoint", hub.endpoint, *extra]
+def fetch_args(hub: Hub, dest: Path | None, *extra: str, repo: str = REPO) -> list[str]:
+    where = ["--local-dir", str(dest)] if dest is not None else []
+    return ["fetch", "--model", repo, "--revision", "main", *where, "--endpoint", hub.endpoint, *extra]
 
 
 def files_under(dest: Path) -> set[str]:
@@ -233,22 +242,120 @@ def test_plain_org_repo_without_recipe(hub: Hub, tmp_path: Path) -> None:
     assert record is not None and record.recipe is None and record.repo_id == PLAIN_REPO
 
 
-def test_default_dir_follows_prepkit_home(hub: Hub, tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    args = ["fetch", "--model", PLAIN_REPO, "--endpoint", hub.endpoint]
-    result = run_cli(*args, env={"PREPKIT_HOME": str(home)})
+def test_default_store_is_the_hub_cache(hub: Hub, tmp_path: Path) -> None:
+    result = run_cli("fetch", "--model", PLAIN_REPO, "--endpoint", hub.endpoint)
     assert result.exit_code == 0, result.stderr
-    dest = home / "models" / "testorg--tiny-gpt-oss" / "main"
-    assert result.stdout.strip() == str(dest)
-    assert (dest / FETCH_RECORD).is_file()
+    repo = tmp_path / "hf-cache" / "models--testorg--tiny-gpt-oss"
+    commit = hub.repos[PLAIN_REPO].commit
+    snapshot = repo / "snapshots" / commit
+    assert result.stdout.strip() == str(snapshot)
+    assert (repo / "refs" / "main").read_text() == commit
+    assert (snapshot / FETCH_RECORD).is_file()
+    assert_identical(hub, snapshot, DEFAULT_FILES)
+    # huggingface_hub's layout: every file a link to its blob, named by its hash.
+    for name in DEFAULT_FILES:
+        blob = (snapshot / name).resolve()
+        assert (snapshot / name).is_symlink() and blob.parent == repo / "blobs"
+        if name.endswith(".safetensors"):
+            assert blob.name == hub.sha256(name)
+    assert not list(tmp_path.rglob("*.incomplete")) and not list(tmp_path.rglob("*.tmp-*"))
+
+
+class _Requests:
+    """Every HTTP request huggingface_hub sends (it talks through httpx2), by URL."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import httpx2
+
+        self.sent: list[tuple[str, str]] = []
+        real_send = httpx2.Client.send
+
+        def send(client: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+            self.sent.append((request.method, str(request.url)))
+            return real_send(client, request, *args, **kwargs)
+
+        monkeypatch.setattr(httpx2.Client, "send", send)
+
+    @property
+    def file_requests(self) -> list[tuple[str, str]]:
+        """Requests for a file (HEAD for its metadata, GET for its bytes), not for the repo's listing."""
+        return [(method, url) for method, url in self.sent if "/resolve/" in url]
+
+
+def _hf_snapshot(hub: Hub, repo: str, **where: Any) -> Path:
+    import huggingface_hub
+
+    patterns = list(fetching.DEFAULT_INCLUDE)
+    path = huggingface_hub.snapshot_download(
+        repo, revision="main", endpoint=hub.endpoint, allow_patterns=patterns, **where
+    )
+    return Path(path)
+
+
+def test_a_model_already_in_the_hub_cache_downloads_nothing(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snapshot = _hf_snapshot(hub, REPO, cache_dir=tmp_path / "hf-cache")  # what `hf download` leaves
+    assert_identical(hub, snapshot, DEFAULT_FILES)
+    requests = _Requests(monkeypatch)
+    result = run_cli(*fetch_args(hub, None, "--json"))
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["dir"] == str(snapshot)
+    assert summary["downloaded"] == [] and summary["downloaded_bytes"] == 0
+    assert sorted(summary["reused"]) == sorted(DEFAULT_FILES)
+    assert requests.sent, "the plan asks the hub for the commit and the file list"
+    assert requests.file_requests == []  # and nothing about any file: not even a HEAD
+    record = fetching.read_fetch_record(snapshot)
+    assert record is not None and {e.path: e.sha256 for e in record.entries} == {
+        n: hub.sha256(n) for n in DEFAULT_FILES
+    }
+
+    # `prepare --model` finds it there (a recipe that pins main, as olah has not the real commit).
+    recipe = json.loads((Path(__file__).resolve().parent.parent / "recipes" / "gpt-oss-120b.json").read_text())
+    recipe_path = tmp_path / "recipe.json"
+    recipe_path.write_text(json.dumps(recipe | {"revision": "main"}))
+    out = tmp_path / "prepared"
+    result = run_cli("prepare", "--model", str(recipe_path), "--tp", "1", "--out", str(out), "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["provenance"] == "prepkit fetch"
+    assert record.commit in (out / "manifest.json").read_text()
+
+
+def test_an_hf_download_local_dir_folder_is_reused(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dest = _hf_snapshot(hub, REPO, local_dir=tmp_path / "model")
+    bad = dest / "model-00002-of-00002.safetensors"
+    bad.write_bytes(b"\0" * bad.stat().st_size)  # right size, wrong bytes: only the hash can tell
+    requests = _Requests(monkeypatch)
+    result = run_cli(*fetch_args(hub, dest, "--json"))
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["downloaded"] == [bad.name]
+    assert sorted(summary["reused"]) == sorted(DEFAULT_FILES - {bad.name})
+    assert [u.rsplit("/", 1)[-1] for m, u in requests.file_requests if m == "GET"] == [bad.name]
     assert_identical(hub, dest, DEFAULT_FILES)
+
+
+def test_a_bad_blob_in_the_cache_is_replaced_not_linked_again(hub: Hub, tmp_path: Path) -> None:
+    snapshot = _hf_snapshot(hub, REPO, cache_dir=tmp_path / "hf-cache")
+    blob = (snapshot / SHARD).resolve()
+    blob.write_bytes(b"\0" * blob.stat().st_size)
+    (snapshot / SHARD).unlink()  # only the blob is left: the plan links it, the hash refuses it
+    result = run_cli(*fetch_args(hub, None, "--dry-run", "--json"))
+    assert {f["path"]: f["status"] for f in json.loads(result.stdout)["files"]}[SHARD] == "cached"
+    result = run_cli(*fetch_args(hub, None, "--json"))
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["downloaded"] == [SHARD]
+    assert (snapshot / SHARD).read_bytes() == (hub.src / SHARD).read_bytes()
+    assert (snapshot / SHARD).resolve() == blob and blob.read_bytes() == (hub.src / SHARD).read_bytes()
 
 
 def test_shard_corrupt_on_the_server_is_fetched_twice_then_reported(hub: Hub, tmp_path: Path) -> None:
     dest = tmp_path / "model"
     result = run_cli(*fetch_args(hub, dest, repo=CORRUPT_REPO))
     assert result.exit_code == FetchError.exit_code
-    assert "failed sha256 verification twice" in result.stderr and SHARD in result.stderr
+    assert "failed hash verification twice" in result.stderr and SHARD in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dest / SHARD).exists()  # never left under its final name
     assert not (dest / FETCH_RECORD).exists()
@@ -282,7 +389,7 @@ def test_transient_corruption_is_healed_by_the_retry(hub: Hub, tmp_path: Path, m
 def test_offline_checks_a_complete_folder_and_refuses_an_incomplete_one(hub: Hub, tmp_path: Path) -> None:
     dest = tmp_path / "model"
     assert run_cli(*fetch_args(hub, dest)).exit_code == 0
-    offline = ["fetch", "--model", REPO, "--revision", "main", "--dir", str(dest), "--offline", "--json"]
+    offline = ["fetch", "--model", REPO, "--revision", "main", "--local-dir", str(dest), "--offline", "--json"]
     # An endpoint nobody listens on: --offline must not need it.
     env = {"HF_ENDPOINT": f"http://127.0.0.1:{olah_server.free_port()}"}
     result = run_cli(*offline, env=env)
@@ -308,7 +415,7 @@ def test_offline_checks_a_complete_folder_and_refuses_an_incomplete_one(hub: Hub
 
 
 def test_offline_without_an_earlier_fetch_is_refused(hub: Hub, tmp_path: Path) -> None:
-    args = ["fetch", "--model", REPO, "--revision", "main", "--dir", str(tmp_path / "m"), "--offline"]
+    args = ["fetch", "--model", REPO, "--revision", "main", "--local-dir", str(tmp_path / "m"), "--offline"]
     result = run_cli(*args)
     assert result.exit_code == FetchError.exit_code
     assert "no earlier fetch" in result.stderr
@@ -324,7 +431,8 @@ def test_unknown_repo(hub: Hub, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("revision", ["no-such-branch", "0123456789abcdef0123456789abcdef01234567"])
 def test_unknown_revision(hub: Hub, tmp_path: Path, revision: str) -> None:
-    args = ["fetch", "--model", REPO, "--revision", revision, "--dir", str(tmp_path / "m"), "--endpoint", hub.endpoint]
+    args = fetch_args(hub, tmp_path / "m")
+    args[args.index("main")] = revision
     result = run_cli(*args)
     assert result.exit_code == FetchError.exit_code
     assert f"revision {revision!r} not found in {REPO}" in result.stderr
@@ -334,7 +442,9 @@ def test_unknown_revision(hub: Hub, tmp_path: Path, revision: str) -> None:
 
 def test_hub_unreachable(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{olah_server.free_port()}"
-    result = run_cli("fetch", "--model", REPO, "--revision", "main", "--dir", str(tmp_path / "m"), "--endpoint", dead)
+    result = run_cli(
+        "fetch", "--model", REPO, "--revision", "main", "--local-dir", str(tmp_path / "m"), "--endpoint", dead
+    )
     assert result.exit_code == FetchError.exit_code
     assert f"cannot reach {dead}" in result.stderr and "--offline" in result.stderr
     assert "Traceback" not in result.stderr
@@ -384,7 +494,7 @@ def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
     import time
 
     dest = tmp_path / "model"
-    args = fetch_args(hub, dest, "--workers", "1", repo=BIG_REPO)
+    args = fetch_args(hub, dest, "--max-workers", "1", repo=BIG_REPO)
     # A process started with SIGINT ignored (e.g. by make in a background job) passes that on to its
     # children; the fetch gets the default handler back, as from a terminal.
     child = "\n".join(
@@ -445,3 +555,17 @@ def test_new_commit_on_the_branch_fetches_only_the_changed_file(hub: Hub, tmp_pa
     assert json.loads((dest / "config.json").read_text()) == config
     record = fetching.read_fetch_record(dest)
     assert record is not None and record.commit == new.commit
+
+
+def test_new_commit_in_the_cache_links_the_unchanged_blobs(hub: Hub, tmp_path: Path) -> None:
+    repo = hub.repos[MOVING_REPO]
+    assert run_cli(*fetch_args(hub, None, repo=MOVING_REPO)).exit_code == 0
+    config = json.loads((repo.path / "config.json").read_text()) | {"vocab_size": 257}
+    new = olah_server.commit_file(repo, "config.json", json.dumps(config).encode())
+    result = run_cli(*fetch_args(hub, None, "--json", repo=MOVING_REPO))
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["commit"] == new.commit and summary["dir"].endswith(new.commit)
+    assert summary["downloaded"] == ["config.json"]
+    assert sorted(summary["reused"]) == sorted(DEFAULT_FILES - {"config.json"})
+    assert json.loads((Path(summary["dir"]) / "config.json").read_text()) == config

@@ -1,4 +1,4 @@
-"""``prepkit fetch``: download a gpt-oss checkpoint from the hub, verified, into a local folder."""
+"""``prepkit fetch``: download a gpt-oss checkpoint from the hub, verified, into the Hugging Face cache or a folder."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from rich.table import Table
 from prepkit import console
 from prepkit import fetch as fetching
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option, model_option, quiet_option
+from prepkit.cli._options import RenamedOption, json_option, model_option
 from prepkit.fsutil import format_bytes
 
 _STATUS = {
     "verified": "[green]verified[/]",
     "unverified": "present, to verify",
+    "cached": "in the cache, to link and verify",
     "wrong-size": "[yellow]wrong size, to replace[/]",
     "missing": "to download",
 }
@@ -25,57 +26,99 @@ _STATUS = {
 @model_option
 @click.option("--revision", help="Branch, tag or commit sha. Default: the recipe's pinned commit (main for ORG/NAME).")
 @click.option(
-    "--dir",
-    "dest",
+    "--include",
+    multiple=True,
+    metavar="GLOB",
+    help="Fetch only files matching GLOB (repeatable), instead of the recipe's file list; as for `hf download`.",
+)
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
+@click.option(
+    "--local-dir",
+    cls=RenamedOption,
+    old_names=("--dir",),
     type=click.Path(file_okay=False, path_type=Path),
-    help="Target folder. Default: $PREPKIT_HOME/models/<org>--<name>/<revision>.",
+    help="Put plain files in this folder (files already there, e.g. from `hf download --local-dir`, are "
+    "hashed and kept when they match). Default: the Hugging Face cache.",
+)
+@click.option(
+    "--cache-dir",
+    envvar="HF_HUB_CACHE",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Hugging Face cache to use. Default: $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub.",
 )
 @click.option("--include-original", is_flag=True, help="Also fetch original/ (a second copy in OpenAI's format).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and the disk check; download nothing.")
-@click.option("--offline", is_flag=True, help="No network: verify a folder fetched before and record it.")
+@click.option("--offline", is_flag=True, help="No network: verify a model fetched before and record it.")
 @click.option("--endpoint", envvar="HF_ENDPOINT", help="Hub URL. Default: $HF_ENDPOINT or the Hugging Face hub.")
+@click.option("--token", help="Hub token for gated or private repos. Default: $HF_TOKEN, or the `hf auth login` one.")
 @click.option(
-    "--workers", type=click.IntRange(1, 16), default=4, show_default=True, help="Files downloaded at the same time."
+    "--max-workers",
+    cls=RenamedOption,
+    old_names=("--workers",),
+    type=click.IntRange(1, 16),
+    default=4,
+    show_default=True,
+    help="Files downloaded at the same time.",
 )
 @json_option
-@quiet_option
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="As for `hf download`: no progress bars, no plan or summary; only the folder on stdout (errors still show).",
+)
 def fetch_command(
     model: str,
     revision: str | None,
-    dest: Path | None,
+    include: tuple[str, ...],
+    exclude: tuple[str, ...],
+    local_dir: Path | None,
+    cache_dir: Path | None,
     include_original: bool,
     dry_run: bool,
     offline: bool,
     endpoint: str | None,
-    workers: int,
+    token: str | None,
+    max_workers: int,
     as_json: bool,
     quiet: bool,
 ) -> None:
     """Download the files `prepare` needs, check each against the hub's sha256, and record them.
 
-    Never fetches metal/; fetches original/ only with --include-original. A rerun skips files
-    already verified and removes partial files of an interrupted run. Set HF_TOKEN for gated
-    or private repos.
+    Files go to the Hugging Face cache, shared with `hf download` and transformers: a model
+    already there is hashed and reused, not downloaded again. Never fetches metal/; fetches
+    original/ only with --include-original. A rerun skips files already verified and removes
+    partial files of an interrupted run. Prints the model folder (for `prepare --src`) on stdout.
 
     Any ORG/NAME on the hub works too (at main, with the gpt-oss file set).
 
     \b
     Example:
         prepkit fetch --model gpt-oss-120b --dry-run
-        prepkit fetch --model gpt-oss-20b --dir ~/models/gpt-oss-20b --json
+        prepkit fetch --model gpt-oss-20b --local-dir ~/models/gpt-oss-20b --json
+        prepkit fetch --model openai/gpt-oss-20b --revision main --include '*.json'
     """
-    source = fetching.resolve_source(model, revision=revision)
-    target = dest or fetching.model_dir_for(source.repo_id, source.revision)
-    plan = fetching.plan_fetch(source, target, include_original=include_original, offline=offline, endpoint=endpoint)
-    _show_plan(plan)
+    source = fetching.resolve_source(model, revision=revision).narrowed(include, exclude)
+    plan = fetching.plan_fetch(
+        source,
+        local_dir,
+        cache_dir=cache_dir,
+        include_original=include_original,
+        offline=offline,
+        endpoint=endpoint,
+        token=token,
+    )
+    if not quiet:
+        _show_plan(plan)
     if dry_run:
         if as_json:
             console.emit_json({"dry_run": True, **plan.to_json()})
         return
     # Bars only on a terminal: in a log, a final frame of one bar per file is noise.
     with console.progress(enabled=not quiet and console.err_console.is_terminal) as on_progress:
-        result = fetching.fetch(plan, max_workers=workers, on_progress=on_progress)
-    _show_result(result)
+        result = fetching.fetch(plan, token=token, max_workers=max_workers, on_progress=on_progress)
+    if not quiet:
+        _show_result(result)
     if as_json:
         console.emit_json({"dry_run": False, **result.to_json()})
     else:
@@ -95,7 +138,7 @@ def _show_plan(plan: fetching.FetchPlan) -> None:
     console.err_console.print(table)
     console.info(
         f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {plan.count('verified')} verified, "
-        f"{plan.count('unverified')} to verify, {format_bytes(plan.download_bytes)} to download"
+        f"{plan.count('unverified') + plan.count('cached')} to verify, {format_bytes(plan.download_bytes)} to download"
     )
     orphans = f" + {format_bytes(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
     console.info(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")
@@ -108,7 +151,7 @@ def _show_result(result: fetching.FetchResult) -> None:
     parts = [f"{len(result.downloaded)} downloaded", f"{len(result.reused)} already verified"]
     if result.retried:
         names = ", ".join(result.retried)
-        parts.append(f"{len(result.retried)} fetched twice after a sha256 mismatch: {names}")
+        parts.append(f"{len(result.retried)} fetched twice after a hash mismatch: {names}")
     if result.orphans_removed:
         parts.append(f"{result.orphans_removed} partial file(s) of an interrupted run removed")
     console.info(f"[green]Done:[/] {'; '.join(parts)}.")

@@ -17,7 +17,7 @@ from prepkit.recipes import load_recipe
 
 
 def default_src(model: str) -> Path:
-    """Where ``prepkit fetch`` puts the model."""
+    """Where a fetched model lies: its snapshot in the Hugging Face cache, else prepkit 0.1's folder."""
     from prepkit.fetch import default_model_dir
 
     return Path(default_model_dir(load_recipe(model)))
@@ -62,7 +62,8 @@ def default_src(model: str) -> Path:
 @click.option(
     "--src",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Checkpoint folder. Default: where 'prepkit fetch' puts --model.",
+    help="Any gpt-oss checkpoint folder: a `prepkit fetch` or `hf download --local-dir` folder, or a "
+    "Hugging Face cache snapshot. Default: --model's snapshot in the Hugging Face cache.",
 )
 @click.option(
     "--out",
@@ -89,7 +90,8 @@ def prepare(
 
     Reads each layer once, writes every rank's file from it, and finishes with
     OUT/manifest.json (layout id, source hashes, per-rank sizes, sha256 of every
-    file). An interrupted run resumes: rerun the same command.
+    file). An interrupted run resumes, even after kill -9: rerun the same command.
+    A second run on the same OUT is refused (exit 3) with the pid of the first.
 
     \b
     Example:

@@ -8,11 +8,12 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option, quiet_option
+from prepkit.cli._options import OldPositional, RenamedOption, json_option, out_option, pick_out, quiet_option
 
 
 @cli.command()
-@click.argument("out", type=click.Path(path_type=Path, file_okay=False))
+@out_option("Folder to write the checkpoint into (new, or empty).")
+@click.argument("old_out", cls=OldPositional, required=False, type=click.Path(path_type=Path, file_okay=False))
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--experts", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--hidden", default=2880, show_default=True, type=click.IntRange(min=32))
@@ -20,8 +21,10 @@ from prepkit.cli._options import json_option, quiet_option
 @click.option("--top-k", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--vocab", default=1024, show_default=True, type=click.IntRange(min=1))
 @click.option(
-    "--shards",
+    "--num-shards",
     "num_shards",
+    cls=RenamedOption,
+    old_names=("--shards",),
     type=click.IntRange(min=1),
     help="Number of shard files (default: split at 4.8 GB like the hub's).",
 )
@@ -29,7 +32,8 @@ from prepkit.cli._options import json_option, quiet_option
 @json_option
 @quiet_option
 def synth(
-    out: Path,
+    out: Path | None,
+    old_out: Path | None,
     layers: int,
     experts: int,
     hidden: int,
@@ -48,11 +52,12 @@ def synth(
 
     \b
     Example:
-        prepkit synth ./synthetic --layers 2 --experts 4 --shards 3
+        prepkit synth --out ./synthetic --layers 2 --experts 4 --num-shards 3
     """
     from prepkit.errors import RecipeError
     from prepkit.synth import write_synthetic_checkpoint
 
+    out = pick_out(out, old_out)
     if hidden % 32 or intermediate % 32:
         raise RecipeError(f"--hidden {hidden} and --intermediate {intermediate} must be multiples of 32 (MXFP4 blocks)")
     if top_k > experts:

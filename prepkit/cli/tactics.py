@@ -9,7 +9,7 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option
+from prepkit.cli._options import OldPositional, json_option, out_option, pick_out
 from prepkit.errors import TacticsError
 
 
@@ -93,21 +93,38 @@ def export_command(db_path: Path | None, as_json: bool) -> None:
 
 
 @tactics_group.command("merge")
-@click.argument("dest", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("src", type=click.Path(path_type=Path, dir_okay=False, exists=True))
+@click.argument("paths", nargs=-1, required=True, metavar="SRC", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--db",
+    "db_path",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="DB to merge into, created if missing (default: the user DB, $PREPKIT_TACTICS_DB or "
+    "~/.cache/prepkit/tactics.db).",
+)
 @json_option
-def merge_command(dest: Path, src: Path, as_json: bool) -> None:
-    """Merge the rows of SRC into DEST (created if missing); SRC is only read.
+def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) -> None:
+    """Merge the rows of SRC into the DB named by --db; SRC is only read.
 
     Measurements, checks and blocklist entries are unions; for each GPU and problem the winner
     ranges of the newer run win as a whole.
 
     \b
     Example:
-        prepkit tactics merge ~/.cache/prepkit/tactics.db gpu1.db
+        prepkit tactics merge gpu1.db
+        prepkit tactics merge gpu1.db --db team.db
     """
     from prepkit.tactics import store
+    from prepkit.tactics.lookup import user_db_path
 
+    # `merge DEST SRC`, the spelling before --db, still works for one release.
+    if len(paths) == 2 and db_path is None:
+        dest, src = paths
+    elif len(paths) == 1:
+        dest, src = db_path or user_db_path(), paths[0]
+    else:
+        raise click.UsageError("give one SRC DB to merge (and the DB to merge into with --db)")
+    if not src.is_file():
+        raise click.BadParameter(f"{src} does not exist", param_hint="SRC")
     added = store.merge_into(dest, src)
     if as_json:
         console.emit_json({"db": str(dest), "added": added})
@@ -117,20 +134,22 @@ def merge_command(dest: Path, src: Path, as_json: bool) -> None:
 
 
 @tactics_group.command("plot")
-@click.argument("out", type=click.Path(path_type=Path, dir_okay=False))
+@out_option("Image to write (its suffix picks the format: .png, .svg, .pdf).", file=True)
+@click.argument("old_out", cls=OldPositional, required=False, type=click.Path(path_type=Path, dir_okay=False))
 @_db_option
 @click.option("--gpu", help="Only this GPU name (default: every GPU in the DB).")
-def plot_command(out: Path, db_path: Path | None, gpu: str | None) -> None:
+def plot_command(out: Path | None, old_out: Path | None, db_path: Path | None, gpu: str | None) -> None:
     """Plot latency per token count, tuned vs default, against the memory-bandwidth floor.
 
     \b
     Example:
-        prepkit tactics plot tactics.png --db tactics.db
+        prepkit tactics plot --out tactics.png --db tactics.db
     """
     from prepkit.tactics import store
     from prepkit.tactics.lookup import db_to_read
     from prepkit.tune import report
 
+    out = pick_out(out, old_out)
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         panels = report.plot_panels(tdb, gpu)
     if not panels:

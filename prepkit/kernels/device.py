@@ -17,6 +17,8 @@ class DeviceInfo:
     max_shared_mem: int  # bytes one block may use (opt-in limit)
     l2_bytes: int = 50 * 2**20
     registers_per_sm: int = 65536
+    # DRAM bandwidth (bytes/s, from the data sheet; 0 when unknown: the driver does not report it).
+    dram_bytes_per_s: float = 0.0
 
     @classmethod
     def from_torch(cls, device: Any = None) -> DeviceInfo:
@@ -40,7 +42,15 @@ class DeviceInfo:
 
 
 # Reference devices for tests, CPU runs and docs.
-H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 * 2**20)
-H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 60 * 2**20)
-RTX_PRO_6000 = DeviceInfo("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 101376, 128 * 2**20)
-GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20)
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 * 2**20, dram_bytes_per_s=3.35e12)
+H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 60 * 2**20, dram_bytes_per_s=4.8e12)
+RTX_PRO_6000 = DeviceInfo("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 101376, 128 * 2**20, dram_bytes_per_s=1.79e12)
+GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20, dram_bytes_per_s=273e9)
+
+# The reference device of each architecture a compile-only check targets (prepkit.kernels.compile_check).
+ARCH_DEVICES: dict[str, DeviceInfo] = {"sm90": H100, "sm120": RTX_PRO_6000, "sm121": GB10}
+
+
+def arch_name(capability: tuple[int, int]) -> str:
+    """``(12, 1)`` -> ``"sm121"``: the name ``--arch`` and :data:`ARCH_DEVICES` use."""
+    return f"sm{capability[0]}{capability[1]}"

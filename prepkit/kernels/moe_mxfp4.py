@@ -38,6 +38,14 @@ masked step after the loop; ``masked``: every step masked, one pipelined loop). 
 (``swapped_dot="split"``), or as one dot on the halves joined in registers (``"joined"``, what
 tiles of more rows always do).
 Results are not bitwise deterministic: the combine adds in fp32 atomics in arrival order.
+
+Activation precision (``activations``, the user's policy, never a tactic): ``bf16`` as above;
+``mxfp8``/``mxfp4`` quantize each token row once in step 1 (its column-chunk programs already
+visit every row) and the SwiGLU output in step 3's epilogue to e4m3/e2m1 with one E8M0 scale per
+32 values (:mod:`prepkit.kernels.activations`), and both GEMMs run ``tl.dot_scaled`` with
+same-format operands: e4m3 x e4m3 (the weights widened from e2m1 in registers, exact) or
+e2m1 x e2m1 (the stored weight bytes as they are). SM12x lowers both to block-scaled MMA; other
+GPUs run Triton's decomposition of the same dot.
 """
 
 from __future__ import annotations
@@ -50,17 +58,22 @@ import torch
 import triton
 import triton.language as tl
 
+from prepkit.constants import TRITON_MOE_LAYOUT_ID
+from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import K_LOOPS, SWAPPED_DOTS, joins_halves, swaps_operands
+from prepkit.kernels.variants import K_LOOPS, SWAPPED_DOTS, invalid_reason, joins_halves, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
-WEIGHT_LAYOUT = "triton_moe_v3"
+WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 KERNEL_VERSION = 7
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
 
 _UPCAST_IDS = {"bits": 0, "dot_scaled": 1, "asm": 2}
+# The kernels' ACT constant per activation policy (0 keeps the bf16 path and its compiled code).
+_ACT_IDS = {"bf16": 0, "mxfp8": 1, "mxfp4": 2}
 
 
 def _interpreting() -> bool:
@@ -103,6 +116,9 @@ def _route_kernel(
     stride_ot,
     E_LO,
     E_LOCAL,
+    x_ptr,
+    xq_ptr,
+    xs_ptr,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     E_PAD: tl.constexpr,
@@ -110,20 +126,26 @@ def _route_kernel(
     E_LOCAL_PAD: tl.constexpr,
     TOPK_PAD: tl.constexpr,
     PLACE: tl.constexpr,
+    ACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
     pid = tl.program_id(0)
     offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
-    # The combine in GEMM2 accumulates into these rows. One program per BLOCK_H columns: a single
-    # program zeroing all of them took longer than the routing itself (6 of 16 µs at 64 tokens).
+    # The combine in GEMM2 accumulates into these rows. One program per BLOCK_H columns: zeroing
+    # them all in one program would take longer than the routing itself.
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     tl.store(
         out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_h[None, :],
         tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32),
         mask=t_mask[:, None] & (offs_h < H)[None, :],
     )
+    if ACT != 0:
+        # The same programs quantize the token rows for GEMM1: each token once, whatever it picks.
+        rows = offs_t.to(tl.int64)
+        x = tl.load(x_ptr + rows[:, None] * H + offs_h[None, :], mask=t_mask[:, None] & (offs_h < H)[None, :])
+        _store_mx(xq_ptr, xs_ptr, rows, t_mask, tl.program_id(1) * BLOCK_H, H, x.to(tl.float32), BLOCK_T, BLOCK_H, ACT)
     if tl.program_id(1) != 0:
         return  # the other column chunks only zero
     offs_e = tl.arange(0, E_PAD)
@@ -239,6 +261,252 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 
 
 # --------------------------------------------------------------------------------------------
+# MX activations (policies mxfp8 and mxfp4, prepkit.kernels.activations)
+#
+# Quantized rows are stored as ``codes`` (one e4m3 byte per value, or two e2m1 codes per byte)
+# plus ``scales`` ([rows, n/32] E8M0), both contiguous. Inside each 32-value group the values sit
+# in the weights' order (docs/triton-moe-layout.md): position 2p + t holds value
+# FRAGMENT_ORDER[p] + 16t, the two values of the weights' stored byte p. A dot over K does not care
+# how K is ordered inside a scale group as long as both operands agree, so the weight bytes reach
+# ``tl.dot_scaled`` as stored (mxfp4) or with each nibble widened in place (mxfp8): no shuffle.
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _round_e4m3(y):
+    """fp32 -> the nearest e4m3 value (ties to even, saturating at 448), still fp32, so that the
+    conversion to e4m3 after it is exact: the interpreter's own rounding is not nearest-even.
+    Adding 2^(e + 20), e the value's exponent (at least -6, e4m3's subnormal step 2^-9 below),
+    leaves a sum whose fp32 ulp is the e4m3 step 2^(e - 3), so the add rounds for us."""
+    mag = tl.minimum(tl.abs(y), 448.0)
+    e = tl.maximum(((mag.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
+    magic = ((e + 147) << 23).to(tl.float32, bitcast=True)
+    r = (mag + magic) - magic
+    sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mx_quantize(x, R: tl.constexpr, C: tl.constexpr, ACT: tl.constexpr):
+    """fp32 ``[R, C]`` (C a multiple of 32) -> (codes in the kernel's group order: uint8 ``[R, C]``
+    e4m3 when ACT is 1, ``[R, C/2]`` packed e2m1 when 2; E8M0 scales uint8 ``[R, C/32]``), by the
+    rule of :func:`prepkit.kernels.activations.quantize_mx` (the CPU tests compare bits)."""
+    G: tl.constexpr = C // 32
+    EMAX: tl.constexpr = 8 if ACT == 1 else 2
+    xg = tl.reshape(x, (R, G, 32))
+    amax = tl.reduce(tl.abs(xg), 2, _nan_max)
+    # floor(log2(amax)) + 127 is amax's exponent field; 255 (NaN, inf) gives the NaN scale.
+    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = tl.where(field == 255, 255, tl.maximum(field - EMAX, 0))
+    inv = ((254 - tl.minimum(scale, 254)) << 23).to(tl.float32, bitcast=True)  # 2^(127 - scale)
+    y = xg * inv[:, :, None]
+    if ACT == 1:
+        codes = _round_e4m3(y).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        mag = tl.abs(y)
+        # Nearest-even into e2m1: the code counts the bounds passed (ties to the even mantissa).
+        codes = (
+            (mag > 0.25).to(tl.uint8)
+            + (mag >= 0.75).to(tl.uint8)
+            + (mag > 1.25).to(tl.uint8)
+            + (mag >= 1.75).to(tl.uint8)
+            + (mag > 2.5).to(tl.uint8)
+            + (mag >= 3.5).to(tl.uint8)
+            + (mag > 5.0).to(tl.uint8)
+        ) | ((y.to(tl.uint32, bitcast=True) >> 31).to(tl.uint8) << 3)
+    # Value 16t + 8h + 2q + l of a group goes to position 2(4q + 2h + l) + t.
+    codes = tl.reshape(tl.permute(tl.reshape(codes, (R, G, 2, 2, 4, 2)), (0, 1, 4, 3, 5, 2)), (R, C))
+    if ACT == 2:
+        lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+        codes = lo | (hi << 4)
+    return codes, scale.to(tl.uint8)
+
+
+@triton.jit
+def _store_mx(
+    codes_ptr, scales_ptr, rows, row_mask, c0, n_cols, x, R: tl.constexpr, C: tl.constexpr, ACT: tl.constexpr
+):
+    """Quantize ``x [R, C]``, columns ``c0 ..`` (a multiple of 32) of ``rows`` of an ``n_cols``-wide
+    matrix (a multiple of 32), into contiguous ``codes``/``scales`` rows; columns past ``n_cols``
+    are not stored."""
+    codes, scales = _mx_quantize(x, R, C, ACT)
+    G: tl.constexpr = C // 32
+    GROUP_BYTES: tl.constexpr = 32 if ACT == 1 else 16
+    offs_g = c0 // 32 + tl.arange(0, G)
+    tl.store(
+        scales_ptr + rows[:, None] * (n_cols // 32) + offs_g[None, :],
+        scales,
+        mask=row_mask[:, None] & (offs_g < n_cols // 32)[None, :],
+    )
+    offs_b = c0 // 32 * GROUP_BYTES + tl.arange(0, G * GROUP_BYTES)
+    tl.store(
+        codes_ptr + rows[:, None] * (n_cols // 32 * GROUP_BYTES) + offs_b[None, :],
+        codes,
+        mask=row_mask[:, None] & (offs_b // GROUP_BYTES < n_cols // 32)[None, :],
+    )
+
+
+@triton.jit
+def _e2m1_to_e4m3(code):
+    """e2m1 codes (uint8 0..15) -> the e4m3 bits of the same value (exact): magnitude ``e1 e0 m``
+    with e > 0 is 2^(e-1) * (1 + m/2), e4m3 exponent field e + 6 and mantissa m00; 0.5 is 0x30."""
+    mag = code & 7
+    return tl.where(mag > 1, mag * 4 + 48, mag * 48) | ((code & 8) << 4)
+
+
+# e2m1 -> e4m3 of both codes of four bytes at once. One PRMT looks the e4m3 bytes of four codes'
+# magnitudes up in two words holding the eight magnitudes' e4m3 bytes; a PRMT in sign mode turns
+# the four codes' sign bits into byte masks; a LOP3 merges them. Output element i (16 bits) is
+# byte i's low code widened, then its high code: the two words come out in the order the MMA reads.
+_ASM_E2M1_TO_E4M3: tl.constexpr = tl.constexpr("""{
+    .reg .b32 m, h, y, t0, t1, g0, g1, s0, s1, sb;
+    mov.b32 t0, 0x3C383000;
+    mov.b32 t1, 0x4C484440;
+    mov.b32 sb, 0x80808080;
+    and.b32 m, $2, 0x77777777;
+    shr.b32 h, m, 16;
+    prmt.b32 g0, t0, t1, m;
+    prmt.b32 g1, t0, t1, h;
+    shl.b32 y, $2, 4;
+    prmt.b32 s0, y, $2, 0xD9C8;
+    prmt.b32 s1, y, $2, 0xFBEA;
+    lop3.b32 $0, g0, s0, sb, 0xF8;
+    lop3.b32 $1, g1, s1, sb, 0xF8;
+}""")
+
+
+@triton.jit
+def _widen_e2m1(wq, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """``[BN, BK/2]`` e2m1 code bytes -> ``[BN, BK]`` e4m3 bytes (exact), byte p's two values side
+    by side at positions 2p + t, the activations' order. ``ASM``: inline PTX (off the interpreter)."""
+    if ASM:
+        w16 = tl.inline_asm_elementwise(_ASM_E2M1_TO_E4M3, "=r,=r,r", [wq], dtype=tl.uint16, is_pure=True, pack=4)
+        lo = w16.to(tl.uint8)
+        hi = (w16 >> 8).to(tl.uint8)
+    else:
+        lo = _e2m1_to_e4m3(wq & 0xF)
+        hi = _e2m1_to_e4m3(wq >> 4)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _mx_step(
+    a_ptrs,
+    as_ptrs,
+    a_mask,
+    w_ptrs,
+    w_desc,
+    w_row,
+    w_col,
+    s_ptrs,
+    n_mask,
+    k_rem,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    MASK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
+):
+    """One K step with MX activations: ``a_ptrs [BM, AB]`` code bytes and ``as_ptrs [BM, G]``
+    scales of the rows, the weight bytes ``w_ptrs [BN, BK/2]`` as stored (or the ``w_desc`` box)
+    and ``s_ptrs [BN, G]`` their scales; both operands in the layout's group order. Masks as in
+    :func:`_mxfp4_step` (by whole groups; a masked scale reads 0, i.e. 2^-127 times zero codes)."""
+    G: tl.constexpr = BLOCK_K // 32
+    AB: tl.constexpr = BLOCK_K if ACT == 1 else BLOCK_K // 2
+    if MASK_K:
+        g_ok = tl.arange(0, G) < k_rem // 32
+        w_msk = n_mask[:, None] & (tl.arange(0, BLOCK_K // 2) // 16 < k_rem // 32)[None, :]
+        a_msk = a_mask[:, None] & (tl.arange(0, AB) // (AB // G) < k_rem // 32)[None, :]
+        s_msk = n_mask[:, None] & g_ok[None, :]
+        as_msk = a_mask[:, None] & g_ok[None, :]
+    else:
+        w_msk = n_mask[:, None]
+        a_msk = a_mask[:, None]
+        s_msk = n_mask[:, None]
+        as_msk = a_mask[:, None]
+    if W_TMA:  # noqa: SIM108 (a constexpr branch; the other one is never compiled)
+        wq = w_desc.load([w_row, w_col])
+    else:
+        wq = tl.load(w_ptrs, mask=w_msk, other=0)
+    a = tl.load(a_ptrs, mask=a_msk, other=0)
+    a_sc = tl.load(as_ptrs, mask=as_msk, other=0)
+    w_sc = tl.load(s_ptrs, mask=s_msk, other=0)
+    if ACT == 1:
+        w = _widen_e2m1(wq, BLOCK_N, BLOCK_K, WIDEN_ASM)
+        if SWAP:
+            acc = tl.dot_scaled(w, w_sc, "e4m3", tl.trans(a), a_sc, "e4m3", acc)
+        else:
+            acc = tl.dot_scaled(a, a_sc, "e4m3", tl.trans(w), w_sc, "e4m3", acc)
+    else:
+        if SWAP:
+            acc = tl.dot_scaled(wq, w_sc, "e2m1", tl.trans(a), a_sc, "e2m1", acc)
+        else:
+            acc = tl.dot_scaled(a, a_sc, "e2m1", tl.trans(wq), w_sc, "e2m1", acc)
+    return acc
+
+
+@triton.jit
+def _mx_mainloop(
+    a_rows,
+    as_rows,
+    a_mask,
+    w_base,
+    w_desc,
+    w_row,
+    s_base,
+    offs_n,
+    n_mask,
+    panel_rows,
+    stride_sk,
+    k_lo,
+    k_hi,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
+    WIDEN_ASM: tl.constexpr,
+):
+    """:func:`_mxfp4_mainloop` with MX activations: ``a_rows [BM]`` point at each row's codes,
+    ``as_rows [BM]`` at its scales; one ``tl.dot_scaled`` per K step."""
+    G: tl.constexpr = BLOCK_K // 32
+    AB: tl.constexpr = BLOCK_K if ACT == 1 else BLOCK_K // 2
+    offs_c = tl.arange(0, BLOCK_K // 2)
+    w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
+    a_ptrs = a_rows[:, None] + (k_lo // 32 * (AB // G) + tl.arange(0, AB))[None, :]
+    as_ptrs = as_rows[:, None] + (k_lo // 32 + tl.arange(0, G))[None, :]
+    s_ptrs = s_base + (k_lo // 32 + tl.arange(0, G))[None, :] * stride_sk + offs_n[:, None]
+    k_hi = tl.maximum(k_hi, k_lo)
+    k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    for k0 in range(k_lo, k_full, BLOCK_K):
+        w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K)
+        acc = _mx_step(
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k0, acc,
+            BLOCK_N, BLOCK_K, ACT, SWAP, MASK_ALL, W_TMA, WIDEN_ASM,
+        )  # fmt: skip
+        a_ptrs += AB
+        as_ptrs += G
+        s_ptrs += G * stride_sk
+    if k_full < k_hi:
+        w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K)
+        acc = _mx_step(
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k_full,
+            acc, BLOCK_N, BLOCK_K, ACT, SWAP, True, W_TMA, WIDEN_ASM,
+        )  # fmt: skip
+    return acc
+
+
+# --------------------------------------------------------------------------------------------
 # the MXFP4 main loop shared by both GEMMs
 #
 # triton_moe_v3 stores each 32-element scale group as 16 bytes where byte j holds element j (low
@@ -247,12 +515,11 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
 # (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
 # bytes: no interleave, no reshape across registers. Swapped tiles (the weights are the MMA's
 # register operand) feed each half to its own dot with the matching half of the activations, or,
-# with ``swapped_dot="joined"``, join the halves in registers first (1.03-1.12x for GEMM2's
-# 16 x 128 x 128 tile from 12 tokens on, slower on 256-deep tiles: a knob for the tuner). The
-# other tiles always put the halves back side by side and run one dot over the whole step on
-# activations in natural order: their weight operand goes through shared memory anyway, where the
-# joined order costs nothing, and one dot of depth BLOCK_K instead of two of BLOCK_K/2 makes
-# large-T GEMMs 1.03-1.18x faster (kernel v7, docs/kernel-notes.md).
+# with ``swapped_dot="joined"``, join the halves in registers first (faster on some tiles, slower
+# on others: a knob for the tuner). The other tiles always put the halves back side by side and
+# run one dot over the whole step on activations in natural order: their weight operand goes
+# through shared memory anyway, where the joined order costs nothing, and one dot of depth BLOCK_K
+# beats two of BLOCK_K/2 (docs/kernel-notes.md).
 
 
 @triton.jit
@@ -566,6 +833,8 @@ def _gemm1_swiglu_kernel(
     counts_ptr,
     sorted_ptr,
     h_ptr,
+    xs_ptr,
+    hs_ptr,
     N,
     K,
     E_LOCAL,
@@ -591,6 +860,7 @@ def _gemm1_swiglu_kernel(
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
+    ACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -601,32 +871,58 @@ def _gemm1_swiglu_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
-        acc = _mxfp4_mainloop(
-            x_ptr + tok * stride_xt,
-            m_mask,
-            w_ptr + e64 * stride_we,
-            w_desc,
-            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-            s_ptr + e64 * stride_se,
-            offs_n,
-            n_mask,
-            N_STORED,
-            stride_sk,
-            0,
-            K,
-            K,
-            acc,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            UPCAST,
-            DOT_FP32,
-            SWAP,
-            JOIN,
-            W_TMA,
-            MASK_ALL,
-            PANEL_K,
-        )
+        if ACT != 0:
+            acc = _mx_mainloop(
+                x_ptr + tok * stride_xt,
+                xs_ptr + tok * (K // 32),
+                m_mask,
+                w_ptr + e64 * stride_we,
+                w_desc,
+                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+                s_ptr + e64 * stride_se,
+                offs_n,
+                n_mask,
+                N_STORED,
+                stride_sk,
+                0,
+                K,
+                acc,
+                BLOCK_N,
+                BLOCK_K,
+                ACT,
+                SWAP,
+                W_TMA,
+                MASK_ALL,
+                PANEL_K,
+                not DOT_FP32,
+            )
+        else:
+            acc = _mxfp4_mainloop(
+                x_ptr + tok * stride_xt,
+                m_mask,
+                w_ptr + e64 * stride_we,
+                w_desc,
+                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+                s_ptr + e64 * stride_se,
+                offs_n,
+                n_mask,
+                N_STORED,
+                stride_sk,
+                0,
+                K,
+                K,
+                acc,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                DOT_FP32,
+                SWAP,
+                JOIN,
+                W_TMA,
+                MASK_ALL,
+                PANEL_K,
+            )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         # Rows alternate gate/up, so each pair of tile rows/columns is one (gate, up) unit.
@@ -640,12 +936,23 @@ def _gemm1_swiglu_kernel(
         up = tl.minimum(
             tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit, propagate_nan=tl.PropagateNan.ALL
         )
-        act = (gate * tl.sigmoid(alpha * gate) * (up + 1.0)).to(h_ptr.dtype.element_ty)
-        i_mask = offs_i < N // 2
-        if SWAP:
-            tl.store(h_ptr + rows[None, :] * stride_ht + offs_i[:, None], act, mask=m_mask[None, :] & i_mask[:, None])
+        act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        if ACT != 0:
+            # GEMM2's input quantized straight from fp32; block_n >= 64 gives whole 32-groups.
+            if SWAP:
+                act = tl.trans(act)
+            _store_mx(h_ptr, hs_ptr, rows, m_mask, pid_n * (BLOCK_N // 2), N // 2, act, BLOCK_M, BLOCK_N // 2, ACT)
         else:
-            tl.store(h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act, mask=m_mask[:, None] & i_mask[None, :])
+            act = act.to(h_ptr.dtype.element_ty)
+            i_mask = offs_i < N // 2
+            if SWAP:
+                tl.store(
+                    h_ptr + rows[None, :] * stride_ht + offs_i[:, None], act, mask=m_mask[None, :] & i_mask[:, None]
+                )
+            else:
+                tl.store(
+                    h_ptr + rows[:, None] * stride_ht + offs_i[None, :], act, mask=m_mask[:, None] & i_mask[None, :]
+                )
 
 
 @triton.jit
@@ -659,6 +966,7 @@ def _gemm2_combine_kernel(
     sorted_ptr,
     topk_w_ptr,
     out_ptr,
+    hs_ptr,
     N,
     K,
     E_LOCAL,
@@ -684,6 +992,7 @@ def _gemm2_combine_kernel(
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
+    ACT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _chain_enter(PDL)
@@ -700,32 +1009,58 @@ def _gemm2_combine_kernel(
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
-        acc = _mxfp4_mainloop(
-            h_ptr + rows * stride_ht,
-            m_mask,
-            w_ptr + e64 * stride_we,
-            w_desc,
-            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-            s_ptr + e64 * stride_se,
-            offs_n,
-            n_mask,
-            N_STORED,
-            stride_sk,
-            k_lo,
-            k_hi,
-            K,
-            acc,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            UPCAST,
-            DOT_FP32,
-            SWAP,
-            JOIN,
-            W_TMA,
-            MASK_ALL,
-            PANEL_K,
-        )
+        if ACT != 0:
+            acc = _mx_mainloop(
+                h_ptr + rows * stride_ht,
+                hs_ptr + rows * (K // 32),
+                m_mask,
+                w_ptr + e64 * stride_we,
+                w_desc,
+                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+                s_ptr + e64 * stride_se,
+                offs_n,
+                n_mask,
+                N_STORED,
+                stride_sk,
+                k_lo,
+                k_hi,
+                acc,
+                BLOCK_N,
+                BLOCK_K,
+                ACT,
+                SWAP,
+                W_TMA,
+                MASK_ALL,
+                PANEL_K,
+                not DOT_FP32,
+            )
+        else:
+            acc = _mxfp4_mainloop(
+                h_ptr + rows * stride_ht,
+                m_mask,
+                w_ptr + e64 * stride_we,
+                w_desc,
+                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+                s_ptr + e64 * stride_se,
+                offs_n,
+                n_mask,
+                N_STORED,
+                stride_sk,
+                k_lo,
+                k_hi,
+                K,
+                acc,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                UPCAST,
+                DOT_FP32,
+                SWAP,
+                JOIN,
+                W_TMA,
+                MASK_ALL,
+                PANEL_K,
+            )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
             bias = tl.where(pid_k == 0, bias, 0.0)
@@ -763,14 +1098,15 @@ def _add_columns(rows_out, offs_n, vals, m_mask, N):
 def _chain_launch(device: torch.device) -> dict[str, bool]:
     """Launch arguments for programmatic dependent launch (``_chain_enter``): on CUDA devices of
     sm_90 and newer, off in the interpreter and elsewhere."""
-    on = device.type == "cuda" and not _interpreting() and _sm90_or_newer(device.index or 0)
+    cap = launch_capability(device)
+    on = not _interpreting() and cap is not None and cap >= (9, 0)
     return {"PDL": on, "launch_pdl": on}
 
 
 def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
     """The kernel's UPCAST constant: ``asm`` with ``small_scales`` (every E8M0 byte of the GEMM's
     scales is at most 128, i.e. scales <= 2; ``MoeLayer`` checks once at load) runs one bf16 FMA
-    fewer per value pair (1.04-1.09x per GEMM on an H100). The values are the same bits for scale
+    fewer per value pair. The values are the same bits for scale
     bytes 1..128; byte 0 (2^-127) becomes exact where the two-step path flushes it to zero. A
     wrong ``True`` gives wrong values for scales above 2."""
     if tactic.upcast == "asm" and small_scales:
@@ -789,7 +1125,11 @@ def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
-def _check_tactic(t: GemmTactic, name: str) -> None:
+def _check_tactic(t: GemmTactic, name: str, activations: ActivationPolicy = "bf16") -> None:
+    if activations != "bf16":
+        reason = invalid_reason(t, name, _ANY_DEVICE, activations)  # type: ignore[arg-type]
+        if reason is not None:
+            raise ValueError(f"{name}: tactic {t.key()} cannot run with activations {activations!r}: {reason}")
     if t.upcast not in _UPCAST_IDS:
         raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
     if t.k_loop not in K_LOOPS:
@@ -814,22 +1154,37 @@ def _check_panels(w_blocks: torch.Tensor, k: int, name: str) -> None:
         )
 
 
+# The device-independent rules of invalid_reason: any sm_90+ part with room for every tile.
+_ANY_DEVICE = DeviceInfo("any", (9, 0), 1, 1 << 30)
+
+
+def launch_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA device a launch on ``device`` runs on, ``None`` off CUDA. The one
+    place launch decisions read the device (programmatic dependent launch and the tensor memory
+    accelerator both start with sm_90), so an ahead-of-time compile can stand in a target."""
+    if device.type != "cuda":
+        return None
+    return _cuda_capability(device.index or 0)
+
+
 @functools.cache
-def _sm90_or_newer(device_index: int) -> bool:
-    """The tensor memory accelerator and programmatic dependent launch both start with sm_90."""
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+def _cuda_capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
-def weight_descriptor(w_blocks: torch.Tensor, tactic: GemmTactic) -> object | None:
+def weight_descriptor(
+    w_blocks: torch.Tensor, tactic: GemmTactic, activations: ActivationPolicy = "bf16"
+) -> object | None:
     """A TMA descriptor of the panels ``w_blocks [E, K_panels, N, PANEL_BYTES]`` as
     ``[E*K_panels*N, PANEL_BYTES]`` with ``[block_n, block_k/2]`` boxes when ``tactic`` asks for
     TMA loads and the tensor allows them (contiguous, 16-byte aligned base, a device with the unit
     or the interpreter); ``None`` means pointer loads."""
-    if tactic.weight_load != "tma" or tactic.upcast == "dot_scaled":
+    if tactic.weight_load != "tma" or (tactic.upcast == "dot_scaled" and activations == "bf16"):
         return None
     if not w_blocks.is_contiguous() or w_blocks.shape[-1] % 16 or w_blocks.data_ptr() % 16:
         return None
-    if not _interpreting() and not (w_blocks.is_cuda and _sm90_or_newer(w_blocks.device.index or 0)):
+    cap = launch_capability(w_blocks.device)
+    if not _interpreting() and not (cap is not None and cap >= (9, 0)):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -838,8 +1193,59 @@ def weight_descriptor(w_blocks: torch.Tensor, tactic: GemmTactic) -> object | No
 
 
 @dataclass
+class MxRows:
+    """Rows quantized to MX: ``codes`` uint8 ``[rows, n]`` (e4m3) or ``[rows, n/2]`` (two e2m1 per
+    byte), each 32-value group in the kernel's group order (see the MX section above); ``scales``
+    uint8 ``[rows, n/32]`` E8M0. Both contiguous."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    activations: ActivationPolicy
+
+    @property
+    def num_cols(self) -> int:
+        return self.scales.shape[1] * 32
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, activations: ActivationPolicy, device: torch.device) -> MxRows:
+        code_cols = cols if activations == "mxfp8" else cols // 2
+        return cls(
+            torch.empty((rows, code_cols), dtype=torch.uint8, device=device),
+            torch.empty((rows, cols // 32), dtype=torch.uint8, device=device),
+            activations,
+        )
+
+
+def group_order() -> list[int]:
+    """Value index (inside a 32-value group) at each position of the kernel's group order."""
+    from prepkit.layouts.triton_moe import FRAGMENT_ORDER
+
+    return [FRAGMENT_ORDER[p] + 16 * t for p in range(16) for t in range(2)]
+
+
+def to_mx_rows(codes: torch.Tensor, scales: torch.Tensor, activations: ActivationPolicy) -> MxRows:
+    """One code per value in natural order (:func:`prepkit.kernels.activations.quantize_mx`) ->
+    the kernel's :class:`MxRows` (group order; e2m1 packed two per byte, low nibble first)."""
+    order = torch.tensor(group_order(), device=codes.device)
+    stored = codes.unflatten(-1, (-1, 32))[..., order].flatten(-2)
+    if activations == "mxfp4":
+        stored = stored[..., 0::2] | (stored[..., 1::2] << 4)
+    return MxRows(stored.contiguous(), scales.contiguous(), activations)
+
+
+def from_mx_rows(rows: MxRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`to_mx_rows`: (codes one per value in natural order, scales)."""
+    stored = rows.codes
+    if rows.activations == "mxfp4":
+        stored = torch.stack((stored & 0xF, stored >> 4), dim=-1).flatten(-2)
+    inverse = torch.argsort(torch.tensor(group_order(), device=stored.device))
+    return stored.unflatten(-1, (-1, 32))[..., inverse].flatten(-2), rows.scales
+
+
+@dataclass
 class Routing:
-    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``."""
+    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``;
+    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16."""
 
     num_tokens: int
     top_k: int
@@ -849,6 +1255,8 @@ class Routing:
     topk_ids: torch.Tensor  # [T, k] int32 global expert ids, largest logit first
     topk_weights: torch.Tensor  # [T, k] fp32 softmax over the k picks
     out: torch.Tensor  # [T, H] fp32
+    activations: ActivationPolicy = "bf16"
+    x_mx: MxRows | None = None
 
     @property
     def num_picks(self) -> int:
@@ -863,12 +1271,25 @@ def route(
     num_local_experts: int,
     hidden: int,
     out: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    activations: ActivationPolicy = "bf16",
 ) -> Routing:
-    """Launch routing (top-k, softmax, counters, output zeroing) and grouping."""
+    """Launch routing (top-k, softmax, counters, output zeroing) and grouping; with an MX
+    ``activations`` policy the same launch quantizes ``hidden_states`` (contiguous bf16
+    ``[T, hidden]``) into ``Routing.x_mx``."""
     T, E_total = router_logits.shape
     device = router_logits.device
     if router_logits.stride(1) != 1:
         raise ValueError("router_logits must be contiguous in its last dim")
+    act = _ACT_IDS[check_policy(activations)]
+    x_mx = None
+    if act:
+        if hidden_states is None or tuple(hidden_states.shape) != (T, hidden) or not hidden_states.is_contiguous():
+            got = None if hidden_states is None else list(hidden_states.shape)
+            raise ValueError(f"activations {activations!r} need contiguous hidden_states [{T}, {hidden}], got {got}")
+        if hidden % 32:
+            raise ValueError(f"activations {activations!r} need hidden a multiple of 32, got {hidden}")
+        x_mx = MxRows.empty(max(T, 1), hidden, activations, device)
     TK = T * top_k
     if out is None:
         out = torch.empty((T, hidden), dtype=torch.float32, device=device)
@@ -883,7 +1304,7 @@ def route(
     topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
     rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
     sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
-    routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out)
+    routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
     if T == 0:
         return routing
     block_h = 128
@@ -903,6 +1324,9 @@ def route(
         out.stride(0),
         expert_lo,
         num_local_experts,
+        hidden_states if act else None,
+        x_mx.codes if act else None,
+        x_mx.scales if act else None,
         TOP_K=top_k,
         BLOCK_T=block_t,
         E_PAD=e_pad_all,
@@ -910,9 +1334,9 @@ def route(
         E_LOCAL_PAD=e_pad_local,
         TOPK_PAD=_next_pow2(top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
+        ACT=act,
         **_chain_launch(device),
-        # Grouping 128 picks in one program compares every pair; 16 warps take routing at 32
-        # tokens from 10.2 to 7.7 µs (H100).
+        # Grouping 128 picks in one program compares every pair: more warps for more picks.
         num_warps=4 if picks_per_program <= 32 else 8 if picks_per_program <= 64 else 16,
     )
     if programs > 1:
@@ -944,10 +1368,15 @@ def gemm1_swiglu(
     swiglu_alpha: float = SWIGLU_ALPHA,
     swiglu_limit: float = SWIGLU_LIMIT,
     small_scales: bool = False,
-) -> torch.Tensor:
-    """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order.
-    ``small_scales``: see :func:`upcast_id`."""
-    _check_tactic(tactic, "gemm1")
+    activations: ActivationPolicy = "bf16",
+) -> torch.Tensor | MxRows:
+    """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order, or with
+    an MX policy the same rows quantized (:class:`MxRows`; GEMM1 then reads ``routing.x_mx``, so
+    the routing must have been made with the same policy). ``small_scales``: see :func:`upcast_id`."""
+    act = _ACT_IDS[check_policy(activations)]
+    _check_tactic(tactic, "gemm1", activations)
+    if routing.activations != activations:
+        raise ValueError(f"gemm1 runs activations {activations!r}, the routing quantized for {routing.activations!r}")
     if tactic.split_k != 1:
         raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
     T, H = hidden_states.shape
@@ -957,31 +1386,40 @@ def gemm1_swiglu(
     if hidden_states.stride(1) != 1:
         raise ValueError("hidden_states must be contiguous in its last dim")
     TK = routing.num_picks
-    h1 = torch.empty((max(TK, 1), valid_intermediate), dtype=torch.bfloat16, device=hidden_states.device)
+    device = hidden_states.device
+    if act:
+        if valid_intermediate % 32:
+            raise ValueError(f"activations {activations!r} need valid_intermediate a multiple of 32")
+        h1: torch.Tensor | MxRows = MxRows.empty(max(TK, 1), valid_intermediate, activations, device)
+    else:
+        h1 = torch.empty((max(TK, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
     if TK == 0:
         return h1
     E_local = routing.num_local_experts
     n1 = 2 * valid_intermediate
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
-    w_desc = weight_descriptor(w13_blocks, tactic)
+    w_desc = weight_descriptor(w13_blocks, tactic, activations)
+    x_in = routing.x_mx.codes if act else hidden_states
     _gemm1_swiglu_kernel[grid](
-        hidden_states,
+        x_in,
         w13_blocks,
         w13_blocks if w_desc is None else w_desc,
         w13_scales,
         w13_bias,
         routing.counts,
         routing.sorted_picks,
-        h1,
+        h1.codes if act else h1,
+        routing.x_mx.scales if act else None,
+        h1.scales if act else None,
         n1,
         H,
         E_local,
-        hidden_states.stride(0),
+        x_in.stride(0),
         w13_blocks.stride(0),
         w13_scales.stride(0),
         w13_scales.stride(1),
         w13_bias.stride(0),
-        h1.stride(0),
+        h1.codes.stride(0) if act else h1.stride(0),
         w13_blocks.shape[2],
         w13_blocks.shape[1],
         swiglu_alpha,
@@ -993,12 +1431,13 @@ def gemm1_swiglu(
         BLOCK_K=tactic.block_k,
         UPCAST=upcast_id(tactic, small_scales),
         DOT_FP32=_interpreting(),
-        SWAP=swaps_operands(tactic),
+        SWAP=swaps_operands(tactic, activations),
         JOIN=joins_halves(tactic),
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",
         PANEL_K=PANEL_K,
-        **_chain_launch(h1.device),
+        ACT=act,
+        **_chain_launch(device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
     )
@@ -1007,31 +1446,39 @@ def gemm1_swiglu(
 
 def gemm2_combine(
     routing: Routing,
-    h1: torch.Tensor,
+    h1: torch.Tensor | MxRows,
     w2_blocks: torch.Tensor,
     w2_scales: torch.Tensor,
     w2_bias: torch.Tensor | None,
     *,
     tactic: GemmTactic,
     small_scales: bool = False,
+    activations: ActivationPolicy = "bf16",
 ) -> torch.Tensor:
-    """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``.
-    ``small_scales``: see :func:`upcast_id`."""
-    _check_tactic(tactic, "gemm2")
+    """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``. ``h1``
+    is what :func:`gemm1_swiglu` returned for the same ``activations``. ``small_scales``: see
+    :func:`upcast_id`."""
+    act = _ACT_IDS[check_policy(activations)]
+    _check_tactic(tactic, "gemm2", activations)
+    if isinstance(h1, MxRows) != bool(act) or (act and h1.activations != activations):
+        got = h1.activations if isinstance(h1, MxRows) else "bf16"
+        raise ValueError(f"gemm2 runs activations {activations!r}, h1 holds {got!r} rows")
     out = routing.out
     TK = routing.num_picks
     if TK == 0:
         return out
     H = out.shape[1]
-    _check_panels(w2_blocks, h1.shape[1], "w2_blocks")
+    K = h1.num_cols if isinstance(h1, MxRows) else h1.shape[1]
+    _check_panels(w2_blocks, K, "w2_blocks")
     if w2_blocks.shape[2] != H:
         raise ValueError(f"w2 is for hidden {w2_blocks.shape[2]}, the output has {H}")
     E_local = routing.num_local_experts
     has_bias = w2_bias is not None
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
-    w_desc = weight_descriptor(w2_blocks, tactic)
+    w_desc = weight_descriptor(w2_blocks, tactic, activations)
+    h_in = h1.codes if isinstance(h1, MxRows) else h1
     _gemm2_combine_kernel[grid](
-        h1,
+        h_in,
         w2_blocks,
         w2_blocks if w_desc is None else w_desc,
         w2_scales,
@@ -1040,10 +1487,11 @@ def gemm2_combine(
         routing.sorted_picks,
         routing.topk_weights,
         out,
+        h1.scales if isinstance(h1, MxRows) else None,
         H,
-        h1.shape[1],
+        K,
         E_local,
-        h1.stride(0),
+        h_in.stride(0),
         w2_blocks.stride(0),
         w2_scales.stride(0),
         w2_scales.stride(1),
@@ -1059,12 +1507,13 @@ def gemm2_combine(
         SPLIT_K=tactic.split_k,
         UPCAST=upcast_id(tactic, small_scales),
         DOT_FP32=_interpreting(),
-        SWAP=swaps_operands(tactic),
+        SWAP=swaps_operands(tactic, activations),
         JOIN=joins_halves(tactic),
         HAS_BIAS=has_bias,
         W_TMA=w_desc is not None,
         MASK_ALL=tactic.k_loop == "masked",
         PANEL_K=PANEL_K,
+        ACT=act,
         **_chain_launch(out.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
@@ -1091,17 +1540,27 @@ def fused_moe(
     swiglu_limit: float = SWIGLU_LIMIT,
     out: torch.Tensor | None = None,
     small_scales: tuple[bool, bool] = (False, False),
+    activations: ActivationPolicy = "bf16",
 ) -> torch.Tensor:
     """One MoE layer for this rank's experts. Returns the fp32 ``[T, H]`` sum over the token's picks
     that live on this rank (``out`` if given). ``w2_bias=None`` skips the down bias (TP ranks but
     one). Shapes as in the module docstring; ``router_logits`` is ``[T, E_total]`` over all experts.
-    ``small_scales``: (w13, w2), see :func:`upcast_id`.
+    ``small_scales``: (w13, w2), see :func:`upcast_id`. ``activations``: the precision policy
+    (module docstring); the tactics must be valid for it
+    (:func:`prepkit.kernels.variants.invalid_reason`, :func:`~prepkit.kernels.variants.policy_variant`).
     """
     T, H = hidden_states.shape
     if router_logits.shape[0] != T:
         raise ValueError(f"router_logits has {router_logits.shape[0]} rows, hidden_states {T}")
     routing = route(
-        router_logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=w13_blocks.shape[0], hidden=H, out=out
+        router_logits,
+        top_k=top_k,
+        expert_lo=expert_lo,
+        num_local_experts=w13_blocks.shape[0],
+        hidden=H,
+        out=out,
+        hidden_states=hidden_states,
+        activations=activations,
     )
     h1 = gemm1_swiglu(
         routing,
@@ -1114,5 +1573,8 @@ def fused_moe(
         swiglu_alpha=swiglu_alpha,
         swiglu_limit=swiglu_limit,
         small_scales=small_scales[0],
+        activations=activations,
     )
-    return gemm2_combine(routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1])
+    return gemm2_combine(
+        routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1], activations=activations
+    )

@@ -2,7 +2,10 @@
 
 It dequantizes the checkpoint-form experts with :mod:`prepkit.mxfp4` (never the prepared tensors),
 so a kernel test compares layout + kernel together against the model's definition
-(openai/gpt-oss ``gpt_oss/torch/model.py`` ``MLPBlock``; HF ``GptOssExperts``).
+(openai/gpt-oss ``gpt_oss/torch/model.py`` ``MLPBlock``; HF ``GptOssExperts``). With an
+activation policy other than bf16 it applies that policy's MX quantization where the kernel does
+(:mod:`prepkit.kernels.activations`): to each token row at GEMM1's input and to the SwiGLU output
+at GEMM2's input, then multiplies the dequantized values.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from prepkit.kernels.activations import ActivationPolicy, check_policy, fake_quantize
 from prepkit.mxfp4 import dequantize
 
 SWIGLU_ALPHA = 1.702
@@ -42,6 +46,7 @@ def moe_reference(
     intermediate_range: tuple[int, int] | None = None,
     apply_down_bias: bool = True,
     dtype: torch.dtype = torch.float32,
+    activations: ActivationPolicy = "bf16",
 ) -> torch.Tensor:
     """``[T, H]`` output of one MoE layer in ``dtype`` (fp32 or fp64).
 
@@ -50,8 +55,13 @@ def moe_reference(
     ``expert_range``/``intermediate_range`` the result is one EP/TP rank's partial sum: only picks
     of experts in the range count, only the intermediate rows in the range, and the down bias only
     if ``apply_down_bias`` (so the ranks' outputs add up to the full layer).
+
+    ``activations``: ``bf16`` multiplies the activations as given; ``mxfp8``/``mxfp4`` quantize
+    each token row once (per 32 along H) and each pick's SwiGLU output (per 32 along this rank's
+    intermediate rows, whose range starts on a group boundary) before the matmul.
     """
-    x = hidden_states.to(dtype)
+    check_policy(activations)
+    x = fake_quantize(hidden_states.float(), activations, dtype)
     T, H = x.shape
     E = experts["gate_up_proj_blocks"].shape[0]
     I = experts["gate_up_proj_blocks"].shape[1] // 2
@@ -66,7 +76,7 @@ def moe_reference(
         w13 = dequantize(experts["gate_up_proj_blocks"][e], experts["gate_up_proj_scales"][e]).to(dtype)
         b13 = experts["gate_up_proj_bias"][e].to(dtype)
         y = x[tok] @ w13.T + b13  # [n, 2I], columns alternate gate/up
-        act = swiglu(y[:, 0::2], y[:, 1::2])[:, i_lo:i_hi]
+        act = fake_quantize(swiglu(y[:, 0::2], y[:, 1::2])[:, i_lo:i_hi], activations)
         w2 = dequantize(experts["down_proj_blocks"][e], experts["down_proj_scales"][e]).to(dtype)
         w2 = w2[:, i_lo:i_hi]
         z = act @ w2.T

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Literal
 
+from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 
@@ -54,17 +55,25 @@ class MoeProblem:
         return self.num_tokens
 
 
-def shared_mem_bytes(t: GemmTactic) -> int:
+# Bytes per activation value and per weight value handed to the matrix unit, by policy: bf16
+# activations meet bf16-upcast weights; mxfp8 e4m3 meets weights widened to e4m3; mxfp4 e2m1
+# meets the stored e2m1 bytes.
+_ACT_BYTES = {"bf16": 2.0, "mxfp8": 1.0, "mxfp4": 0.5}
+
+
+def shared_mem_bytes(t: GemmTactic, activations: ActivationPolicy = "bf16") -> int:
     """Upper estimate of the shared memory one program uses (pipelined operands + dot staging)."""
-    per_stage = t.block_m * t.block_k * 2 + t.block_n * t.block_k // 2 + t.block_n * t.block_k // 32
-    staging = t.block_k * t.block_n * 2  # the upcast bf16 weight tile handed to the matrix unit
+    a_bytes = int(t.block_m * t.block_k * _ACT_BYTES[activations])
+    a_scales = 0 if activations == "bf16" else t.block_m * t.block_k // 32
+    per_stage = a_bytes + a_scales + t.block_n * t.block_k // 2 + t.block_n * t.block_k // 32
+    staging = int(t.block_k * t.block_n * _ACT_BYTES[activations])  # the weight tile as the MMA reads it
     return max(t.num_stages, 1) * per_stage + staging
 
 
-def swaps_operands(t: GemmTactic) -> bool:
+def swaps_operands(t: GemmTactic, activations: ActivationPolicy = "bf16") -> bool:
     """Tiles of at most MAX_SWAPPED_ROWS rows run as ``W @ A^T``: the weight tile fills the MMA's
-    64-row side and the few tokens its narrow side (dot_scaled keeps its own operand order)."""
-    return t.block_m <= MAX_SWAPPED_ROWS and t.upcast != "dot_scaled"
+    wide side and the few tokens its narrow side (bf16 dot_scaled keeps its own operand order)."""
+    return t.block_m <= MAX_SWAPPED_ROWS and (t.upcast != "dot_scaled" or activations != "bf16")
 
 
 def joins_halves(t: GemmTactic) -> bool:
@@ -73,10 +82,13 @@ def joins_halves(t: GemmTactic) -> bool:
     return not swaps_operands(t) or t.swapped_dot == "joined"
 
 
-def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
-    """Why ``t`` cannot run GEMM ``gemm`` on ``device``, or ``None`` when it can."""
+def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy = "bf16") -> str | None:
+    """Why ``t`` cannot run GEMM ``gemm`` on ``device`` with the ``activations`` policy, or
+    ``None`` when it can."""
     if gemm not in GEMMS:
         return f"unknown gemm {gemm!r} (expected one of {GEMMS})"
+    if activations not in ACTIVATION_POLICIES:
+        return f"unknown activations {activations!r} (expected one of {ACTIVATION_POLICIES})"
     if t.upcast not in UPCASTS:
         return f"unknown upcast {t.upcast!r} (expected one of {UPCASTS})"
     for name, value, allowed in (
@@ -95,20 +107,24 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
         return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
     if t.swapped_dot not in SWAPPED_DOTS:
         return f"unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})"
-    if t.swapped_dot != "split" and not swaps_operands(t):
+    if activations != "bf16":
+        reason = _mx_reason(t, gemm, activations)
+        if reason is not None:
+            return reason
+    elif t.swapped_dot != "split" and not swaps_operands(t):
         # Larger tiles always join and dot_scaled has its own operand order: one variant each.
         return (
             f"swapped_dot {t.swapped_dot!r} only applies to tiles that swap operands "
             f"(block_m <= {MAX_SWAPPED_ROWS}, not dot_scaled)"
         )
-    if t.k_loop != "tail" and t.upcast == "dot_scaled":
+    if t.k_loop != "tail" and t.upcast == "dot_scaled" and activations == "bf16":
         return "k_loop 'masked' is the dot_scaled path's only loop (it masks every step): use 'tail'"
     if t.upcast == "asm" and device.capability < (8, 0):
         return "upcast 'asm' uses bf16x2 FMA (sm_80 and newer)"
     if t.weight_load == "tma" and device.capability < (9, 0):
         return "weight_load 'tma' needs the tensor memory accelerator (sm_90 and newer)"
-    if t.weight_load == "tma" and t.upcast == "dot_scaled":
-        return "weight_load 'tma' is not wired to the dot_scaled path"
+    if t.weight_load == "tma" and t.upcast == "dot_scaled" and activations == "bf16":
+        return "weight_load 'tma' is not wired to the bf16 dot_scaled path"
     if t.weight_load == "tma" and t.num_stages < 3:
         # Two stages give the TMA weight tile a single shared-memory buffer; on H100 (triton 3.6)
         # such variants return wrong rows that change from launch to launch (docs/kernel-notes.md;
@@ -117,7 +133,7 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     if gemm == "gemm1" and t.split_k != 1:
         # SwiGLU needs the whole K sum of gate and up before it can be applied.
         return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
-    smem = shared_mem_bytes(t)
+    smem = shared_mem_bytes(t, activations)
     if smem > device.max_shared_mem:
         return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
     threads = 32 * t.num_warps
@@ -127,8 +143,55 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> str | None:
     return None
 
 
-def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None = None) -> list[GemmTactic]:
-    """Every valid variant of ``gemm`` on ``device``, in a stable order.
+def _mx_reason(t: GemmTactic, gemm: Gemm, activations: ActivationPolicy) -> str | None:
+    """The rules MX activations add: one ``tl.dot_scaled`` of same-format operands per K step
+    (the only form SM12x lowers to block-scaled MMA), and GEMM1 tiles that quantize whole
+    32-value groups of their SwiGLU output."""
+    if t.upcast != "dot_scaled":
+        return (
+            f"activations {activations!r} multiply through tl.dot_scaled (no bf16 upcast): "
+            f"upcast must be 'dot_scaled', not {t.upcast!r}"
+        )
+    if t.swapped_dot != "split":
+        return (
+            f"swapped_dot {t.swapped_dot!r} is a knob of the bf16 path; "
+            f"activations {activations!r} run one dot per K step"
+        )
+    if gemm == "gemm1" and t.block_n < 64:
+        return (
+            f"activations {activations!r}: GEMM1's epilogue quantizes whole 32-value groups of its "
+            f"block_n/2 SwiGLU outputs, so block_n must be >= 64 (got {t.block_n})"
+        )
+    return None
+
+
+def policy_variant(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy) -> GemmTactic:
+    """The variant of ``t`` that runs with ``activations``: ``t`` itself for bf16; for mxfp8/mxfp4
+    the same tile through ``tl.dot_scaled`` (GEMM1 at least 64 wide), fewer stages if the result
+    would not fit. Maps a bf16 default or tuned pair onto a policy that has none of its own."""
+    from dataclasses import replace
+
+    if activations == "bf16":
+        return t
+    cand = replace(t, upcast="dot_scaled", swapped_dot="split")
+    if gemm == "gemm1":
+        cand = replace(cand, block_n=max(cand.block_n, 64))
+    for stages in dict.fromkeys((cand.num_stages, 3, 2, 1)):
+        for load in dict.fromkeys((cand.weight_load, "ptr")):
+            fit = replace(cand, num_stages=stages, weight_load=load)
+            if invalid_reason(fit, gemm, device, activations) is None:
+                return fit
+    raise ValueError(
+        f"no {activations} variant of {gemm} {t.key()} fits {device.name}: "
+        f"{invalid_reason(cand, gemm, device, activations)}"
+    )
+
+
+def enumerate_tactics(
+    gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None = None, activations: ActivationPolicy = "bf16"
+) -> list[GemmTactic]:
+    """Every valid variant of ``gemm`` on ``device`` with the ``activations`` policy, in a stable
+    order.
 
     With ``problem`` given, block_m larger than any expert's row count is dropped: such tiles only
     add masked rows.
@@ -141,7 +204,7 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
             block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl,
             k_loop=kl, swapped_dot=sd,
         )  # fmt: skip
-        if invalid_reason(t, gemm, device) is not None:
+        if invalid_reason(t, gemm, device, activations) is not None:
             continue
         if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):
             continue
@@ -149,16 +212,30 @@ def enumerate_tactics(gemm: Gemm, device: DeviceInfo, problem: MoeProblem | None
     return out
 
 
-def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
-    """A variant pair that is valid on every device; good, not tuned.
+def default_tactics(
+    problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy = "bf16"
+) -> tuple[GemmTactic, GemmTactic]:
+    """A variant pair that is valid on every device; good, not tuned. ``activations``: the policy
+    the pair must run (bf16 variants mapped by :func:`policy_variant` elsewhere).
 
-    Picked from sweeps on an H100 (docs/kernel-notes.md): up to 12 rows per expert run 16-row
-    tiles with swapped operands and, when the output tiles alone cannot cover the SMs, a K split
-    in GEMM2; more rows run 64 x 256 x 64 tiles (from 16 rows on, the 16-row tiles measured
-    1.2-1.6x slower), except GEMM1 with 32 x 256 x 64 TMA tiles up to 24 rows. The inline-PTX
-    upcast wins everywhere it can run; the few-row tiles load weights through the TMA unit where
-    the device has one (1.1-1.3x over pointer loads).
+    SM12x (compute capability 12.x): see :func:`_sm12x_defaults`.
+
+    Elsewhere, picked from sweeps on an H100 (the measurements are in docs/kernel-history.md): up
+    to 12 rows per expert run 16-row tiles with swapped operands and, when the output tiles alone
+    cannot cover the SMs, a K split in GEMM2; more rows run 64 x 256 x 64 tiles, except GEMM1 with
+    32 x 256 x 64 TMA tiles up to 24 rows. The inline-PTX upcast wins everywhere it can run; the
+    few-row tiles load weights through the TMA unit where the device has one.
     """
+    if device.capability[0] == 12:
+        return _sm12x_defaults(problem, device, activations)
+    pair = _measured_defaults(problem, device)
+    return (
+        policy_variant(pair[0], "gemm1", device, activations),
+        policy_variant(pair[1], "gemm2", device, activations),
+    )
+
+
+def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
     active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
     rows = -(-problem.num_tokens * problem.top_k // active)
     upcast = "asm" if device.capability >= (8, 0) else "bits"
@@ -181,7 +258,81 @@ def default_tactics(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 
-def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> GemmTactic:
+# SM12x defaults (docs/sm12x.md). Weight bytes a program must keep in flight per SM to cover
+# DRAM latency at full bandwidth: bandwidth per SM x this latency (a loaded-DRAM round trip; an
+# assumption, not a measurement).
+DRAM_LATENCY_S = 1e-6
+
+
+def _sm12x_defaults(
+    problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy
+) -> tuple[GemmTactic, GemmTactic]:
+    """SM12x defaults, chosen by one rule from the compile reports of ``prepkit.kernels.compile_check``
+    for sm_120a / sm_121a (docs/sm12x.md has the reports):
+
+    1. compiled without spills, shared memory under the 99 KiB a block may use;
+    2. at decode, enough weight bytes in flight per SM (:func:`decode_bytes_in_flight_per_sm`) to
+       cover ``DRAM_LATENCY_S`` at the device's bandwidth per SM (GB10: 48 SMs at 273 GB/s, 5.7 KB;
+       RTX PRO 6000: 188 SMs at 1.79 TB/s, 9.5 KB), with at least one program per SM;
+    3. then the most warps resident per SM (``mma.sync`` is synchronous: warps hide each other's
+       latency), then the fewest SASS instructions per K step per 4 weight bytes.
+
+    Up to 12 rows per expert: 16 x 128 x 128 swapped tiles, 3 stages (25 KiB of shared memory for
+    bf16, 21 KiB for mxfp8: three or four programs fit an SM); 16 x 64 x 256 when the 128-wide GEMM1
+    tiles of the active experts are fewer than the SMs (one token on an RTX PRO 6000: the same bytes
+    per stage, twice the programs); GEMM2 splits K until its programs are twice the SMs (at most 4).
+    Up to 32 rows: 32 x 128 x 128, 3 stages. More: 64 x 128 x 64, 3 stages, 4 warps (230 registers
+    and 41 KiB: two programs per SM; the sm90 default 64 x 256 x 64 needs 255 registers and 65 KiB,
+    one program of 4 warps per SM). Pointer loads throughout: on sm_120a the K step has the same
+    instructions as with TMA loads, and it is the path every GPU runs. The upcast is inline PTX for
+    bf16 and ``tl.dot_scaled`` (native block-scaled MMA) for mxfp8 / mxfp4.
+    """
+    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
+    rows = -(-problem.num_tokens * problem.top_k // active)
+    upcast = "asm" if activations == "bf16" else "dot_scaled"
+    if rows <= 12:
+        bn, bk = (128, 128) if active * -(-2 * problem.intermediate // 128) >= device.sm_count else (64, 256)
+        g1 = GemmTactic(16, bn, bk, 4, 3, 1, upcast, "ptr")
+        tiles = active * -(-problem.hidden // bn)
+        split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
+        g2 = GemmTactic(16, bn, bk, 4, 3, split, upcast, "ptr")
+    elif rows <= 32:
+        g1 = g2 = GemmTactic(32, 128, 128, 4, 3, 1, upcast, "ptr")
+    else:
+        g1 = g2 = GemmTactic(64, 128, 64, 4, 3, 1, upcast, "ptr")
+    return (
+        _fit(g1, "gemm1", device, activations),
+        _fit(g2, "gemm2", device, activations),
+    )
+
+
+def decode_bytes_in_flight_per_sm(
+    t: GemmTactic,
+    gemm: Gemm,
+    problem: MoeProblem,
+    device: DeviceInfo,
+    activations: ActivationPolicy = "bf16",
+    registers: int | None = None,
+) -> float:
+    """Weight bytes the programs on one SM have requested and not yet received: each program
+    prefetches ``num_stages - 1`` weight tiles; an SM holds as many programs as the grid gives it,
+    its shared memory and (when ``registers`` per thread is known) its register file allow."""
+    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
+    rows = -(-problem.num_tokens * problem.top_k // active)
+    n = 2 * problem.intermediate if gemm == "gemm1" else problem.hidden
+    programs = active * -(-rows // t.block_m) * -(-n // t.block_n) * t.split_k
+    resident = min(-(-programs // device.sm_count), device.max_shared_mem // max(1, shared_mem_bytes(t, activations)))
+    if registers:
+        resident = min(resident, device.registers_per_sm // (registers * 32 * t.num_warps))
+    return resident * max(1, t.num_stages - 1) * t.block_n * t.block_k / 2
+
+
+def decode_bytes_in_flight_needed(device: DeviceInfo) -> float:
+    """Bytes in flight per SM that keep the device's DRAM busy: bandwidth per SM x latency."""
+    return device.dram_bytes_per_s / device.sm_count * DRAM_LATENCY_S
+
+
+def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy = "bf16") -> GemmTactic:
     """Shrink stages (then pointer loads, which may run fewer stages than TMA), then tiles, until
     ``t`` is valid: the default must always run."""
     from dataclasses import replace
@@ -189,12 +340,12 @@ def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo) -> GemmTactic:
     for load in dict.fromkeys((t.weight_load, "ptr")):
         for stages in (t.num_stages, 3, 2, 1):
             cand = replace(t, num_stages=stages, weight_load=load)
-            if invalid_reason(cand, gemm, device) is None:
+            if invalid_reason(cand, gemm, device, activations) is None:
                 return cand
     for bm, bn, bk in ((t.block_m, 64, 64), (64, 64, 64), (16, 64, 64), (16, 32, 64)):
         for stages in (2, 1):
             cand = replace(t, block_m=bm, block_n=bn, block_k=bk, num_stages=stages, num_warps=4, weight_load="ptr")
-            if invalid_reason(cand, gemm, device) is None:
+            if invalid_reason(cand, gemm, device, activations) is None:
                 return cand
     raise ValueError(f"no {gemm} variant fits {device.name} ({device.max_shared_mem} B shared memory)")
 

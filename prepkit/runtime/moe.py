@@ -5,6 +5,12 @@ the facts the kernel needs (valid intermediate rows, expert range, whether this 
 down bias). Per call the variant pair comes from the layer's tactic lookup (the tuner's database)
 or, when it has none for the problem, from :func:`default_tactics_for`, with one warning per
 layer. Triton compiles each variant once, on its first use.
+
+Activation precision is the layer's policy (``activations``: bf16, mxfp8 or mxfp4,
+:mod:`prepkit.kernels.activations`), fixed at load; variants without one of their own for the
+policy are mapped onto it (:func:`prepkit.kernels.variants.policy_variant`). Where Triton cannot
+lower MX operands to block-scaled MMA (it can on SM10x and SM12x) the layer still runs, through
+Triton's decomposition, and says so once per process.
 """
 
 from __future__ import annotations
@@ -18,13 +24,14 @@ import torch
 
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.errors import DeviceError, LayoutError
+from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import MoeProblem, default_tactics
+from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant
 from prepkit.layouts.triton_moe import tensor_specs
 
-# Must equal prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT (a test checks); kept here so that checking a
-# manifest does not import triton.
+# The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
+# through the constants so that checking a manifest does not import triton.
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
@@ -55,6 +62,7 @@ class MoeLayer:
     swiglu_limit: float = 7.0
     tactic_lookup: TacticLookup | None = None
     device_info: DeviceInfo | None = None
+    activations: ActivationPolicy = "bf16"  # the precision policy both GEMMs' inputs run in
     # (w13, w2): every E8M0 byte <= 128, so the kernel may fold its upcast fix-up into the scale
     # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Derived from the scales once, at construction.
     small_scales: tuple[bool, bool] = field(init=False, default=(False, False))
@@ -62,6 +70,7 @@ class MoeLayer:
     _warned: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
+        check_policy(self.activations)
         self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
 
     @classmethod
@@ -78,6 +87,7 @@ class MoeLayer:
         device: torch.device | str | None = None,
         tactic_lookup: TacticLookup | None = None,
         facts: Mapping[str, Any] | None = None,
+        activations: ActivationPolicy = "bf16",
     ) -> MoeLayer:
         """Build a layer from one rank's tensors of one layer (names may carry a prefix such as
         ``model.layers.3.mlp.experts.``; the suffix decides).
@@ -85,7 +95,9 @@ class MoeLayer:
         Raises:
             LayoutError: the layout id is not ``triton_moe_v3``, a tensor is missing, or shapes
                 disagree with each other or with ``valid_intermediate``.
+            PrepkitError: ``activations`` is not a policy.
         """
+        check_policy(activations)
         if layout_id != WEIGHT_LAYOUT:
             raise LayoutError(
                 f"shards are in layout {layout_id!r}, the bundled kernel reads {WEIGHT_LAYOUT!r}",
@@ -108,6 +120,7 @@ class MoeLayer:
             swiglu_alpha=float(facts.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(facts.get("swiglu_limit", 7.0)),
             tactic_lookup=tactic_lookup,
+            activations=activations,
         )
         layer.validate()
         return layer
@@ -163,6 +176,11 @@ class MoeLayer:
             if self.w13_blocks.device.type != "cuda":
                 # CPU tensors run on the Triton interpreter, which cannot run inline PTX.
                 chosen = tuple(replace(t, upcast="bits") if t.upcast == "asm" else t for t in chosen)
+        # A bf16 pair (the default, or a lookup that knows no policy) runs as the policy's variant.
+        chosen = (
+            policy_variant(chosen[0], "gemm1", device, self.activations),
+            policy_variant(chosen[1], "gemm2", device, self.activations),
+        )
         self._chosen[num_tokens] = chosen
         return chosen
 
@@ -176,6 +194,36 @@ class MoeLayer:
             else:
                 self.device_info = DeviceInfo.from_torch(self.w13_blocks.device)
         return self.device_info
+
+
+_DECOMPOSED_WARNED: set[tuple[str, tuple[int, int]]] = set()
+
+
+def lowers_natively(capability: tuple[int, int]) -> bool:
+    """Whether Triton lowers same-format MX ``tl.dot_scaled`` to block-scaled MMA on a GPU of
+    this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``), given a
+    Triton that has ``tl.dot_scaled``. Elsewhere (Hopper and older) it upcasts to bf16 first."""
+    if capability[0] not in (10, 12):
+        return False
+    import triton.language as tl
+
+    return hasattr(tl, "dot_scaled")
+
+
+def _warn_if_decomposed(layer: MoeLayer, device: DeviceInfo, on_cuda: bool) -> None:
+    """One warning per process and (policy, capability) when MX activations cannot run natively."""
+    if layer.activations == "bf16" or (on_cuda and lowers_natively(device.capability)):
+        return
+    key = (layer.activations, device.capability if on_cuda else (0, 0))
+    if key in _DECOMPOSED_WARNED:
+        return
+    _DECOMPOSED_WARNED.add(key)
+    where = f"{device.name} (sm_{device.capability[0]}{device.capability[1]})" if on_cuda else "the CPU interpreter"
+    warnings.warn(
+        f"activations {layer.activations!r} run decomposed on {where}: Triton upcasts the MX operands to bf16 "
+        "before the matrix unit (same numerics, no speed-up); block-scaled MMA needs SM10x or SM12x",
+        stacklevel=3,
+    )
 
 
 def moe(
@@ -209,6 +257,7 @@ def moe(
         )
     from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
 
+    _warn_if_decomposed(layer, layer._device_info(), layer.w13_blocks.device.type == "cuda")
     g1, g2 = tactics if tactics is not None else layer.tactics(hidden_states.shape[0])
     x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
     out = fused_moe(
@@ -228,6 +277,7 @@ def moe(
         swiglu_alpha=layer.swiglu_alpha,
         swiglu_limit=layer.swiglu_limit,
         small_scales=layer.small_scales,
+        activations=layer.activations,
     )
     target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
@@ -249,25 +299,29 @@ def load_moe_layers(
     layers: list[int] | None = None,
     tactic_lookup: TacticLookup | None = None,
     use_tactics_db: bool = True,
+    activations: ActivationPolicy = "bf16",
 ) -> dict[int, MoeLayer]:
     """Load a ``prepkit prepare --layout triton-moe`` shard set's rank onto ``device``.
 
     The manifest is checked first (layout id and version, rank); the experts then stay on the
     device. Unless ``tactic_lookup`` is given, variants come from the tactic databases (the
     user's, then the bundled ``tactics.db``) through :func:`prepkit.tactics.lookup.make_tactic_lookup`,
-    falling back to the built-in default with one warning.
+    falling back to the built-in default with one warning. ``activations`` is the precision
+    policy of every layer (bf16, mxfp8, mxfp4; :mod:`prepkit.kernels.activations`).
 
     Raises:
+        PrepkitError: ``activations`` is not a policy (checked before anything loads).
         LayoutError: the shard set is not in the kernel's layout (both ids are named) or lacks ``rank``.
         VerifyError: a file is missing or disagrees with the manifest.
     """
     from prepkit.runtime.loader import load_shards
 
+    check_policy(activations)
     shards = load_shards(out_dir, rank, device, expect_layout=WEIGHT_LAYOUT, layers=layers)
     if tactic_lookup is None and use_tactics_db:
         from prepkit.tactics.lookup import make_tactic_lookup
 
-        tactic_lookup = make_tactic_lookup(tp_size=shards.tp_size)
+        tactic_lookup = make_tactic_lookup(tp_size=shards.tp_size, activations=activations)
     dims = shards.dims
     facts = shards.facts
     return {
@@ -282,6 +336,7 @@ def load_moe_layers(
             device=device,
             tactic_lookup=tactic_lookup,
             facts=facts,
+            activations=activations,
         )
         for index, tensors in sorted(shards.layers.items())
     }

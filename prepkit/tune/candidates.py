@@ -118,13 +118,13 @@ def _without_upcast(d: Mapping[str, Any]) -> str:
 
 
 def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
-    """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role."""
+    """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role and activation policy."""
     from prepkit.kernels.variants import default_tactics
 
     idx = 0 if problem.role == "gemm1" else 1
 
     def default_for(m: int) -> str:
-        return canon(default_tactics(moe_problem(problem, m), device)[idx])
+        return canon(default_tactics(moe_problem(problem, m), device, problem.act_dtype)[idx])
 
     return default_for
 
@@ -132,12 +132,21 @@ def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
 def kernel_candidates(
     problem: ProblemKey, device: Any, *, max_count: int | None = None, past_winners: Sequence[str] = ()
 ) -> list[str]:
-    """The bundled kernel's valid variants for ``problem`` on ``device``, pruned for sweeping.
+    """The bundled kernel's valid variants for ``problem`` on ``device`` under its activation policy,
+    pruned for sweeping.
     ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
     the defaults where the current space still holds them; stale ones are dropped."""
     from prepkit.kernels.variants import enumerate_tactics
 
-    space = [canon(t) for t in enumerate_tactics(problem.role, device, moe_problem(problem, MAX_TOKEN_POINT))]  # type: ignore[arg-type]
+    space = [
+        canon(t)
+        for t in enumerate_tactics(
+            problem.role,  # type: ignore[arg-type]
+            device,
+            moe_problem(problem, MAX_TOKEN_POINT),
+            activations=problem.act_dtype,  # type: ignore[arg-type]
+        )
+    ]
     default_for = kernel_defaults(problem, device)
     in_space = set(space)
     seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))

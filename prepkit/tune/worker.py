@@ -47,6 +47,8 @@ class GpuBench:
 
         self.torch = torch
         self.problem = ProblemKey(**pk)
+        # The problem's activation policy: candidates run it and are checked against its reference.
+        self.activations = self.problem.act_dtype
         # Without CUDA (TRITON_INTERPRET=1) the same code runs tiny problems on the CPU, so the
         # whole worker path can be exercised before any GPU time is spent.
         self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,7 +82,7 @@ class GpuBench:
         tensors = LAYOUT.build(self.source, plan)
         self.layer = MoeLayer.from_tensors(
             tensors, layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
-            valid_intermediate=I, top_k=top_k, facts=plan.facts,
+            valid_intermediate=I, top_k=top_k, facts=plan.facts, activations=self.activations,
         )  # fmt: skip
         self.layer.device_info = self.info
         self.gen = g
@@ -93,7 +95,7 @@ class GpuBench:
 
         if pair is not None:
             return GemmTactic.from_json(pair[0]), GemmTactic.from_json(pair[1])
-        g1, g2 = (self._runnable(t) for t in default_tactics(moe_problem(self.problem, m), self.info))
+        g1, g2 = (self._runnable(t) for t in default_tactics(moe_problem(self.problem, m), self.info, self.activations))
         assert tactic is not None
         t = GemmTactic.from_json(tactic)
         return (t, g2) if self.problem.role == "gemm1" else (g1, t)
@@ -108,7 +110,7 @@ class GpuBench:
             if m not in self._refs:
                 x = torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
                 logits = torch.randn(m, self.E, device=self.dev, generator=self.gen)
-                ref = moe_reference(x, logits, self.source.as_dict(), top_k=self.top_k)
+                ref = moe_reference(x, logits, self.source.as_dict(), top_k=self.top_k, activations=self.activations)
                 self._refs[m] = (x, logits, ref)
             x, logits, ref = self._refs[m]
             out = moe(self.layer, x, logits, tactics=self.pair(tactic, m), out_dtype=torch.float32)
@@ -119,7 +121,7 @@ class GpuBench:
             max_abs = max(max_abs, float((out.double() - ref.double()).abs().max()) if out.numel() else 0.0)
         return {
             "passed": bad == 0 and worst <= self.TOLERANCE, "m_values": list(self.CHECK_M),
-            "reference": "fp32_source_dequant", "max_abs_err": max_abs, "rel_err": worst,
+            "reference": f"fp32_source_dequant/{self.activations}", "max_abs_err": max_abs, "rel_err": worst,
             "nan_inf_count": bad, "tolerance": self.TOLERANCE,
         }  # fmt: skip
 
@@ -151,14 +153,25 @@ class GpuBench:
             return (lambda i: moe(layer, xs[i], ls[i], tactics=tactics)), "layer"
         g1, _ = self.pair(None, m, [self._default(m, 0), self._default(m, 1)])
         small = layer.small_scales
+        acts = self.activations
         w13 = (layer.w13_blocks, layer.w13_scales, layer.w13_bias)
         if "routings" not in self._inputs:
             rs = [
-                k.route(ls[i], top_k=self.top_k, expert_lo=0, num_local_experts=self.E, hidden=self.H)
+                k.route(
+                    ls[i],
+                    top_k=self.top_k,
+                    expert_lo=0,
+                    num_local_experts=self.E,
+                    hidden=self.H,
+                    hidden_states=xs[i],
+                    activations=self.activations,
+                )  # fmt: skip
                 for i in range(self.ROTATE)
             ]
             h1s = [
-                k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1, small_scales=small[0])
+                k.gemm1_swiglu(
+                    rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=g1, small_scales=small[0], activations=acts
+                )
                 for i in range(self.ROTATE)
             ]
             self._inputs["routings"], self._inputs["h1s"] = rs, h1s
@@ -167,20 +180,22 @@ class GpuBench:
         if self.problem.role == "gemm1":
 
             def run_gemm1(i: int) -> Any:
-                return k.gemm1_swiglu(rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=t, small_scales=small[0])
+                return k.gemm1_swiglu(
+                    rs[i], xs[i], *w13, valid_intermediate=self.I, tactic=t, small_scales=small[0], activations=acts
+                )
 
             return run_gemm1, "gemm1"
         w2 = (layer.w2_blocks, layer.w2_scales, layer.w2_bias if layer.apply_down_bias else None)
 
         def run_gemm2(i: int) -> Any:
-            return k.gemm2_combine(rs[i], h1s[i], *w2, tactic=t, small_scales=small[1])
+            return k.gemm2_combine(rs[i], h1s[i], *w2, tactic=t, small_scales=small[1], activations=acts)
 
         return run_gemm2, "gemm2"
 
     def _default(self, m: int, idx: int) -> str:
         from prepkit.kernels.variants import default_tactics
 
-        return canon(self._runnable(default_tactics(moe_problem(self.problem, m), self.info)[idx]))
+        return canon(self._runnable(default_tactics(moe_problem(self.problem, m), self.info, self.activations)[idx]))
 
     def _runnable(self, t: Any) -> Any:
         # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.

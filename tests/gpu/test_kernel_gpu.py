@@ -7,6 +7,7 @@ the oracle dequantizes the *source* bytes with prepkit.mxfp4 in fp32.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -317,3 +318,80 @@ def test_inline_ptx_upcast_matches_the_integer_one_for_every_byte(upcast, scale_
     mult = torch.exp2(s.float() - 127)
     assert torch.equal(got[0][0].float(), values[(w & 0xF).long()] * mult)
     assert torch.equal(got[0][1].float(), values[(w >> 4).long()] * mult)
+
+
+# --- activation policies (mxfp8, mxfp4): Hopper runs Triton's decomposition of the same dots ------
+
+# Kernel and reference multiply the same quantized values: summation order and rare code flips at
+# GEMM2's input remain (the interpreter measures ~1e-7 at tiny shapes). 2e-3 sits over 10x under
+# each policy's own quantization error against bf16, so a misplaced scale or value fails.
+MX_TOL = 2e-3
+MX_TACTICS = [
+    None,  # the default for the token count, mapped onto the policy
+    ("m16n64k128w4s3sk1udot_scaled", "m16n64k128w4s3sk4udot_scaled"),
+    ("m64n128k64w8s3sk1udot_scaled", "m32n64k256w4s3sk2udot_scaledkmasked"),
+    ("m16n128k128w4s4sk1udot_scaledltma", "m64n256k64w4s3sk1udot_scaledltma"),
+]
+
+
+@pytest.mark.parametrize("policy", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("T", [1, 7, 33, 256])
+@pytest.mark.parametrize("keys", MX_TACTICS, ids=["default", "swapped-split4", "big-masked", "tma"])
+def test_full_size_layer_activations(checkpoint, policy, T, keys):
+    from prepkit.kernels.reference import moe_reference, relative_error
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    layer, plan = _layer(checkpoint, RankSpec())
+    layer.activations = policy
+    x, logits = _inputs(T, seed=T, dead=5 if T == 7 else 0)
+    tactics = None if keys is None else (_parse(keys[0]), _parse(keys[1]))
+    out = moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = moe_reference(x, logits, checkpoint.as_dict(), top_k=TOP_K, activations=policy)
+    err = relative_error(out, ref)
+    assert err < MX_TOL, f"{policy} T={T} {keys}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("policy", ["mxfp8", "mxfp4"])
+def test_routing_quantization_matches_the_reference_bits(policy):
+    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels.activations import POLICY_FORMAT, quantize_mx
+
+    x, logits = _inputs(256, seed=21)
+    x[3, :64] = 0.0
+    r = k.route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H, hidden_states=x, activations=policy)
+    codes, scales = k.from_mx_rows(r.x_mx)
+    want_codes, want_scales = quantize_mx(x.float(), POLICY_FORMAT[policy])
+    assert torch.equal(scales, want_scales)
+    assert torch.equal(codes, want_codes)
+
+
+def test_activation_policies_against_the_unquantized_layer(checkpoint, capsys):
+    """What each policy costs in accuracy on the real dims: printed (pytest -s), and bounded."""
+    from prepkit.kernels.reference import moe_reference, relative_error
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    layer, _ = _layer(checkpoint, RankSpec())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rows = []
+    for T in (1, 33, 256):
+        x, logits = _inputs(T, seed=100 + T)
+        ref = moe_reference(x, logits, checkpoint.as_dict(), top_k=TOP_K)
+        errs = {}
+        for policy in ("bf16", "mxfp8", "mxfp4"):
+            layer.activations = policy
+            layer._chosen.clear()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                errs[policy] = relative_error(moe(layer, x, logits, out_dtype=torch.float32), ref)
+        rows.append((T, errs))
+    with capsys.disabled():
+        print("\nrelative error vs the unquantized reference (E=128, H=I=2880, top-4)")
+        for T, errs in rows:
+            print(f"  T={T:4d}  " + "  ".join(f"{p} {e:.3g}" for p, e in errs.items()))
+    for _, errs in rows:
+        assert errs["bf16"] < TOL
+        # e4m3 keeps 3 mantissa bits, e2m1 one: each policy costs more than the one before it.
+        assert errs["bf16"] < errs["mxfp8"] < 0.1 and errs["mxfp8"] < errs["mxfp4"] < 0.5

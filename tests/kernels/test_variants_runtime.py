@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from prepkit.errors import LayoutError
 from prepkit.kernels.device import GB10, H100, H200, RTX_PRO_6000, DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import (
+    BLOCK_M,
     MoeProblem,
     default_tactics,
     enumerate_tactics,
@@ -232,3 +234,107 @@ def test_importing_the_runtime_is_cheap():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+# --- activation policies -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("device", DEVICES, ids=lambda d: d.name)
+def test_mx_policies_keep_every_family_but_the_bf16_knobs(device, policy):
+    for gemm in ("gemm1", "gemm2"):
+        tactics = enumerate_tactics(gemm, device, activations=policy)
+        assert tactics and all(invalid_reason(t, gemm, device, policy) is None for t in tactics)
+        assert all(shared_mem_bytes(t, policy) <= device.max_shared_mem for t in tactics)
+        # One dot_scaled per K step: the upcast and dot knobs of the bf16 path have one value.
+        assert {t.upcast for t in tactics} == {"dot_scaled"}
+        assert {t.swapped_dot for t in tactics} == {"split"}
+        # Every other family stays: TMA and pointer loads, both K loops, swapped and plain tiles.
+        assert {t.weight_load for t in tactics} == {"ptr", "tma"}
+        assert {t.k_loop for t in tactics} == {"tail", "masked"}
+        assert {t.block_m for t in tactics} == set(BLOCK_M)
+        assert {t.split_k for t in tactics} == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
+        widths = {t.block_n for t in tactics}
+        assert widths == ({64, 128, 256} if gemm == "gemm1" else {32, 64, 128, 256})
+    assert len(enumerate_tactics("gemm2", device, activations=policy)) < len(enumerate_tactics("gemm2", device))
+
+
+def test_mx_invalid_reasons_name_the_policy():
+    ds = GemmTactic(16, 64, 128, upcast="dot_scaled")
+    assert invalid_reason(ds, "gemm1", H100, "mxfp8") is None
+    assert "'mxfp8'" in invalid_reason(replace(ds, upcast="asm"), "gemm1", H100, "mxfp8")
+    assert "'mxfp4'" in invalid_reason(replace(ds, swapped_dot="joined"), "gemm2", H100, "mxfp4")
+    reason = invalid_reason(replace(ds, block_n=32), "gemm1", H100, "mxfp8")
+    assert "'mxfp8'" in reason and "block_n must be >= 64" in reason
+    assert invalid_reason(replace(ds, block_n=32), "gemm2", H100, "mxfp8") is None
+    assert "activations" in invalid_reason(ds, "gemm1", H100, "fp8")  # type: ignore[arg-type]
+    # TMA and the masked K loop run with MX activations, not on the bf16 dot_scaled path.
+    tma = replace(ds, weight_load="tma", k_loop="masked")
+    assert invalid_reason(tma, "gemm1", H100, "mxfp4") is None
+    assert invalid_reason(tma, "gemm1", H100) is not None
+
+
+def test_mx_operands_are_smaller_in_shared_memory():
+    t = GemmTactic(64, 256, 128, 8, 4, upcast="dot_scaled")
+    assert shared_mem_bytes(t, "mxfp4") < shared_mem_bytes(t, "mxfp8") < shared_mem_bytes(t)
+
+
+def test_mx_swaps_few_row_tiles_too():
+    from prepkit.kernels.variants import swaps_operands
+
+    ds = GemmTactic(16, 64, 128, upcast="dot_scaled")
+    assert not swaps_operands(ds) and swaps_operands(ds, "mxfp8") and swaps_operands(ds, "mxfp4")
+    assert not swaps_operands(replace(ds, block_m=64), "mxfp8")
+
+
+@pytest.mark.parametrize("policy", ["bf16", "mxfp8", "mxfp4"])
+@pytest.mark.parametrize("device", [*DEVICES, DeviceInfo("tiny", (7, 5), 8, 49152)], ids=lambda d: d.name)
+@pytest.mark.parametrize("T", [1, 7, 64, 4096])
+def test_policy_variant_of_every_default_is_valid(device, policy, T):
+    from prepkit.kernels.variants import policy_variant
+
+    for t, gemm in zip(default_tactics(MoeProblem(T, 128, 2880, 2880, 4), device), ("gemm1", "gemm2"), strict=True):
+        mapped = policy_variant(t, gemm, device, policy)
+        assert invalid_reason(mapped, gemm, device, policy) is None
+        if policy == "bf16":
+            assert mapped == t
+        else:
+            assert (mapped.block_m, mapped.block_k, mapped.split_k) == (t.block_m, t.block_k, t.split_k)
+
+
+def test_unknown_policy_is_a_clear_error():
+    from prepkit.errors import PrepkitError
+    from prepkit.runtime import load_moe_layers
+
+    with pytest.raises(PrepkitError, match="'fp8'.*bf16, mxfp8, mxfp4"):
+        make_layer(random_experts(4, 64, 64, seed=0), 2, activations="fp8")
+    with pytest.raises(PrepkitError, match="bf16, mxfp8, mxfp4"):
+        load_moe_layers("/nonexistent", activations="int4")  # checked before anything loads
+
+
+def test_mx_layer_maps_the_default_and_warns_once_where_it_runs_decomposed(monkeypatch):
+    import importlib
+
+    from prepkit.runtime import moe as run_moe
+
+    moe_module = importlib.import_module("prepkit.runtime.moe")  # the package's `moe` is the function
+
+    monkeypatch.setattr(moe_module, "_DECOMPOSED_WARNED", set())
+    w = random_experts(4, 64, 64, seed=0)
+    layer, _ = make_layer(w, 2, activations="mxfp8")
+    assert layer.activations == "mxfp8"
+    with pytest.warns(UserWarning, match="no tuned tactic"):
+        g1, g2 = layer.tactics(3)
+    assert g1.upcast == g2.upcast == "dot_scaled" and g1.block_n >= 64
+    x, logits = torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 4)
+    if torch.cuda.is_available():
+        pytest.skip("the decomposed warning is checked on the CPU interpreter")
+    with pytest.warns(UserWarning, match="'mxfp8' run decomposed on the CPU interpreter"):
+        run_moe(layer, x, logits)
+    other, _ = make_layer(w, 2, activations="mxfp8")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*decomposed")
+        run_moe(layer, x, logits)  # once per process: neither this layer nor another warns again
+        run_moe(other, x, logits)
+    assert moe_module.lowers_natively((12, 0)) and moe_module.lowers_natively((12, 1))
+    assert moe_module.lowers_natively((10, 0)) and not moe_module.lowers_natively((9, 0))
