@@ -100,6 +100,7 @@ def test_readme_lists_every_environment_variable_prepkit_reads() -> None:
     read = set()
     for path in (ROOT / "prepkit").rglob("*.py"):
         read |= set(re.findall(r"\b(PREPKIT_[A-Z_]+)\b", path.read_text()))
+    read = {v for v in read if not v.startswith("PREPKIT_TEST_")}  # hooks of the crash tests, not for users
     assert read, "no PREPKIT_ variable found: the scan is broken"
     readme = README.read_text()
     missing = sorted(v for v in read if f"| `{v}` |" not in readme)
