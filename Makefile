@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := .demo
 
-.PHONY: install demo test test-gpu lint bench-prepare bench-kernel clean
+.PHONY: install demo test test-gpu lint wheel-check tactics-bundle bench-prepare bench-kernel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ test-gpu:
 lint: $(STAMP)
 	$(BIN)/ruff check prepkit tests benchmarks
 	$(BIN)/ruff format --check prepkit tests benchmarks
+
+# The built wheel in a fresh venv with its declared dependencies only, run from another folder.
+wheel-check:
+	PYTHON=$(PYTHON) .ci/wheel-check
+
+# The slim tactics DB shipped in the package, rewritten from the full history in data/.
+tactics-bundle: $(STAMP)
+	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db prepkit/data/tactics.db
 
 bench-prepare: $(STAMP)
 	$(BIN)/python benchmarks/bench_prepare.py

@@ -25,3 +25,7 @@ PREPARE_LOCK = ".prepkit-lock"  # held by the one prepare writing the folder (ho
 SHARED_DIR = "shared"  # non-expert tensors, written once and linked into every rank folder
 EXPERTS_FILE = "rank{rank}/experts-{layer:05d}.safetensors"  # one rank's experts of one layer
 SHARED_FILE = SHARED_DIR + "/non-expert-{index:05d}.safetensors"
+
+# Inside the package (prepkit/data, found through importlib.resources by prepkit.data).
+RECIPES_FOLDER = "recipes"  # ``<model>.json`` per supported checkpoint
+TACTICS_DB_NAME = "tactics.db"  # the bundled DB, and the user's under $XDG_CACHE_HOME/prepkit

@@ -1,4 +1,4 @@
-"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``recipes/*.json``.
+"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``prepkit/data/recipes/*.json``.
 
 Recipes hold names and shape *formulas*; actual dims come from the checkpoint's config.json, so a
 small synthetic gpt-oss checkpoint is prepared by the same recipe as the real one.
@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from prepkit.data import recipes_dir
 from prepkit.dims import ModelDims
 from prepkit.errors import RecipeError
 
-RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES", Path(__file__).resolve().parent.parent / "recipes"))
+RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES") or recipes_dir())
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {
@@ -74,6 +75,11 @@ def available() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
 
 
+def _known_models_hint() -> str:
+    known = f"known models: {', '.join(available()) or 'none'}"
+    return known + ("; the folder is set by PREPKIT_RECIPES" if os.environ.get("PREPKIT_RECIPES") else "")
+
+
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """Load a recipe by model name (``gpt-oss-120b``), hub id (``openai/gpt-oss-120b``) or path."""
     path = Path(name_or_path)
@@ -81,7 +87,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         wanted = str(name_or_path).split("/")[-1]
         path = RECIPES_DIR / f"{wanted}.json"
     if not path.is_file():
-        raise RecipeError(f"no recipe {str(name_or_path)!r}", hint=f"known models: {', '.join(available())}")
+        raise RecipeError(f"no recipe {str(name_or_path)!r} in {path.parent}", hint=_known_models_hint())
     try:
         raw = json.loads(path.read_text())
         layer_prefix = raw["layer_prefix"]

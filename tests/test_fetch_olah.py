@@ -22,6 +22,7 @@ from click.testing import CliRunner, Result
 
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
+from prepkit.data import recipes_dir
 from prepkit.errors import FetchError
 
 try:  # tests/ is a package here; without its __init__.py pytest puts tests/ itself on sys.path
@@ -312,7 +313,7 @@ def test_a_model_already_in_the_hub_cache_downloads_nothing(
     }
 
     # `prepare --model` finds it there (a recipe that pins main, as olah has not the real commit).
-    recipe = json.loads((Path(__file__).resolve().parent.parent / "recipes" / "gpt-oss-120b.json").read_text())
+    recipe = json.loads((recipes_dir() / "gpt-oss-120b.json").read_text())
     recipe_path = tmp_path / "recipe.json"
     recipe_path.write_text(json.dumps(recipe | {"revision": "main"}))
     out = tmp_path / "prepared"

@@ -18,7 +18,7 @@ Where a table comes from, in order (first that has winners for the problem wins)
 
 1. the user DB (``$PREPKIT_TACTICS_DB``, else ``$XDG_CACHE_HOME/prepkit/tactics.db``), rows
    measured with the same Triton minor version;
-2. the bundled ``tactics.db`` (inside the package, else the repository top), same rule;
+2. the bundled ``tactics.db`` (``prepkit/data/tactics.db``, inside the package), same rule;
 3. either DB with rows from another Triton minor version, only if the caller passed a
    ``smoke_check`` and it accepts every tactic of the table (compiles, runs, matches the default);
 4. the built-in default (``None`` here): counted as a miss, with one warning per problem and
@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from prepkit.constants import TACTICS_DB_NAME
+from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
 from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, gpt_oss_problems, triton_minor
 from prepkit.tactics.schema import MIN_READABLE_SCHEMA, open_readonly
@@ -164,16 +166,14 @@ def user_db_path() -> Path:
     if env:
         return Path(env).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "prepkit" / "tactics.db"
+    return Path(cache) / "prepkit" / TACTICS_DB_NAME
 
 
 def bundled_db_path() -> Path | None:
-    """The shipped DB: inside the package when installed from a wheel, else the repository top."""
-    pkg = Path(__file__).resolve().parent.parent
-    for candidate in (pkg / "tactics.db", pkg.parent / "tactics.db"):
-        if candidate.is_file():
-            return candidate
-    return None
+    """The DB shipped inside the package (``prepkit/data/tactics.db``), in a wheel install and an
+    editable one alike; ``None`` if it is missing (a broken install: the lookup then skips it)."""
+    path = tactics_db()
+    return path if path.is_file() else None
 
 
 def db_to_read(explicit: Path | None = None) -> Path:
