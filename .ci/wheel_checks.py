@@ -80,6 +80,32 @@ def lookup() -> str | None:
     if not tuned_points:
         return "every tuned tactic equals the built-in default: nothing shows the DB was read"
     print(f"kernel v{KERNEL_VERSION} on {H100} (Triton {env.triton_version}): {stats['tables']}, {stats['hits']} hits")
+    return _installed_triton(device)
+
+
+def _installed_triton(device: object) -> str | None:
+    """With the Triton this install resolved (often newer than the shipped rows' minor), the
+    runtime's resolver still serves the bundled rows, warning that they come from another Triton."""
+    import warnings
+
+    from prepkit.kernels.variants import MoeProblem
+    from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup
+    from prepkit.tactics.lookup import _all_decode
+
+    env = Environment.of(device)
+    resolver = TacticResolver(user_db="/nonexistent/prepkit-user/tactics.db", smoke_check=_all_decode)
+    lookup_fn = make_tactic_lookup(resolver=resolver, tp_size=1)
+    problem = MoeProblem(num_tokens=8, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = lookup_fn(problem, env)
+    stats = resolver.stats()
+    if got is None or stats["misses"]:
+        return f"Triton {env.triton_version}: no bundled tactic served ({stats['tables']}, {stats['misses']} misses)"
+    other = [str(w.message) for w in caught if "another Triton" in str(w.message)]
+    if set(stats["tables"].values()) == {"bundled/triton_minor"} and len(other) != 2:
+        return f"Triton {env.triton_version}: rows of another Triton served without one warning per GEMM: {other}"
+    print(f"installed Triton {env.triton_version}: {stats['tables']}; gemm1 {got[0]}, gemm2 {got[1]}")
     return None
 
 

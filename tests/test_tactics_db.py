@@ -495,3 +495,46 @@ def test_curves_follow_the_lookup_rule_above_the_last_range(tmp_path: Path) -> N
         tdb.add_measurements(run_id, env_hash, ph, rows)
         curve = tdb.curves(env_hash, ph)
     assert [(c["m"], c["default_us"], c["tuned_us"]) for c in curve] == [(8, 16.0, 8.0), (64, 128.0, 64.0)]
+
+
+def test_the_runtime_uses_rows_of_another_triton_and_says_so_once(tmp_path: Path, monkeypatch) -> None:
+    from prepkit.kernels.device import H100 as KH100
+    from prepkit.kernels.tactic import GemmTactic
+    from prepkit.kernels.variants import MoeProblem
+
+    path = tmp_path / "u.db"
+    g1 = GemmTactic(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
+    g2 = GemmTactic(block_m=16, block_n=64, block_k=256, num_warps=4, num_stages=3, split_k=2)
+    older = replace(Environment.of(KH100), triton_version="2.9.0")  # a minor no installed Triton has
+    fill(path, env=older, winners=[WinnerRow(1, 8192, g1.to_json(), True)])
+    fill(path, env=older, winners=[WinnerRow(1, 8192, g2.to_json(), True)], problem=G2)
+    prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    strict = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
+    with pytest.warns(TacticsDBWarning, match="prepkit tune"):
+        assert strict(prob, KH100) is None
+    # The runtime's own resolver (what load_moe_layers uses when given none).
+    monkeypatch.setattr(
+        lookup, "_runtime_resolver", TacticResolver(user_db=path, bundled_db=False, smoke_check=lookup._all_decode)
+    )
+    runtime = lookup.make_tactic_lookup(kernel_version=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert runtime(prob, KH100) == (g1, g2)
+        assert runtime(replace(prob, num_tokens=900), KH100) == (g1, g2)
+    msgs = [str(w.message) for w in caught if "another Triton" in str(w.message)]
+    assert len(msgs) == 2 and "gemm1" in msgs[0] and "gemm2" in msgs[1]
+
+
+def test_rows_that_no_longer_decode_do_not_serve(tmp_path: Path) -> None:
+    from prepkit.kernels.device import H100 as KH100
+    from prepkit.kernels.variants import MoeProblem
+
+    path = tmp_path / "u.db"
+    older = replace(Environment.of(KH100), triton_version="2.9.0")
+    fill(path, env=older, winners=[WinnerRow(1, 8192, json.dumps({"block_q": 3}), True)])
+    res = TacticResolver(user_db=path, bundled_db=False, smoke_check=lookup._all_decode)
+    table = res.table(G1, KH100)
+    assert table.ranges == () and any("smoke check" in n for n in table.notes)
+    prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    with pytest.warns(TacticsDBWarning):
+        assert lookup.make_tactic_lookup(resolver=res, kernel_version=1)(prob, KH100) is None

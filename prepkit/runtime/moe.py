@@ -39,9 +39,11 @@ TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales"
 TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
 
 
-def default_tactics_for(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic]:
-    """The built-in variant pair: always valid, not tuned."""
-    return default_tactics(problem, device)
+def default_tactics_for(
+    problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy = "bf16"
+) -> tuple[GemmTactic, GemmTactic]:
+    """The built-in variant pair for the policy: always valid, not tuned."""
+    return default_tactics(problem, device, activations)
 
 
 @dataclass
@@ -69,6 +71,7 @@ class MoeLayer:
     small_scales: tuple[bool, bool] = field(init=False, default=(False, False))
     _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
     _warned: bool = field(default=False, repr=False)
+    _tuned: set[int] = field(default_factory=set, repr=False)  # token counts served by the lookup
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
@@ -165,7 +168,10 @@ class MoeLayer:
         device = self._device_info()
         problem = self.problem(num_tokens)
         chosen = self.tactic_lookup(problem, device) if self.tactic_lookup is not None else None
-        if chosen is None:
+        if chosen is not None:
+            self._tuned.add(num_tokens)
+            chosen = self._as_policy(chosen)
+        else:
             if not self._warned:
                 warnings.warn(
                     f"no tuned tactic for {problem.key()} on {device.name}; using the built-in default "
@@ -173,17 +179,42 @@ class MoeLayer:
                     stacklevel=3,
                 )
                 self._warned = True
-            chosen = default_tactics_for(problem, device)
-            if self.w13_blocks.device.type != "cuda":
-                # CPU tensors run on the Triton interpreter, which cannot run inline PTX.
-                chosen = tuple(replace(t, upcast="bits") if t.upcast == "asm" else t for t in chosen)
-        # A bf16 pair (the default, or a lookup that knows no policy) runs as the policy's variant.
-        chosen = (
-            policy_variant(chosen[0], "gemm1", device, self.activations),
-            policy_variant(chosen[1], "gemm2", device, self.activations),
-        )
+            chosen = self._default_pair(num_tokens)
         self._chosen[num_tokens] = chosen
         return chosen
+
+    def _default_pair(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
+        pair = default_tactics_for(self.problem(num_tokens), self._device_info(), self.activations)
+        if self.w13_blocks.device.type != "cuda":
+            # CPU tensors run on the Triton interpreter, which cannot run inline PTX.
+            pair = tuple(replace(t, upcast="bits") if t.upcast == "asm" else t for t in pair)  # type: ignore[assignment]
+        return self._as_policy(pair)
+
+    def _as_policy(self, pair: tuple[GemmTactic, GemmTactic]) -> tuple[GemmTactic, GemmTactic]:
+        # A bf16 pair (a default, or a lookup that knows no policy) runs as the policy's variant.
+        device = self._device_info()
+        return (
+            policy_variant(pair[0], "gemm1", device, self.activations),
+            policy_variant(pair[1], "gemm2", device, self.activations),
+        )
+
+    def fall_back_to_default(self, num_tokens: int, error: BaseException) -> tuple[GemmTactic, GemmTactic] | None:
+        """After a tuned pair failed to compile: the default pair for ``num_tokens`` from now on
+        (warned), or ``None`` when the failing pair was not the lookup's."""
+        if num_tokens not in self._tuned:
+            return None
+        self._tuned.discard(num_tokens)
+        failed = self._chosen.get(num_tokens)
+        pair = self._default_pair(num_tokens)
+        self._chosen[num_tokens] = pair
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        warnings.warn(
+            f"tuned variants {failed[0].key() if failed else '?'} / {failed[1].key() if failed else '?'} for "
+            f"{num_tokens} tokens do not compile with this Triton ({first}); using the built-in default "
+            "(`prepkit tune` re-measures)",
+            stacklevel=3,
+        )
+        return pair
 
     def _device_info(self) -> DeviceInfo:
         if self.device_info is None:
@@ -269,32 +300,43 @@ def moe(
         raise ValueError(
             f"router_logits {list(router_logits.shape)}, expected [{hidden_states.shape[0]}, {layer.num_experts}]"
         )
-    from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
-
     _warn_if_decomposed(layer, layer._device_info(), layer.w13_blocks.device.type == "cuda")
-    g1, g2 = tactics if tactics is not None else layer.tactics(hidden_states.shape[0])
+    num_tokens = hidden_states.shape[0]
     x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
-    out = fused_moe(
-        x.contiguous(),
-        router_logits.contiguous(),
-        layer.w13_blocks,
-        layer.w13_scales,
-        layer.w13_bias,
-        layer.w2_blocks,
-        layer.w2_scales,
-        layer.w2_bias if layer.apply_down_bias else None,
-        top_k=layer.top_k,
-        expert_lo=layer.expert_range[0],
-        valid_intermediate=layer.valid_intermediate,
-        gemm1=g1,
-        gemm2=g2,
-        swiglu_alpha=layer.swiglu_alpha,
-        swiglu_limit=layer.swiglu_limit,
-        small_scales=layer.small_scales,
-        activations=layer.activations,
-    )
+    x, logits = x.contiguous(), router_logits.contiguous()
+    pair = tactics if tactics is not None else layer.tactics(num_tokens)
+    try:
+        out = _launch(layer, x, logits, pair)
+    except _compile_errors() as err:
+        # Tuned variants from another Triton may no longer compile: the default always does.
+        fallback = None if tactics is not None else layer.fall_back_to_default(num_tokens, err)
+        if fallback is None:
+            raise
+        out = _launch(layer, x, logits, fallback)
     target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
+
+
+def _launch(
+    layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor, pair: tuple[GemmTactic, GemmTactic]
+) -> torch.Tensor:
+    from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
+
+    return fused_moe(
+        x, logits, layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks, layer.w2_scales,
+        layer.w2_bias if layer.apply_down_bias else None, top_k=layer.top_k, expert_lo=layer.expert_range[0],
+        valid_intermediate=layer.valid_intermediate, gemm1=pair[0], gemm2=pair[1],
+        swiglu_alpha=layer.swiglu_alpha, swiglu_limit=layer.swiglu_limit, small_scales=layer.small_scales,
+        activations=layer.activations,
+    )  # fmt: skip
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What Triton raises when a variant does not compile, or needs more than the GPU has."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources)
 
 
 def scales_are_small(scales: torch.Tensor) -> bool:

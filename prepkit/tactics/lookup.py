@@ -20,7 +20,9 @@ Where a table comes from, in order (first that has winners for the problem wins)
    measured with the same Triton minor version;
 2. the bundled ``tactics.db`` (``prepkit/data/tactics.db``, inside the package), same rule;
 3. either DB with rows from another Triton minor version, only if the caller passed a
-   ``smoke_check`` and it accepts every tactic of the table (compiles, runs, matches the default);
+   ``smoke_check`` and it accepts every tactic of the table. The runtime's resolver
+   (:func:`runtime_resolver`) accepts a table whose tactics all decode, warns once per GEMM, and
+   the runtime falls back to the default for a variant that no longer compiles;
 4. the built-in default (``None`` here): counted as a miss, with one warning per problem and
    device that names the ``prepkit tune`` command to run.
 
@@ -504,6 +506,30 @@ def lookup_tactic(
         return None
 
 
+_runtime_resolver: TacticResolver | None = None
+
+
+def runtime_resolver() -> TacticResolver:
+    """The resolver behind the runtime's lookups: like :func:`default_resolver`, and rows tuned
+    with another Triton minor version serve too when every tactic still decodes (the kernel
+    version, which names the kernel source, must match exactly in any case). The runtime falls
+    back to the default for a variant that no longer compiles (``prepkit.runtime.moe``)."""
+    global _runtime_resolver
+    if _runtime_resolver is None:
+        _runtime_resolver = TacticResolver(smoke_check=_all_decode)
+    return _runtime_resolver
+
+
+def _all_decode(tactics: Sequence[str], points: Sequence[int]) -> bool:
+    decode = _gemm_tactic_decoder()
+    try:
+        for tj in tactics:
+            decode(tj)
+    except (ValueError, TypeError, KeyError):
+        return False
+    return True
+
+
 def make_tactic_lookup(
     *,
     resolver: TacticResolver | None = None,
@@ -522,8 +548,26 @@ def make_tactic_lookup(
     ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use;
     ``weight_layout=None`` is the bundled kernel's layout. ``activations`` is the activation
     precision policy the layer runs with: rows tuned for another policy never serve it.
+    ``resolver=None`` is :func:`runtime_resolver`: a table tuned with another Triton minor
+    version serves, with one warning naming both versions.
     """
-    res = resolver or default_resolver()
+    res = resolver or runtime_resolver()
+    warned_other: set[str] = set()
+
+    def note_other_triton(key: ProblemKey, device: Any) -> None:
+        table = res.table(key, device)
+        if table.tier != "triton_minor" or key.role in warned_other:
+            return
+        warned_other.add(key.role)
+        env = Environment.of(device)
+        warnings.warn(
+            f"tactics for {key.describe()} were tuned with another Triton than this one "
+            f"({env.triton_version}); they run as they are (same kernel version). `prepkit tune` "
+            "re-measures them for this Triton",
+            TacticsDBWarning,
+            stacklevel=4,
+        )
+
     version: list[str] = [] if kernel_version is None else [str(kernel_version)]
     layout = weight_layout or _kernel_layout()
     problems: dict[tuple[int, int, int, int], dict[str, ProblemKey]] = {}
@@ -547,10 +591,13 @@ def make_tactic_lookup(
         g2 = lookup_tactic(keys["gemm2"], problem.num_tokens, device, resolver=res)
         if g1 is None and g2 is None:
             return None
+        for role, tactic in (("gemm1", g1), ("gemm2", g2)):
+            if tactic is not None:
+                note_other_triton(keys[role], device)
         if g1 is None or g2 is None:
             from prepkit.kernels.variants import default_tactics
 
-            d1, d2 = default_tactics(problem, device)
+            d1, d2 = default_tactics(problem, device, activations)
             g1, g2 = g1 or d1, g2 or d2
         return g1, g2
 

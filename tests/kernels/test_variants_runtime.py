@@ -357,3 +357,37 @@ def test_native_mx_needs_sm12x_and_a_checked_triton(capability, triton_version, 
     from prepkit.runtime.moe import lowers_natively
 
     assert lowers_natively(capability, triton_version) is native
+
+
+def test_a_tuned_pair_that_no_longer_compiles_falls_back_to_the_default(monkeypatch):
+    """Rows tuned with another Triton may name a variant this Triton cannot build: the layer warns
+    once, runs the default for that token count from then on, and a pinned pair still raises."""
+    import importlib
+
+    from triton.runtime.errors import OutOfResources
+
+    moe_module = importlib.import_module("prepkit.runtime.moe")
+    w = random_experts(4, 64, 64, seed=1)
+    layer, _ = make_layer(w, 2)
+    tuned = (GemmTactic(16, 32, 64, 4, 2, 1, "bits"), GemmTactic(16, 32, 64, 4, 1, 1, "bits"))
+    layer.tactic_lookup = lambda problem, device: tuned
+    launched = []
+
+    def fake_launch(layer_, x, logits, pair):
+        launched.append(pair)
+        if pair == tuned:
+            raise OutOfResources(300000, 101376, "shared memory")
+        return torch.zeros(x.shape[0], layer_.hidden)
+
+    monkeypatch.setattr(moe_module, "_launch", fake_launch)
+    x, logits = torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="do not compile with this Triton"):
+        moe_module.moe(layer, x, logits)
+    default = layer._default_pair(3)
+    assert launched == [tuned, default] and layer.tactics(3) == default
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        moe_module.moe(layer, x, logits)  # the default from now on, no second warning
+    assert launched[-1] == default
+    with pytest.raises(OutOfResources):  # the caller's own pair is never replaced
+        moe_module.moe(layer, x, logits, tactics=tuned)
