@@ -30,7 +30,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     type=click.Choice(ARCHES),
     default="auto",
     show_default=True,
-    help="Architecture to tune; refused when the GPU is another one.",
+    help="Architecture to tune; refused when the GPU is another one. With --compile-only: the target "
+    "to compile for (sm90, sm120 or sm121).",
 )
 @click.option("--model", help="Recipe whose MoE dims to tune (default gpt-oss-120b).")
 @click.option(
@@ -128,10 +129,12 @@ def tune_command(
     --compile-only needs no GPU and writes no DB: it compiles, through Triton's own compiler, the
     kernels a launch on the reference device of --arch (sm90: H100, sm120: RTX PRO 6000, sm121:
     GB10) would use: the default variant of each GEMM at every --tokens point, the routing
-    kernels, and --sample variants of each variant family. Progress, one line per kernel, goes to
-    stderr; the table goes to stdout (--json: a JSON array, one object per kernel): compiled or
-    the compiler's message, registers, spilled bytes, shared memory, the MMA in the PTX
-    (native block-scaled, bf16 mma.sync, wgmma) and SASS instructions per K step.
+    kernels, and --sample variants of each variant family (of the variant spaces at the fewest
+    and the most tokens). Progress, one line per kernel, goes to stderr; the table goes to stdout
+    (--json: a JSON array, one object per kernel): compiled or the compiler's message,
+    registers, spilled bytes, shared memory, the MMA in the PTX (native block-scaled, bf16
+    mma.sync, wgmma) and SASS instructions per K step. On 2 CPU cores one arch and policy takes
+    about a minute with the default --sample 1 (bf16, with more variant families: two).
 
     \b
     Exit codes of --compile-only:
@@ -140,6 +143,7 @@ def tune_command(
       6  one did not: each such kernel is named on stderr, with its tactic
       5  --arch auto or sm100: name a target with a reference device
       3  unknown model, or shards not in the triton-moe layout
+      2  an option of a measuring run (--db, --gpus, ...) given with it
 
     \b
     Example:

@@ -396,7 +396,8 @@ def check_failures(reports: Sequence[CompileReport]) -> list[str]:
 
 def _name(r: CompileReport) -> str:
     tactic = f" {GemmTactic.from_json(r.tactic).key()}" if r.tactic else ""
-    return f"{r.arch} {r.activations} {r.stage} {r.kernel or '-'}{tactic} ({r.origin})"
+    kernel = f" {r.kernel}" if r.kernel else ""  # a pruned variant never got as far as a kernel
+    return f"{r.arch} {r.activations} {r.stage}{kernel}{tactic} ({r.origin})"
 
 
 def _route_launch(k: ModuleType, shape: LayerShape, activations: str, num_tokens: int) -> Any:
@@ -655,8 +656,23 @@ class _NvidiaTools:
     def __init__(self) -> None:
         from triton import knobs
 
-        self.cuobjdump = knobs.nvidia.cuobjdump.path
-        self.nvdisasm = knobs.nvidia.nvdisasm.path
+        # Found up front (each answers --version): a missing tool is one clear error, not a
+        # failure of every variant.
+        found = {}
+        for name in ("ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"):
+            knob = name.replace("-", "_")
+            if not hasattr(knobs.nvidia, knob):
+                continue  # ptxas-blackwell is a newer triton's second ptxas (sm_90 and up)
+            try:
+                found[name] = getattr(knobs.nvidia, knob).path
+            except RuntimeError as exc:
+                env = f"TRITON_{name.upper().replace('-', '_')}_PATH"
+                raise DeviceError(
+                    f"the compile check needs {name}: {exc}",
+                    hint=f"the triton wheel ships it under triton/backends/nvidia/bin; or set {env}",
+                ) from None
+        self.cuobjdump = found["cuobjdump"]
+        self.nvdisasm = found["nvdisasm"]
 
     def inspect(self, cubin: bytes) -> tuple[dict[str, int], str]:
         """(resource usage fields, SASS listing) of one cubin."""
