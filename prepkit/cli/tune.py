@@ -237,9 +237,10 @@ def _compile_only(
     from rich.text import Text
 
     from prepkit.errors import VerifyError
-    from prepkit.kernels.compile_check import format_reports, reports_to_json
+    from prepkit.kernels.compile_check import format_reports, leave_interpreter, reports_to_json
     from prepkit.tune import compile_only as co
 
+    leave_interpreter()
     co.check_arch_name(arch)
     target = co.layer_target(model=model, shards=shards, tp=tp)
     res = co.run_compile_only(

@@ -504,6 +504,13 @@ class _TargetCompiler:
         from triton.runtime.driver import driver
 
         self.triton = triton
+        if interpreter_imported():
+            raise DeviceError(
+                "triton was imported with TRITON_INTERPRET=1: its own @jit functions are interpreter "
+                "functions, so nothing compiles ahead of time in this process",
+                hint="compile in a process that imports triton without TRITON_INTERPRET "
+                "(prepkit tune --compile-only does)",
+            )
         self._stack.enter_context(_env("TRITON_INTERPRET", None))
         if "TRITON_DEFAULT_FP_FUSION" not in os.environ:
             # Triton's default (fused), said explicitly: a launch compiles the same, minus the
@@ -540,7 +547,7 @@ class _TargetCompiler:
         try:
             launch()
         except Exception as exc:  # a launcher's own check: the variant never reached the compiler
-            return [replace(base, message=f"launcher refused: {exc}")]
+            return [replace(base, message=f"launcher refused: {_compiler_message(exc)}")]
         finally:
             self._knobs.runtime.jit_cache_hook = None
         if not recorded:
@@ -594,6 +601,20 @@ class _TargetCompiler:
                 f"{self.device.max_shared_mem}",
             )
         return report
+
+
+def interpreter_imported() -> bool:
+    """Whether triton's own library was imported under ``TRITON_INTERPRET=1`` (its ``@jit``
+    functions are then interpreter functions for the life of the process)."""
+    std = sys.modules.get("triton.language.standard")
+    return std is not None and type(getattr(std, "cdiv", None)).__name__ == "InterpretedFunction"
+
+
+def leave_interpreter() -> None:
+    """Turn ``TRITON_INTERPRET`` off for this process while triton is not imported yet, so a
+    compile-only process compiles even where the variable is set (it runs no kernel)."""
+    if "triton" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 def _compiler_message(exc: BaseException) -> str:
