@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := .demo
 
-.PHONY: install demo test test-gpu lint wheel-check tactics-bundle bench-prepare bench-kernel clean
+.PHONY: install demo test test-gpu lint wheel-check tactics-bundle compile-check bench-prepare bench-kernel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,20 @@ wheel-check:
 # The slim tactics DB shipped in the package, rewritten from the full history in data/.
 tactics-bundle: $(STAMP)
 	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db prepkit/data/tactics.db
+
+# No GPU: compile gpt-oss-120b TP1's kernels for each SM12x target and activation policy, the
+# defaults plus COMPILE_SAMPLE variants of each variant family, with the venv's Triton and the
+# ptxas/cuobjdump/nvdisasm its wheel ships. Every run goes; any failed default fails the target.
+COMPILE_ARCHES ?= sm120 sm121
+COMPILE_ACTIVATIONS ?= bf16 mxfp8 mxfp4
+COMPILE_SAMPLE ?= 1
+
+compile-check: $(STAMP)
+	@rc=0; for arch in $(COMPILE_ARCHES); do for act in $(COMPILE_ACTIVATIONS); do \
+		echo "== prepkit tune --arch $$arch --activations $$act --compile-only --sample $(COMPILE_SAMPLE)"; \
+		$(BIN)/prepkit tune --arch $$arch --model gpt-oss-120b --tp 1 --activations $$act \
+			--compile-only --sample $(COMPILE_SAMPLE) || rc=1; \
+	done; done; exit $$rc
 
 bench-prepare: $(STAMP)
 	$(BIN)/python benchmarks/bench_prepare.py

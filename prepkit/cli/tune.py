@@ -30,7 +30,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     type=click.Choice(ARCHES),
     default="auto",
     show_default=True,
-    help="Architecture to tune; refused when the GPU is another one.",
+    help="Architecture to tune; refused when the GPU is another one. With --compile-only: the target "
+    "to compile for (sm90, sm120 or sm121).",
 )
 @click.option("--model", help="Recipe whose MoE dims to tune (default gpt-oss-120b).")
 @click.option(
@@ -83,9 +84,24 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     show_default=True,
     help="Variants kept per anchor token count for the full sweep.",
 )
+@click.option(
+    "--compile-only",
+    is_flag=True,
+    help="No GPU: compile the defaults and a sample of the variants for --arch's reference device, "
+    "print what the compiler made, write no DB (see below).",
+)
+@click.option(
+    "--sample",
+    type=click.IntRange(min=0),
+    default=None,
+    help="With --compile-only: variants compiled per variant family besides the defaults "
+    "(0: defaults only)  [default: 1]",
+)
 @json_option
 @quiet_option
+@click.pass_context
 def tune_command(
+    ctx: click.Context,
     arch: str,
     model: str | None,
     shards: Path | None,
@@ -98,6 +114,8 @@ def tune_command(
     max_candidates: int,
     check_workers: int,
     keep: int,
+    compile_only: bool,
+    sample: int | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -108,10 +126,30 @@ def tune_command(
     default is kept unless beaten beyond noise. A rerun skips what the DB already holds for this
     GPU and software.
 
+    --compile-only needs no GPU and writes no DB: it compiles, through Triton's own compiler, the
+    kernels a launch on the reference device of --arch (sm90: H100, sm120: RTX PRO 6000, sm121:
+    GB10) would use: the default variant of each GEMM at every --tokens point, the routing
+    kernels, and --sample variants of each variant family (of the variant spaces at the fewest
+    and the most tokens). Progress, one line per kernel, goes to stderr; the table goes to stdout
+    (--json: a JSON array, one object per kernel): compiled or the compiler's message,
+    registers, spilled bytes, shared memory, the MMA in the PTX (native block-scaled, bf16
+    mma.sync, wgmma) and SASS instructions per K step. On 2 CPU cores one arch and policy takes
+    about a minute with the default --sample 1 (bf16, with more variant families: two).
+
+    \b
+    Exit codes of --compile-only:
+      0  every default and routing kernel compiled; with mxfp8 / mxfp4 on sm120 / sm121,
+         every default GEMM's PTX holds the native block-scaled MMA
+      6  one did not: each such kernel is named on stderr, with its tactic
+      5  --arch auto or sm100: name a target with a reference device
+      3  unknown model, or shards not in the triton-moe layout
+      2  an option of a measuring run (--db, --gpus, ...) given with it
+
     \b
     Example:
         prepkit tune --arch sm90 --model gpt-oss-120b --tp 1
         prepkit tune --arch sm121 --shards shards/ --tokens 1-8,16,32 --gpus 0,1
+        prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --compile-only --activations mxfp8
     """
     from prepkit import tune
     from prepkit.tune import report as tune_report
@@ -122,6 +160,12 @@ def tune_command(
         points = tune.parse_tokens(tokens)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tokens") from None
+    if compile_only:
+        _refuse_gpu_options(ctx)
+        _compile_only(arch, model, shards, tp, activations, points, 1 if sample is None else sample, as_json, quiet)
+        return
+    if sample is not None:
+        raise click.UsageError("--sample applies to --compile-only only")
     opts = tune.TuneOptions(
         arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=db_path,
         budget_minutes=budget_minutes, gpus=_parse_gpus(gpus), max_candidates=max_candidates,
@@ -162,3 +206,54 @@ def _print(summary: dict[str, Any]) -> None:
 
 def _us(v: float | None) -> str:
     return f"{v:.1f}" if v is not None else "-"
+
+
+# Options of a measuring run that a compile-only run has no use for: given, they are refused
+# rather than ignored (a --db the run never writes would mislead).
+_GPU_OPTIONS = ("db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep")
+
+
+def _refuse_gpu_options(ctx: click.Context) -> None:
+    given = [
+        f"--{name.removesuffix('_path').replace('_', '-')}"
+        for name in _GPU_OPTIONS
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} cannot be used with --compile-only (it measures nothing)")
+
+
+def _compile_only(
+    arch: str,
+    model: str | None,
+    shards: Path | None,
+    tp: int | None,
+    activations: str,
+    points: tuple[int, ...],
+    sample: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    from rich.text import Text
+
+    from prepkit.errors import VerifyError
+    from prepkit.kernels.compile_check import format_reports, leave_interpreter, reports_to_json
+    from prepkit.tune import compile_only as co
+
+    leave_interpreter()
+    co.check_arch_name(arch)
+    target = co.layer_target(model=model, shards=shards, tp=tp)
+    res = co.run_compile_only(
+        arch, activations, target, per_family=sample, points=points, on_line=None if quiet else console.info
+    )
+    if as_json:
+        click.echo(reports_to_json(res.reports))
+    else:
+        # soft_wrap: the table's lines stay whole off a terminal
+        console.out_console.print(Text(format_reports(res.reports)), soft_wrap=True)
+        console.out_console.print(Text(res.summary()), soft_wrap=True)
+    if not res.ok:
+        raise VerifyError(
+            f"{len(res.failures)} default kernel(s) failed the {arch} compile check:\n  " + "\n  ".join(res.failures),
+            hint="the table above (or --json) holds each kernel's compiler message",
+        )

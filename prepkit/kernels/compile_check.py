@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from types import ModuleType
 from typing import Any, Literal
@@ -42,6 +42,9 @@ from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
 
 Status = Literal["compiled", "pruned", "failed"]
 Stage = Literal["route", "gemm1", "gemm2"]
+# Called after each candidate: (candidates done, candidates in all, the candidate, its reports,
+# routing kernels compiled just before it included).
+ProgressFn = Callable[[int, int, "Candidate", "list[CompileReport]"], None]
 
 # The matrix instruction a kernel's PTX uses, most specific first: (label, regex on the PTX).
 _MMA_KINDS: tuple[tuple[str, str], ...] = (
@@ -156,11 +159,13 @@ class LayerShape:
     top_k: int
 
     @classmethod
-    def of(cls, dims: ModelDims, tp: int = 1, tp_rank: int = 0) -> LayerShape:
-        """The shape rank ``tp_rank`` of a TP ``tp`` split holds (the layout's own plan)."""
+    def of(cls, dims: ModelDims, tp: int = 1, tp_rank: int = 0, ep: int = 1) -> LayerShape:
+        """The shape rank ``tp_rank`` (of EP group 0) of a TP ``tp`` x EP ``ep`` split holds (the
+        layout's own plan)."""
         from prepkit.layouts.triton_moe import TritonMoeLayout
 
-        plan = TritonMoeLayout().plan_rank(dims, RankSpec(tp_size=tp, tp_rank=tp_rank), LayoutOptions())
+        rank = RankSpec(tp_size=tp, tp_rank=tp_rank, ep_size=ep)
+        plan = TritonMoeLayout().plan_rank(dims, rank, LayoutOptions())
         return cls(
             num_experts=dims.num_experts,
             expert_lo=plan.expert_range[0],
@@ -288,31 +293,38 @@ def compile_variants(
     *,
     routing: bool = True,
     small_scales: bool = True,
+    on_progress: ProgressFn | None = None,
 ) -> list[CompileReport]:
     """Compile every candidate (and, with ``routing``, the routing kernels once per token count)
     for ``arch``'s reference device. Pruned candidates are reported with their reason, compiler
     errors as messages; nothing raises for a variant. ``small_scales``: the runtime's fold of
     scales <= 2 into the inline-PTX upcast (``moe_mxfp4.upcast_id``), true of real checkpoints'
-    scales when every E8M0 byte is at most 128."""
+    scales when every E8M0 byte is at most 128. ``on_progress`` hears of each candidate as it is
+    done (a compile takes seconds)."""
     check_policy(activations)
     device = arch_device(arch)
+    todo = list(candidates)
     out: list[CompileReport] = []
     with _TargetCompiler(device) as tc:
         kernels = tc.kernels
         route_done: set[int] = set()
-        for cand in candidates:
+        for i, cand in enumerate(todo):
+            mine: list[CompileReport] = []
             if routing and cand.num_tokens not in route_done:
                 route_done.add(cand.num_tokens)
-                out.extend(tc.run(arch, activations, "route", None, f"T={cand.num_tokens}", _route_launch(
+                mine.extend(tc.run(arch, activations, "route", None, f"T={cand.num_tokens}", _route_launch(
                     kernels, shape, activations, cand.num_tokens)))  # fmt: skip
             reason = invalid_reason(cand.tactic, cand.gemm, device, activations)
             if reason is not None:
-                out.append(
+                mine.append(
                     CompileReport(arch, activations, cand.gemm, cand.tactic.to_json(), cand.origin, "pruned", reason)
                 )
-                continue
-            launch = _gemm_launch(kernels, shape, activations, cand, small_scales)
-            out.extend(tc.run(arch, activations, cand.gemm, cand.tactic, cand.origin, launch))
+            else:
+                launch = _gemm_launch(kernels, shape, activations, cand, small_scales)
+                mine.extend(tc.run(arch, activations, cand.gemm, cand.tactic, cand.origin, launch))
+            out.extend(mine)
+            if on_progress is not None:
+                on_progress(i + 1, len(todo), cand, mine)
     return out
 
 
@@ -323,18 +335,69 @@ def check_arch(
     *,
     per_family: int = 2,
     token_points: Iterable[int] | None = None,
+    sample_tokens: Sequence[int] = (1,),
+    on_progress: ProgressFn | None = None,
 ) -> list[CompileReport]:
     """The compile-only check of one arch and policy: the defaults over ``token_points``, then
-    ``per_family`` sampled variants of each family (:func:`sample_candidates`)."""
-    defaults = default_candidates(arch, shape, activations, token_points)
-    seen = {(c.gemm, c.tactic) for c in defaults}
-    sample = [c for c in sample_candidates(arch, shape, activations, per_family) if (c.gemm, c.tactic) not in seen]
-    return compile_variants(arch, shape, activations, [*defaults, *sample])
+    ``per_family`` sampled variants of each family (:func:`sample_candidates`) of the variant
+    spaces of ``sample_tokens``-token problems (one token admits only 16-row tiles; a large count
+    admits every tile), each variant once."""
+    return compile_variants(
+        arch, shape, activations, check_candidates(arch, shape, activations, per_family, token_points, sample_tokens),
+        on_progress=on_progress,
+    )  # fmt: skip
+
+
+def check_candidates(
+    arch: str,
+    shape: LayerShape,
+    activations: ActivationPolicy,
+    per_family: int = 2,
+    token_points: Iterable[int] | None = None,
+    sample_tokens: Sequence[int] = (1,),
+) -> list[Candidate]:
+    """What :func:`check_arch` compiles: the defaults, then the samples not already among them."""
+    out = default_candidates(arch, shape, activations, token_points)
+    seen = {(c.gemm, c.tactic) for c in out}
+    for m in sample_tokens:
+        for c in sample_candidates(arch, shape, activations, per_family, m):
+            if (c.gemm, c.tactic) not in seen:
+                seen.add((c.gemm, c.tactic))
+                out.append(c)
+    return out
 
 
 def failed_defaults(reports: Iterable[CompileReport]) -> list[CompileReport]:
     """Reports of default variants (and routing) that did not compile: a non-zero exit."""
     return [r for r in reports if not r.ok and (r.origin.startswith("default") or r.stage == "route")]
+
+
+def check_failures(reports: Sequence[CompileReport]) -> list[str]:
+    """Why the check fails, one line per kernel naming its stage, kernel and tactic (empty when
+    it passes): a default or routing kernel that did not compile, or, for an MX policy on SM12x,
+    a compiled default GEMM whose PTX lacks the native block-scaled MMA (:data:`NATIVE_MMA`):
+    without it the policy runs decomposed, which is what the policy exists to avoid."""
+    lines = [
+        f"{_name(r)}: {r.status}: {r.message.splitlines()[0] if r.message else ''}" for r in failed_defaults(reports)
+    ]
+    for r in reports:
+        want = NATIVE_MMA.get(r.activations)
+        if (
+            want is not None
+            and r.ok
+            and r.stage != "route"
+            and r.origin.startswith("default")
+            and arch_device(r.arch).capability[0] == 12
+            and r.mma != want
+        ):
+            lines.append(f"{_name(r)}: PTX holds {r.mma or 'no matrix instruction'}, not the native {want}")
+    return lines
+
+
+def _name(r: CompileReport) -> str:
+    tactic = f" {GemmTactic.from_json(r.tactic).key()}" if r.tactic else ""
+    kernel = f" {r.kernel}" if r.kernel else ""  # a pruned variant never got as far as a kernel
+    return f"{r.arch} {r.activations} {r.stage}{kernel}{tactic} ({r.origin})"
 
 
 def _route_launch(k: ModuleType, shape: LayerShape, activations: str, num_tokens: int) -> Any:
@@ -441,7 +504,18 @@ class _TargetCompiler:
         from triton.runtime.driver import driver
 
         self.triton = triton
+        if interpreter_imported():
+            raise DeviceError(
+                "triton was imported with TRITON_INTERPRET=1: its own @jit functions are interpreter "
+                "functions, so nothing compiles ahead of time in this process",
+                hint="compile in a process that imports triton without TRITON_INTERPRET "
+                "(prepkit tune --compile-only does)",
+            )
         self._stack.enter_context(_env("TRITON_INTERPRET", None))
+        if "TRITON_DEFAULT_FP_FUSION" not in os.environ:
+            # Triton's default (fused), said explicitly: a launch compiles the same, minus the
+            # warning triton 3.9 prints once per process when the variable is unset.
+            self._stack.enter_context(_env("TRITON_DEFAULT_FP_FUSION", "1"))
         self.kernels = _compilable_kernels()
         # DriverConfig keeps the active driver in ``_active``; restore exactly that (its public
         # reset would build the default driver, which fails on a machine without a GPU).
@@ -473,7 +547,7 @@ class _TargetCompiler:
         try:
             launch()
         except Exception as exc:  # a launcher's own check: the variant never reached the compiler
-            return [replace(base, message=f"launcher refused: {exc}")]
+            return [replace(base, message=f"launcher refused: {_compiler_message(exc)}")]
         finally:
             self._knobs.runtime.jit_cache_hook = None
         if not recorded:
@@ -527,6 +601,20 @@ class _TargetCompiler:
                 f"{self.device.max_shared_mem}",
             )
         return report
+
+
+def interpreter_imported() -> bool:
+    """Whether triton's own library was imported under ``TRITON_INTERPRET=1`` (its ``@jit``
+    functions are then interpreter functions for the life of the process)."""
+    std = sys.modules.get("triton.language.standard")
+    return std is not None and type(getattr(std, "cdiv", None)).__name__ == "InterpretedFunction"
+
+
+def leave_interpreter() -> None:
+    """Turn ``TRITON_INTERPRET`` off for this process while triton is not imported yet, so a
+    compile-only process compiles even where the variable is set (it runs no kernel)."""
+    if "triton" not in sys.modules:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 def _compiler_message(exc: BaseException) -> str:
@@ -589,8 +677,23 @@ class _NvidiaTools:
     def __init__(self) -> None:
         from triton import knobs
 
-        self.cuobjdump = knobs.nvidia.cuobjdump.path
-        self.nvdisasm = knobs.nvidia.nvdisasm.path
+        # Found up front (each answers --version): a missing tool is one clear error, not a
+        # failure of every variant.
+        found = {}
+        for name in ("ptxas", "ptxas-blackwell", "cuobjdump", "nvdisasm"):
+            knob = name.replace("-", "_")
+            if not hasattr(knobs.nvidia, knob):
+                continue  # ptxas-blackwell is a newer triton's second ptxas (sm_90 and up)
+            try:
+                found[name] = getattr(knobs.nvidia, knob).path
+            except RuntimeError as exc:
+                env = f"TRITON_{name.upper().replace('-', '_')}_PATH"
+                raise DeviceError(
+                    f"the compile check needs {name}: {exc}",
+                    hint=f"the triton wheel ships it under triton/backends/nvidia/bin; or set {env}",
+                ) from None
+        self.cuobjdump = found["cuobjdump"]
+        self.nvdisasm = found["nvdisasm"]
 
     def inspect(self, cubin: bytes) -> tuple[dict[str, int], str]:
         """(resource usage fields, SASS listing) of one cubin."""

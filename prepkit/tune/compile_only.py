@@ -1,0 +1,179 @@
+"""``prepkit tune --compile-only``: compile the layer's kernels for a GPU this machine lacks.
+
+The layer comes from a recipe or a prepared shard set (TP rank 0, as the tuner tunes it); the
+defaults over the asked token counts and a bounded sample of each variant family are compiled
+for the reference device of ``--arch`` by :mod:`prepkit.kernels.compile_check`. Nothing here
+touches a GPU or a tactics DB, and nothing is printed: the caller gets lines to show.
+Importing this module imports neither torch nor triton.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prepkit.constants import TRITON_MOE_LAYOUT_ID
+from prepkit.errors import DeviceError, RecipeError
+from prepkit.kernels.device import ARCH_DEVICES
+
+if TYPE_CHECKING:
+    from prepkit.kernels.compile_check import Candidate, CompileReport, LayerShape
+
+# Architectures a compile-only run can target: those with a reference device.
+COMPILE_ARCHES: tuple[str, ...] = tuple(ARCH_DEVICES)
+
+LineFn = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """The layer one rank runs, and how to name it."""
+
+    label: str  # e.g. "gpt-oss-120b TP1 rank 0"
+    shape: LayerShape
+
+
+@dataclass(frozen=True)
+class CompileOnlyResult:
+    """Every kernel compiled (or not), and why the check fails (empty ``failures``: it passes)."""
+
+    arch: str
+    activations: str
+    target: CompileTarget
+    per_family: int
+    reports: list[CompileReport]
+    failures: list[str]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line: what compiled, by origin, and the MMA the default GEMMs use."""
+        defaults = [r for r in self.reports if r.origin.startswith("default")]
+        sampled = [r for r in self.reports if r.origin.startswith("sample")]
+        route = [r for r in self.reports if r.stage == "route"]
+        mmas = sorted({r.mma or "none" for r in defaults if r.ok})
+        return (
+            f"{self.arch} ({ARCH_DEVICES[self.arch].name}) {self.activations}, {self.target.label}: "
+            f"defaults {_count(defaults)}, MMA {', '.join(mmas) or '-'}; routing {_count(route)}; "
+            f"sample ({self.per_family} per family) {_count(sampled)}; {self.elapsed_s:.0f} s"
+        )
+
+
+def _count(reports: Sequence[CompileReport]) -> str:
+    ok = sum(r.ok for r in reports)
+    pruned = sum(r.status == "pruned" for r in reports)
+    failed = len(reports) - ok - pruned
+    return (
+        f"{ok}/{len(reports)} compiled"
+        + (f", {pruned} pruned" if pruned else "")
+        + (f", {failed} failed" if failed else "")
+    )
+
+
+def check_arch_name(arch: str) -> str:
+    """``arch`` when a compile-only run can target it.
+
+    Raises:
+        DeviceError: ``auto`` (there is no GPU to detect) or an architecture without a reference
+            device.
+    """
+    if arch not in ARCH_DEVICES:
+        choices = ", ".join(f"{a} ({d.name})" for a, d in ARCH_DEVICES.items())
+        why = "needs a named target: there is no GPU to detect" if arch == "auto" else "has no reference device"
+        raise DeviceError(f"--compile-only with --arch {arch} {why}", hint=f"use --arch with one of {choices}")
+    return arch
+
+
+def layer_target(*, model: str | None, shards: Path | None, tp: int | None) -> CompileTarget:
+    """TP rank 0's layer of a recipe (default gpt-oss-120b, TP ``tp`` or 1) or of a prepared
+    triton-moe shard set (its own TP and EP split).
+
+    Raises:
+        RecipeError: unknown recipe; shards in another layout, or ``tp`` disagreeing with them.
+    """
+    from prepkit.kernels.compile_check import LayerShape
+
+    if shards is not None:
+        from prepkit.manifest import Manifest
+
+        man = Manifest.read(shards)
+        if man.layout.id != TRITON_MOE_LAYOUT_ID:
+            raise RecipeError(
+                f"{shards} is in layout {man.layout.id!r}; the bundled kernel reads {TRITON_MOE_LAYOUT_ID!r}",
+                hint="prepare with --layout triton-moe, or use --model",
+            )
+        m_tp, ep = man.parallel.tp_size, man.parallel.ep_size
+        if tp is not None and tp != m_tp:
+            raise RecipeError(f"--tp {tp} but {shards} was prepared for tp={m_tp}", hint="drop --tp")
+        split = f"TP{m_tp}" + (f" EP{ep}" if ep > 1 else "")
+        return CompileTarget(f"{shards} {split} rank 0", LayerShape.of(man.model.dims, m_tp, 0, ep))
+    from prepkit.recipes import load_recipe, model_dims
+
+    recipe = load_recipe(model or "gpt-oss-120b")
+    tp = tp or 1
+    return CompileTarget(f"{recipe.name} TP{tp} rank 0", LayerShape.of(model_dims(recipe.reference_dims), tp))
+
+
+def run_compile_only(
+    arch: str,
+    activations: str,
+    target: CompileTarget,
+    *,
+    per_family: int = 1,
+    points: Sequence[int] | None = None,
+    on_line: LineFn | None = None,
+) -> CompileOnlyResult:
+    """Compile the defaults over ``points`` (the tactic table's token points by default) and
+    ``per_family`` variants of each family of the variant spaces at the fewest and most tokens,
+    for ``arch``'s reference device; ``on_line`` hears one line per kernel as it is done."""
+    from prepkit.kernels import compile_check as cc
+    from prepkit.kernels.activations import check_policy
+    from prepkit.tactics.lookup import TOKEN_POINTS
+
+    check_arch_name(arch)
+    policy = check_policy(activations)
+    pts = tuple(points or TOKEN_POINTS)
+    candidates = cc.check_candidates(
+        arch, target.shape, policy, per_family, pts, sample_tokens=sorted({min(pts), max(pts)})
+    )
+    if on_line is not None:
+        on_line(
+            f"compiling {len(candidates)} GEMM variants and their routing for {arch} "
+            f"({ARCH_DEVICES[arch].name}), {activations} activations, {target.label}"
+        )
+
+    def progress(done: int, total: int, cand: Candidate, reports: list[CompileReport]) -> None:
+        if on_line is not None:
+            for r in reports:
+                on_line(progress_line(done, total, r))
+
+    start = time.perf_counter()
+    reports = cc.compile_variants(arch, target.shape, policy, candidates, on_progress=progress)
+    return CompileOnlyResult(
+        arch, activations, target, per_family, reports, cc.check_failures(reports), time.perf_counter() - start
+    )
+
+
+def progress_line(done: int, total: int, r: CompileReport) -> str:
+    """``[3/23] gemm1 m16n128k128... (default T=1-8): compiled 4.1 s, 153 regs, ...``"""
+    from prepkit.kernels.tactic import GemmTactic
+
+    kernel = r.kernel.strip("_").removesuffix("_kernel")
+    what = f"{r.stage} {GemmTactic.from_json(r.tactic).key()}" if r.tactic else f"{r.stage} {kernel}"
+    head = f"[{done}/{total}] {what} ({r.origin}): "
+    if not r.ok:
+        return head + f"{r.status}: {r.message.splitlines()[0] if r.message else ''}"
+    facts = [
+        "compiled" + (f" in {r.compile_s:.1f} s" if r.compile_s is not None else ""),
+        f"{r.registers} regs" if r.registers is not None else "",
+        f"{r.spill_bytes} B spilled" if r.spill_bytes else "",
+        f"{r.shared_bytes} B shared" if r.shared_bytes is not None else "",
+        r.mma,
+    ]
+    return head + ", ".join(f for f in facts if f)

@@ -1,0 +1,178 @@
+"""The compile check's helpers on literal inputs and small shapes (no compiling: the kernel
+tests' conftest imports triton under TRITON_INTERPRET, which stops ahead-of-time compiles in this
+process; tests/test_cli_tune_compile.py compiles, in fresh processes)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from prepkit.kernels import compile_check as cc
+from prepkit.kernels.device import ARCH_DEVICES
+from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.variants import invalid_reason
+from prepkit.layouts.base import ModelDims
+
+SMALL = cc.LayerShape.of(ModelDims(1, 8, 256, 512, 2), 1)
+
+
+def test_ranges_joins_consecutive_points() -> None:
+    assert cc._ranges([1, 2, 3, 8, 12]) == "1-3,8,12"
+    assert cc._ranges([5]) == "5"
+    assert cc._ranges([4, 5, 7, 8, 9]) == "4-5,7-9"
+
+
+def test_spread_keeps_ends_and_count() -> None:
+    items = [GemmTactic(16, 64 * (i + 1), 128, 4, 3, 1, "asm", "ptr") for i in range(10)]
+    for count in (2, 3, 4, 7):
+        picked = cc._spread(items, count)
+        assert len(picked) == count
+        assert picked[0] is items[0] and picked[-1] is items[-1]
+        idx = [items.index(t) for t in picked]
+        assert idx == sorted(set(idx))
+        # evenly spread: no gap exceeds the even gap by more than one
+        gaps = [b - a for a, b in zip(idx, idx[1:], strict=False)]
+        assert max(gaps) - min(gaps) <= 1
+    assert cc._spread(items, 1) == [items[0]]
+    assert cc._spread(items, 0) == []
+    assert cc._spread(items, 50) == items
+    assert cc._spread([], 3) == []
+
+
+@pytest.mark.parametrize(
+    ("ptx", "label"),
+    [
+        ("mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0 {",
+         "block_scale mxf8f6f4"),
+        ("mma.sync.aligned.m16n8k64.row.col.kind::mxf4nvf4.block_scale.scale_vec::2X.f32.e2m1.e2m1.f32.ue8m0 {",
+         "block_scale mxf4nvf4"),
+        ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {", "wgmma"),
+        ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {", "mma.sync bf16"),
+        ("mov.u32 %r1, 0;", ""),
+    ],
+)  # fmt: skip
+def test_mma_kind_labels_the_instruction(ptx: str, label: str) -> None:
+    found, instruction = cc.mma_kind(f"//\n.target sm_120a\n\t{ptx}\n\tret;\n")
+    assert found == label
+    assert (instruction != "") == bool(label) and ptx.startswith(instruction)
+
+
+def test_mma_kind_prefers_the_block_scaled_mma_over_a_bf16_one() -> None:
+    ptx = (
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {};\n"
+        "mma.sync.aligned.m16n8k32.row.col.kind::mxf8f6f4.block_scale.scale_vec::1X.f32.e4m3.e4m3.f32.ue8m0 {};\n"
+    )
+    assert cc.mma_kind(ptx)[0] == "block_scale mxf8f6f4"
+
+
+def _sass(lines: list[str]) -> str:
+    out, addr = [], 0
+    for line in lines:
+        if line.endswith(":"):
+            out.append(line)
+        else:
+            out.append(f"        /*{addr:04x}*/                   {line} ;")
+            addr += 16
+    return "\n".join(out)
+
+
+def test_k_loop_is_the_innermost_back_edge_loop_holding_mma() -> None:
+    sass = _sass(
+        [
+            "MOV R1, c[0x0][0x28]",
+            ".L_x_0:",  # outer loop: 9 instructions, 2 MMA
+            "IADD3 R2, R2, 0x1, RZ",
+            ".L_x_1:",  # inner loop (the K step): 5 instructions, 2 MMA
+            "LDS.128 R4, [R3]",
+            "HMMA.16816.F32.BF16 R8, R4, R6, R8",
+            "HMMA.16816.F32.BF16 R12, R4, R6, R12",
+            "ISETP.GE.AND P0, PT, R2, 0x4, PT",
+            "@!P0 BRA `(.L_x_1)",
+            "STS [R3], R8",
+            "ISETP.GE.AND P1, PT, R2, 0x8, PT",
+            "@!P1 BRA `(.L_x_0)",
+            ".L_x_2:",  # a loop without MMA: ignored
+            "IADD3 R9, R9, 0x1, RZ",
+            "@P2 BRA `(.L_x_2)",
+            "EXIT",
+        ]
+    )
+    assert cc.k_loop(sass) == (5, 2)
+
+
+def test_k_loop_is_none_without_a_loop_holding_mma() -> None:
+    straight = _sass(["HMMA.16816.F32.BF16 R8, R4, R6, R8", ".L_x_0:", "IADD3 R2, R2, 0x1, RZ", "@P0 BRA `(.L_x_0)"])
+    forward = _sass(["@P0 BRA `(.L_x_3)", "HMMA.16816.F32.BF16 R8, R4, R6, R8", ".L_x_3:", "EXIT"])
+    assert cc.k_loop(straight) is None
+    assert cc.k_loop(forward) is None
+
+
+def _report(**kw: object) -> cc.CompileReport:
+    t = GemmTactic(16, 128, 128, 4, 3, 1, "dot_scaled", "ptr")
+    base = cc.CompileReport(
+        "sm121", "mxfp8", "gemm1", t.to_json(), "default T=1-8", "compiled", kernel="_gemm1_swiglu_kernel",
+        mma="block_scale mxf8f6f4",
+    )  # fmt: skip
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def test_check_failures_names_failed_defaults_and_routing_not_samples() -> None:
+    ok = _report()
+    route = _report(stage="route", tactic="", origin="T=1", kernel="_route_kernel", mma="")
+    assert cc.check_failures([ok, route]) == []
+    bad = _report(status="failed", message="PassManager::run failed\nmore")
+    pruned = _report(stage="gemm2", status="pruned", message="too much shared memory", kernel="")
+    sample = _report(origin="sample dot_scaled/ptr/tail/swap", status="failed", message="ptxas error")
+    bad_route = replace(route, status="failed", message="launcher refused: no")
+    lines = cc.check_failures([ok, bad, pruned, sample, bad_route])
+    assert len(lines) == 3
+    key = GemmTactic.from_json(ok.tactic).key()
+    assert "gemm1 _gemm1_swiglu_kernel " + key in lines[0] and "PassManager::run failed" in lines[0]
+    assert "more" not in lines[0]
+    assert "gemm2" in lines[1] and "pruned: too much shared memory" in lines[1]
+    assert "route _route_kernel" in lines[2]
+
+
+def test_check_failures_wants_the_native_mma_of_mx_defaults_on_sm12x_only() -> None:
+    decomposed = _report(mma="mma.sync bf16")
+    assert len(cc.check_failures([decomposed])) == 1
+    assert "not the native block_scale mxf8f6f4" in cc.check_failures([decomposed])[0]
+    assert "not the native block_scale mxf4nvf4" in cc.check_failures([replace(decomposed, activations="mxfp4")])[0]
+    assert cc.check_failures([replace(decomposed, arch="sm120")]) != []
+    # Hopper has no native path; bf16 wants none; a sampled variant never fails the check
+    assert cc.check_failures([replace(decomposed, arch="sm90")]) == []
+    assert cc.check_failures([replace(decomposed, activations="bf16")]) == []
+    assert cc.check_failures([replace(decomposed, origin="sample dot_scaled/ptr/tail/swap")]) == []
+
+
+@pytest.mark.parametrize("activations", ["bf16", "mxfp8", "mxfp4"])
+def test_samples_are_valid_bounded_per_family_and_spread(activations: str) -> None:
+    device = ARCH_DEVICES["sm121"]
+    for per_family in (1, 2):
+        cands = cc.sample_candidates("sm121", SMALL, activations, per_family, num_tokens=64)  # type: ignore[arg-type]
+        assert cands
+        by_family: dict[tuple[str, str], list[GemmTactic]] = {}
+        for c in cands:
+            assert invalid_reason(c.tactic, c.gemm, device, activations) is None  # type: ignore[arg-type]
+            assert c.origin == "sample " + cc.family(c.tactic, activations)  # type: ignore[arg-type]
+            by_family.setdefault((c.gemm, c.origin), []).append(c.tactic)
+        assert all(1 <= len(v) <= per_family for v in by_family.values())
+    # one per family is each family's first member; two add a different, later one
+    one = {(c.gemm, c.origin): c.tactic for c in cc.sample_candidates("sm121", SMALL, activations, 1, 64)}  # type: ignore[arg-type]
+    two = cc.sample_candidates("sm121", SMALL, activations, 2, 64)  # type: ignore[arg-type]
+    for c in two:
+        assert (c.gemm, c.origin) in one
+    assert {(c.gemm, c.origin) for c in two} == set(one)
+
+
+def test_check_candidates_puts_defaults_first_and_compiles_each_variant_once() -> None:
+    cands = cc.check_candidates("sm120", SMALL, "mxfp8", 2, (1, 2, 64, 512), sample_tokens=(1, 512))
+    origins = [c.origin.split()[0] for c in cands]
+    assert origins == sorted(origins)  # "default" < "sample"
+    keys = [(c.gemm, c.tactic) for c in cands]
+    assert len(keys) == len(set(keys))
+    defaults = cc.default_candidates("sm120", SMALL, "mxfp8", (1, 2, 64, 512))
+    assert cands[: len(defaults)] == defaults
+    # the large-token space adds tiles of more than 16 rows that one token never uses
+    assert max(c.tactic.block_m for c in cands if c.origin.startswith("sample")) > 16
