@@ -21,7 +21,7 @@ install: $(STAMP)
 # prepared for trtllm-gen at TP 4, then verified byte for byte against the source.
 demo: $(STAMP)
 	rm -rf $(DEMO)
-	$(BIN)/prepkit synth $(DEMO)/model --layers 2 --experts 4 --shards 3
+	$(BIN)/prepkit synth --out $(DEMO)/model --layers 2 --experts 4 --num-shards 3
 	$(BIN)/prepkit prepare --src $(DEMO)/model --layout trtllm-gen --tp 4 --out $(DEMO)/trtllm-gen-tp4
 	$(BIN)/prepkit verify $(DEMO)/trtllm-gen-tp4 --src $(DEMO)/model
 
