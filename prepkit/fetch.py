@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 from prepkit import __version__
 from prepkit.constants import FETCH_RECORD, INDEX_NAME
-from prepkit.errors import FetchError, RecipeError
+from prepkit.errors import FetchError, OutputError, RecipeError
 from prepkit.fsutil import format_bytes, free_bytes, write_atomic, write_json_atomic
 from prepkit.locks import exclusive
 
@@ -611,9 +611,9 @@ def _hash_matches(remote: RemoteFile, sha256: str | None, git_blob: str | None) 
 def _folder_lock(dest: Path) -> Iterator[None]:
     """One fetch per folder: the orphan cleanup would delete another run's in-flight partial files."""
 
-    def busy(pid: int | None) -> FetchError:
+    def busy(pid: int | None) -> OutputError:
         holder = f" (pid {pid})" if pid else ""
-        return FetchError(
+        return OutputError(  # busy is exit 3 for every command that writes a folder or DB
             f"another prepkit fetch{holder} is writing {dest}",
             hint="wait for it to finish, or fetch elsewhere with --local-dir",
         )
