@@ -153,11 +153,16 @@ def _code_table() -> torch.Tensor:
     return torch.tensor(codes + [c | 8 if c else 0 for c in codes], dtype=torch.uint8)
 
 
-def _random_fp4_bytes(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+def _random_fp4_bytes(shape: tuple[int, ...], g: torch.Generator, chunk: int = 1 << 24) -> torch.Tensor:
+    # In chunks: the table lookup needs int64 indices, 16 bytes per output byte at once otherwise.
     table = _code_table()
-    low = table[torch.randint(0, 256, shape, generator=g)]
-    high = table[torch.randint(0, 256, shape, generator=g)]
-    return low | (high << 4)
+    out = torch.empty(shape, dtype=torch.uint8)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        pair = torch.randint(0, 1 << 16, (n,), generator=g)  # one draw for both nibbles
+        flat[start : start + n] = table[pair & 255] | (table[pair >> 8] << 4)
+    return out
 
 
 def shard_names(count: int) -> list[str]:
