@@ -4,8 +4,10 @@ Writes ``config.json``, ``generation_config.json``, ``model.safetensors.index.js
 ``model-{i:05d}-of-{last:05d}.safetensors`` numbered from 0 (the hub's "of" is the last index),
 with every tensor of every layer, sorted by name as the hub's converter sorted them, split at
 tensor granularity so a layer's tensors can straddle two shards. Data is random, never zero;
-E8M0 scale bytes stay in a plausible exponent window and never hit 0xFF (NaN).
-Deterministic for a seed: each tensor draws from its own generator seeded by (seed, name).
+Statistics follow gpt-oss's: E2M1 codes spread like quantized Gaussian weights, E8M0 scales
+around 2^-9 .. 2^-6 (dequantized |w| near 1e-2), small biases, token ids inside the vocabulary,
+so that Hugging Face transformers loads the folder and a forward pass stays in the SwiGLU's
+unclamped range. Deterministic for a seed: each tensor draws from its own generator seeded by (seed, name).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from prepkit.recipes import Recipe, load_recipe, shape_of
 from prepkit.shards import sha256_file
 
 SYNTH_RECORD_FORMAT = "prepkit-synth/1"
-SCALE_LOW, SCALE_HIGH = 112, 132  # E8M0 exponents 2^-15 .. 2^4: realistic, never 0xFF
+SCALE_LOW, SCALE_HIGH = 118, 121  # E8M0 exponents 2^-9 .. 2^-6, where gpt-oss's experts sit
+# Probability of each E2M1 magnitude 0, 0.5, 1, 1.5, 2, 3, 4, 6 for a Gaussian block whose
+# largest of 32 values lands near code 6 (sigma about 2 code units), as a quantizer leaves them.
+CODE_MAGNITUDE_WEIGHTS = (0.10, 0.19, 0.18, 0.15, 0.12, 0.15, 0.08, 0.03)
+REAL_VOCAB_SIZE = 201088
+# The hub's special ids (bos, pad, eos, <|call|>); a smaller vocabulary keeps its last four ids.
+REAL_TOKEN_IDS = {"bos": 199998, "pad": 199999, "eos": 200002, "call": 200012}
 DEFAULT_MAX_SHARD_BYTES = 4_800_000_000  # the hub converter's cap
 
 
@@ -45,12 +53,13 @@ def synthetic_config(
     head_dim: int = 64,
 ) -> dict[str, Any]:
     """A gpt-oss ``config.json`` with the hub's keys and spellings, dims as given."""
+    ids = special_token_ids(vocab_size)
     return {
         "architectures": ["GptOssForCausalLM"],
         "attention_bias": True,
         "attention_dropout": 0.0,
-        "eos_token_id": 200002,
-        "pad_token_id": 199999,
+        "eos_token_id": ids["eos"],
+        "pad_token_id": ids["pad"],
         "experts_per_token": top_k,
         "num_experts_per_tok": top_k,
         "head_dim": head_dim,
@@ -96,6 +105,16 @@ def synthetic_config(
     }
 
 
+def special_token_ids(vocab_size: int) -> dict[str, int]:
+    """bos / pad / eos / call ids: the hub's with the real vocabulary, else the last four ids,
+    so every id indexes the embedding (transformers refuses a padding id outside it)."""
+    if vocab_size >= REAL_VOCAB_SIZE:
+        return dict(REAL_TOKEN_IDS)
+    if vocab_size < len(REAL_TOKEN_IDS):
+        raise CheckpointError(f"vocab_size {vocab_size} cannot hold the {len(REAL_TOKEN_IDS)} special token ids")
+    return {name: vocab_size - len(REAL_TOKEN_IDS) + i for i, name in enumerate(REAL_TOKEN_IDS)}
+
+
 def tensor_table(recipe: Recipe, config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Name -> (shape, dtype) of every tensor of a checkpoint with this config."""
     table: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
@@ -119,10 +138,31 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, seed: i
     if dtype == torch.uint8 and name.endswith("_scales"):
         return torch.randint(SCALE_LOW, SCALE_HIGH + 1, shape, dtype=torch.uint8, generator=g)
     if dtype == torch.uint8:
-        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+        return _random_fp4_bytes(shape, g)
     values = torch.randn(shape, generator=g, dtype=torch.float32)
     values = 1.0 + 0.1 * values if name.endswith("norm.weight") else 0.02 * values
     return values.to(dtype)
+
+
+def _code_table() -> torch.Tensor:
+    """256 E2M1 nibbles (sign bit 8) whose frequencies follow ``CODE_MAGNITUDE_WEIGHTS``, each
+    sign half and never nibble 8 (-0, which a quantizer does not write)."""
+    counts = [round(128 * w) for w in CODE_MAGNITUDE_WEIGHTS]
+    counts[1] += 128 - sum(counts)  # rounding remainder onto a common small code
+    codes = [c for c, n in enumerate(counts) for _ in range(n)]
+    return torch.tensor(codes + [c | 8 if c else 0 for c in codes], dtype=torch.uint8)
+
+
+def _random_fp4_bytes(shape: tuple[int, ...], g: torch.Generator, chunk: int = 1 << 24) -> torch.Tensor:
+    # In chunks: the table lookup needs int64 indices, 16 bytes per output byte at once otherwise.
+    table = _code_table()
+    out = torch.empty(shape, dtype=torch.uint8)
+    flat = out.view(-1)
+    for start in range(0, flat.numel(), chunk):
+        n = min(chunk, flat.numel() - start)
+        pair = torch.randint(0, 1 << 16, (n,), generator=g)  # one draw for both nibbles
+        flat[start : start + n] = table[pair & 255] | (table[pair >> 8] << 4)
+    return out
 
 
 def shard_names(count: int) -> list[str]:
@@ -188,6 +228,7 @@ def write_synthetic_checkpoint(
         num_key_value_heads=num_key_value_heads,
         head_dim=head_dim,
     )
+    ids = special_token_ids(vocab_size)
     table = tensor_table(recipe, config)
     sizes = {n: _nbytes(s, d) for n, (s, d) in table.items()}
     total = sum(sizes.values())
@@ -211,10 +252,10 @@ def write_synthetic_checkpoint(
     _write_json(
         out / "generation_config.json",
         {
-            "bos_token_id": 199998,
+            "bos_token_id": ids["bos"],
             "do_sample": True,
-            "eos_token_id": [200002, 199999, 200012],
-            "pad_token_id": 199999,
+            "eos_token_id": [ids["eos"], ids["pad"], ids["call"]],
+            "pad_token_id": ids["pad"],
             "transformers_version": "4.55.0.dev0",
         },
     )
