@@ -54,3 +54,14 @@ def make_layer(w: ExpertWeights, top_k: int, spec=None, device: str = "cpu", **k
         **kwargs,
     )
     return layer, plan
+
+
+def random_inputs(T: int, E: int, H: int, *, seed: int, device: str = "cpu", dead_experts: int = 0):
+    """``[T, H]`` bf16 tokens and ``[T, E]`` router logits; the first ``dead_experts`` experts
+    never make a token's top-k."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=g)
+    if dead_experts:
+        logits[:, :dead_experts] -= 100.0
+    return x.to(device), logits.to(device)

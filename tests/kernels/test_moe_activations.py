@@ -17,7 +17,7 @@ from prepkit.kernels.reference import moe_reference, relative_error
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.layouts.base import RankSpec
 from prepkit.runtime import moe
-from tests.kernels.moe_data import make_layer, random_experts
+from tests.kernels.moe_data import make_layer, random_experts, random_inputs
 
 E, H, I, TOP_K = 8, 64, 96, 4
 MX = ("mxfp8", "mxfp4")
@@ -37,12 +37,7 @@ def experts():
 
 
 def _inputs(T: int, seed: int, device: str, dead_experts: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    logits = torch.randn(T, E, generator=g)
-    if dead_experts:
-        logits[:, :dead_experts] -= 100.0
-    return x.to(device), logits.to(device)
+    return random_inputs(T, E, H, seed=seed, device=device, dead_experts=dead_experts)
 
 
 def _check(experts, policy, T, tactics, seed=0, spec=None, dead=0, device="cpu"):

@@ -13,7 +13,7 @@ from prepkit.kernels.reference import moe_reference, relative_error
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.layouts.base import RankSpec
 from prepkit.runtime import moe
-from tests.kernels.moe_data import make_layer, random_experts
+from tests.kernels.moe_data import make_layer, random_experts, random_inputs
 
 E, H, I, TOP_K = 8, 64, 96, 4
 # bf16 activations and a bf16 intermediate against an fp64 oracle: about 2e-3 is expected.
@@ -28,12 +28,7 @@ def experts():
 
 
 def _inputs(T: int, seed: int, device: str, dead_experts: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    logits = torch.randn(T, E, generator=g)
-    if dead_experts:
-        logits[:, :dead_experts] -= 100.0  # these experts never make a token's top-k
-    return x.to(device), logits.to(device)
+    return random_inputs(T, E, H, seed=seed, device=device, dead_experts=dead_experts)
 
 
 def _check(experts, layer, plan, x, logits, tactics, tp_rank=0):
