@@ -35,8 +35,7 @@ from prepkit.kernels.device import DeviceInfo  # noqa: E402
 from prepkit.kernels.reference import moe_reference, relative_error  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant  # noqa: E402
-from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankSpec  # noqa: E402
-from prepkit.layouts.triton_moe import LAYOUT  # noqa: E402
+from prepkit.layouts.base import ExpertWeights  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -73,11 +72,7 @@ def synth_layer(device: torch.device, seed: int = 0) -> tuple[MoeLayer, ExpertWe
         down_proj_scales=u8((E, H, I // 32), 119, 124),
         down_proj_bias=(torch.randn((E, H), generator=g, device=device) * 0.1).to(torch.bfloat16),
     )
-    plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), RankSpec(), LayoutOptions())
-    layer = MoeLayer.from_tensors(
-        LAYOUT.build(source, plan), layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
-        valid_intermediate=I, top_k=TOP_K, facts=plan.facts,
-    )  # fmt: skip
+    layer, _ = MoeLayer.from_experts(source, top_k=TOP_K)
     return layer, source
 
 

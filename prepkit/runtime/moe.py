@@ -29,7 +29,8 @@ from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant
-from prepkit.layouts.triton_moe import tensor_specs
+from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec
+from prepkit.layouts.triton_moe import LAYOUT, tensor_specs
 
 # The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
 # through the constants so that checking a manifest does not import triton.
@@ -76,6 +77,30 @@ class MoeLayer:
     def __post_init__(self) -> None:
         check_policy(self.activations)
         self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
+
+    @classmethod
+    def from_experts(
+        cls, experts: ExpertWeights, *, top_k: int, rank: RankSpec | None = None, **kwargs: Any
+    ) -> tuple[MoeLayer, RankPlan]:
+        """The layer ``rank`` holds of one layer's checkpoint-form ``experts`` (all of them), built
+        in memory by the kernel's layout as ``prepkit prepare --layout triton-moe`` would write it,
+        and the layout's plan. For the tuner, benchmarks and tests; ``kwargs`` go to
+        :meth:`from_tensors`."""
+        rank = rank or RankSpec()
+        dims = ModelDims(1, experts.num_experts, experts.hidden, experts.intermediate, top_k)
+        plan = LAYOUT.plan_rank(dims, rank, LayoutOptions())
+        layer = cls.from_tensors(
+            LAYOUT.build(experts.experts(*plan.expert_range), plan),
+            layout_id=LAYOUT.layout_id,
+            num_experts=experts.num_experts,
+            expert_range=plan.expert_range,
+            valid_intermediate=plan.valid_intermediate,
+            top_k=top_k,
+            tp_rank=rank.tp_rank,
+            facts=plan.facts,
+            **kwargs,
+        )
+        return layer, plan
 
     @classmethod
     def from_tensors(

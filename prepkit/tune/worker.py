@@ -41,8 +41,7 @@ class GpuBench:
         import torch
 
         from prepkit.kernels.device import DeviceInfo
-        from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankSpec
-        from prepkit.layouts.triton_moe import LAYOUT
+        from prepkit.layouts.base import ExpertWeights
         from prepkit.runtime.moe import MoeLayer
 
         self.torch = torch
@@ -78,12 +77,7 @@ class GpuBench:
             down_proj_scales=scales(E, H, I // 32),
             down_proj_bias=(torch.randn(E, H, generator=g, device=self.dev) * 0.1).to(torch.bfloat16),
         )
-        plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, top_k), RankSpec(), LayoutOptions())
-        tensors = LAYOUT.build(self.source, plan)
-        self.layer = MoeLayer.from_tensors(
-            tensors, layout_id=LAYOUT.layout_id, num_experts=E, expert_range=(0, E),
-            valid_intermediate=I, top_k=top_k, facts=plan.facts, activations=self.activations,
-        )  # fmt: skip
+        self.layer, _ = MoeLayer.from_experts(self.source, top_k=top_k, activations=self.activations)
         self.layer.device_info = self.info
         self.gen = g
         self._refs: dict[int, tuple[Any, Any, Any]] = {}

@@ -43,23 +43,9 @@ def checkpoint():
 
 
 def _layer(checkpoint, spec):
-    from prepkit.layouts.base import LayoutOptions, ModelDims
-    from prepkit.layouts.triton_moe import LAYOUT
     from prepkit.runtime import MoeLayer
 
-    plan = LAYOUT.plan_rank(ModelDims(1, E, H, I, TOP_K), spec, LayoutOptions())
-    tensors = LAYOUT.build(checkpoint.experts(*plan.expert_range), plan)
-    layer = MoeLayer.from_tensors(
-        tensors,
-        layout_id=LAYOUT.layout_id,
-        num_experts=E,
-        expert_range=plan.expert_range,
-        valid_intermediate=plan.valid_intermediate,
-        top_k=TOP_K,
-        tp_rank=spec.tp_rank,
-        facts=plan.facts,
-    )
-    return layer, plan
+    return MoeLayer.from_experts(checkpoint, top_k=TOP_K, rank=spec)
 
 
 def _inputs(T, seed, dead=0):

@@ -33,27 +33,9 @@ def random_experts(E: int, H: int, I: int, *, seed: int, device: str = "cpu") ->
 
 def make_layer(w: ExpertWeights, top_k: int, spec=None, device: str = "cpu", **kwargs):
     """Prepare ``w`` with the triton-moe layout for ``spec`` and wrap it as a runtime layer."""
-    from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
-    from prepkit.layouts.triton_moe import LAYOUT
     from prepkit.runtime import MoeLayer
 
-    spec = spec or RankSpec()
-    dims = ModelDims(1, w.num_experts, w.hidden, w.intermediate, top_k)
-    plan = LAYOUT.plan_rank(dims, spec, LayoutOptions())
-    tensors = LAYOUT.build(w.experts(*plan.expert_range), plan)
-    layer = MoeLayer.from_tensors(
-        tensors,
-        layout_id=LAYOUT.layout_id,
-        num_experts=w.num_experts,
-        expert_range=plan.expert_range,
-        valid_intermediate=plan.valid_intermediate,
-        top_k=top_k,
-        tp_rank=spec.tp_rank,
-        device=device,
-        facts=plan.facts,
-        **kwargs,
-    )
-    return layer, plan
+    return MoeLayer.from_experts(w, top_k=top_k, rank=spec, device=device, **kwargs)
 
 
 def random_inputs(T: int, E: int, H: int, *, seed: int, device: str = "cpu", dead_experts: int = 0):
