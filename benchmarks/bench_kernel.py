@@ -176,22 +176,20 @@ def dequant_layout(panels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return (vals * scale[..., None]).flatten(-2).to(torch.bfloat16)
 
 
-def torch_baseline(
-    layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
+def torch_baseline(layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """The speed baseline in plain torch: route, then per hit expert dequantize the stored panel
-    bytes and matmul in ``dtype``. The same work as the layer, not its values (the panel bytes are
+    bytes and matmul in bf16. The same work as the layer, not its values (the panel bytes are
     read in storage order); the accuracy reference is :func:`moe_reference`."""
     values, ids = torch.topk(logits.float(), TOP_K, dim=-1)
     weights = torch.softmax(values, dim=-1)
     out = torch.zeros((x.shape[0], H), dtype=torch.float32, device=x.device)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        w13 = dequant_layout(layer.w13_blocks[e], layer.w13_scales[e]).to(dtype)
-        y = (x[tok].to(dtype) @ w13.T).float() + layer.w13_bias[e]
+        w13 = dequant_layout(layer.w13_blocks[e], layer.w13_scales[e])
+        y = (x[tok] @ w13.T).float() + layer.w13_bias[e]
         gate, up = y[:, 0::2].clamp(max=7.0), y[:, 1::2].clamp(-7.0, 7.0)
-        act = (gate * torch.sigmoid(1.702 * gate) * (up + 1)).to(dtype)
-        w2 = dequant_layout(layer.w2_blocks[e], layer.w2_scales[e]).to(dtype)
+        act = (gate * torch.sigmoid(1.702 * gate) * (up + 1)).to(torch.bfloat16)
+        w2 = dequant_layout(layer.w2_blocks[e], layer.w2_scales[e])
         z = (act @ w2.T).float() + layer.w2_bias[e]
         out.index_add_(0, tok, z * weights[tok, slot, None])
     return out

@@ -15,6 +15,7 @@ Triton's decomposition, and says so once per process.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable, Mapping
@@ -261,6 +262,7 @@ _DECOMPOSED_WARNED: set[tuple[str, tuple[int, int]]] = set()
 NATIVE_MX_TRITON_SM12X = (3, 6)
 
 
+@functools.cache
 def lowers_natively(capability: tuple[int, int], triton_version: str | None = None) -> bool:
     """Whether Triton lowers same-format MX ``tl.dot_scaled`` to block-scaled MMA on a GPU of
     this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``, from Triton
