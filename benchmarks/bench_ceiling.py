@@ -34,6 +34,8 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, graph_us_per_set  # noqa: E402
 from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
+from prepkit.kernels.moe_mxfp4._mainloop import _panel_step  # noqa: E402
+from prepkit.kernels.moe_mxfp4._routing import _locate_block  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.layouts.triton_moe import to_panels  # noqa: E402
 
@@ -66,7 +68,7 @@ def _stream_kernel(
     describing it as ``[tiles * BLOCK_N, BLOCK_K/2]`` (TMA only)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    valid, e, _, _, _ = k._locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, 16)
+    valid, e, _, _, _ = _locate_block(counts_ptr, pid_m, E_LOCAL, E_PAD, 16)
     if valid:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         e64 = e.to(tl.int64)
@@ -84,7 +86,7 @@ def _stream_kernel(
             if ORDER == 2:
                 acc ^= w_desc.load([w_row + (k0 // BLOCK_K) * BLOCK_N, 0]).to(tl.int32)
             elif ORDER == 1:
-                w_off, w_row_off, w_col = k._panel_step(k0, N, 256)
+                w_off, w_row_off, w_col = _panel_step(k0, N, 256)
                 if W_TMA:
                     acc ^= w_desc.load([w_row + w_row_off, w_col]).to(tl.int32)
                 else:

@@ -20,7 +20,6 @@ its reason and never reach the compiler.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -59,6 +58,9 @@ _MMA_KINDS: tuple[tuple[str, str], ...] = (
 )
 # What each policy's GEMMs must use on SM12x (sm_120a / sm_121a): the native block-scaled MMA.
 NATIVE_MMA: dict[str, str] = {"mxfp8": "block_scale mxf8f6f4", "mxfp4": "block_scale mxf4nvf4"}
+_FRESH_PROCESS_HINT = (
+    "compile in a process that imports triton without TRITON_INTERPRET (prepkit tune --compile-only does)"
+)
 
 
 @dataclass(frozen=True)
@@ -508,8 +510,7 @@ class _TargetCompiler:
             raise DeviceError(
                 "triton was imported with TRITON_INTERPRET=1: its own @jit functions are interpreter "
                 "functions, so nothing compiles ahead of time in this process",
-                hint="compile in a process that imports triton without TRITON_INTERPRET "
-                "(prepkit tune --compile-only does)",
+                hint=_FRESH_PROCESS_HINT,
             )
         self._stack.enter_context(_env("TRITON_INTERPRET", None))
         if "TRITON_DEFAULT_FP_FUSION" not in os.environ:
@@ -526,7 +527,10 @@ class _TargetCompiler:
         prev_hook = knobs.runtime.jit_cache_hook
         self._stack.callback(setattr, knobs.runtime, "jit_cache_hook", prev_hook)
         self._knobs = knobs
-        self._stack.enter_context(_as_launched_on(self.kernels, self.device.capability))
+        from prepkit.kernels.moe_mxfp4._target import pinned_capability
+
+        # The launchers then decide (PDL, TMA descriptors) as on the target, though tensors are on the CPU.
+        self._stack.enter_context(pinned_capability(self.device.capability))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -639,36 +643,21 @@ def _env(name: str, value: str | None) -> Iterator[None]:
 
 
 def _compilable_kernels() -> ModuleType:
-    """``prepkit.kernels.moe_mxfp4`` with compilable kernels: the module itself, or, when it was
-    imported under ``TRITON_INTERPRET=1`` (its kernels then are interpreter functions), a private
-    copy imported with the interpreter off."""
+    """``prepkit.kernels.moe_mxfp4``, whose kernels must be compiler functions: Triton makes each
+    ``@triton.jit`` function an interpreter function for good when its module is imported under
+    ``TRITON_INTERPRET=1``."""
     from triton.runtime.jit import JITFunction
 
     from prepkit.kernels import moe_mxfp4
+    from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel
 
-    if isinstance(moe_mxfp4._gemm1_swiglu_kernel, JITFunction):
-        return moe_mxfp4
-    name = "prepkit.kernels._moe_mxfp4_compile_check"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, moe_mxfp4.__file__)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-@contextlib.contextmanager
-def _as_launched_on(kernels: ModuleType, capability: tuple[int, int]) -> Iterator[None]:
-    """Make the launchers decide as on a CUDA device of ``capability`` although the tensors live on
-    the CPU: ``moe_mxfp4.launch_capability`` answers for every tensor's device."""
-    old = kernels.launch_capability
-    kernels.launch_capability = lambda device: capability
-    try:
-        yield
-    finally:
-        kernels.launch_capability = old
+    if not isinstance(_gemm1_swiglu_kernel, JITFunction):
+        raise DeviceError(
+            "prepkit.kernels.moe_mxfp4 was imported with TRITON_INTERPRET=1: its kernels are interpreter "
+            "functions, so nothing compiles ahead of time in this process",
+            hint=_FRESH_PROCESS_HINT,
+        )
+    return moe_mxfp4
 
 
 class _NvidiaTools:

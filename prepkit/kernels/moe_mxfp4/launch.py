@@ -1,0 +1,441 @@
+"""The host side of the layer: argument checks, grids and the launches of the four kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.kernels.device import DeviceInfo
+from prepkit.kernels.moe_mxfp4._chain import chain_launch
+from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
+from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
+from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
+from prepkit.kernels.moe_mxfp4._routing import _route_kernel, _scatter_kernel
+from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
+from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_ASM_FOLDED, UPCAST_BITS, UPCAST_DOT_SCALED
+from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.variants import K_LOOPS, SWAPPED_DOTS, invalid_reason, joins_halves, swaps_operands
+from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
+
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+# Host names of the kernels' constexpr ids (defined once, next to the code that compares them).
+_UPCAST_IDS = {"bits": UPCAST_BITS.value, "dot_scaled": UPCAST_DOT_SCALED.value, "asm": UPCAST_ASM.value}
+_ACT_IDS = {"bf16": ACT_BF16.value, "mxfp8": ACT_MXFP8.value, "mxfp4": ACT_MXFP4.value}
+
+
+def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
+    """The kernel's UPCAST constant: ``asm`` with ``small_scales`` (every E8M0 byte of the GEMM's
+    scales is at most 128, i.e. scales <= 2; ``MoeLayer`` checks once at load) runs one bf16 FMA
+    fewer per value pair. The values are the same bits for scale
+    bytes 1..128; byte 0 (2^-127) becomes exact where the two-step path flushes it to zero. A
+    wrong ``True`` gives wrong values for scales above 2."""
+    if tactic.upcast == "asm" and small_scales:
+        return UPCAST_ASM_FOLDED.value
+    return _UPCAST_IDS[tactic.upcast]
+
+
+def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
+    """Upper bound of sum over experts of ceil(rows_e / block_m) when the rows sum to at most
+    ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
+    busy = min(num_local_experts, num_picks)
+    return (num_picks + busy * (block_m - 1)) // block_m
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def _check_tactic(t: GemmTactic, name: str, activations: ActivationPolicy = "bf16") -> None:
+    if activations != "bf16":
+        reason = invalid_reason(t, name, _ANY_DEVICE, activations)  # type: ignore[arg-type]
+        if reason is not None:
+            raise ValueError(f"{name}: tactic {t.key()} cannot run with activations {activations!r}: {reason}")
+    if t.upcast not in _UPCAST_IDS:
+        raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
+    if t.k_loop not in K_LOOPS:
+        raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})")
+    if t.swapped_dot not in SWAPPED_DOTS:
+        raise ValueError(f"{name}: unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})")
+    if t.upcast == "asm" and interpreting():
+        raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
+    if PANEL_K % t.block_k or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
+        raise ValueError(
+            f"{name}: tile {t.key()} needs block_k in (32, 64, 128, 256) (a divisor of the "
+            f"{PANEL_K}-element K panel) and block_m, block_n >= 16"
+        )
+
+
+def _check_panels(w_blocks: torch.Tensor, k: int, name: str) -> None:
+    """``w_blocks`` must be ``[E, K_panels, N, PANEL_BYTES]`` with enough panels for ``k``."""
+    if w_blocks.dim() != 4 or w_blocks.shape[3] != PANEL_BYTES or w_blocks.shape[1] * PANEL_K < k:
+        raise ValueError(
+            f"{name}: weights {list(w_blocks.shape)} are not [E, K/{PANEL_K}, N, {PANEL_BYTES}] panels "
+            f"covering K = {k} (triton_moe_v3)"
+        )
+
+
+# The device-independent rules of invalid_reason: any sm_90+ part with room for every tile.
+_ANY_DEVICE = DeviceInfo("any", (9, 0), 1, 1 << 30)
+
+
+def weight_descriptor(
+    w_blocks: torch.Tensor, tactic: GemmTactic, activations: ActivationPolicy = "bf16"
+) -> object | None:
+    """A TMA descriptor of the panels ``w_blocks [E, K_panels, N, PANEL_BYTES]`` as
+    ``[E*K_panels*N, PANEL_BYTES]`` with ``[block_n, block_k/2]`` boxes when ``tactic`` asks for
+    TMA loads and the tensor allows them (contiguous, 16-byte aligned base, a device with the unit
+    or the interpreter); ``None`` means pointer loads."""
+    if tactic.weight_load != "tma" or (tactic.upcast == "dot_scaled" and activations == "bf16"):
+        return None
+    if not w_blocks.is_contiguous() or w_blocks.shape[-1] % 16 or w_blocks.data_ptr() % 16:
+        return None
+    cap = launch_capability(w_blocks.device)
+    if not interpreting() and not (cap is not None and cap >= (9, 0)):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    flat = w_blocks.view(-1, w_blocks.shape[-1])
+    return TensorDescriptor.from_tensor(flat, [tactic.block_n, tactic.block_k // 2])
+
+
+@dataclass
+class Routing:
+    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``;
+    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16."""
+
+    num_tokens: int
+    top_k: int
+    num_local_experts: int
+    counts: torch.Tensor  # [E_local] int32 rows per local expert
+    sorted_picks: torch.Tensor  # [T*k] int32 pick index (token*k + slot), grouped by expert
+    topk_ids: torch.Tensor  # [T, k] int32 global expert ids, largest logit first
+    topk_weights: torch.Tensor  # [T, k] fp32 softmax over the k picks
+    out: torch.Tensor  # [T, H] fp32
+    activations: ActivationPolicy = "bf16"
+    x_mx: MxRows | None = None
+
+    @property
+    def num_picks(self) -> int:
+        return self.num_tokens * self.top_k
+
+
+def route(
+    router_logits: torch.Tensor,
+    *,
+    top_k: int,
+    expert_lo: int,
+    num_local_experts: int,
+    hidden: int,
+    out: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    activations: ActivationPolicy = "bf16",
+) -> Routing:
+    """Launch routing (top-k, softmax, counters, output zeroing) and grouping; with an MX
+    ``activations`` policy the same launch quantizes ``hidden_states`` (contiguous bf16
+    ``[T, hidden]``) into ``Routing.x_mx``."""
+    T, E_total = router_logits.shape
+    device = router_logits.device
+    if router_logits.stride(1) != 1:
+        raise ValueError("router_logits must be contiguous in its last dim")
+    act = _ACT_IDS[check_policy(activations)]
+    x_mx = None
+    if act:
+        if hidden_states is None or tuple(hidden_states.shape) != (T, hidden) or not hidden_states.is_contiguous():
+            got = None if hidden_states is None else list(hidden_states.shape)
+            raise ValueError(f"activations {activations!r} need contiguous hidden_states [{T}, {hidden}], got {got}")
+        if hidden % 32:
+            raise ValueError(f"activations {activations!r} need hidden a multiple of 32, got {hidden}")
+        x_mx = MxRows.empty(max(T, 1), hidden, activations, device)
+    TK = T * top_k
+    if out is None:
+        out = torch.empty((T, hidden), dtype=torch.float32, device=device)
+    e_pad_all = max(16, _next_pow2(E_total))
+    e_pad_local = max(16, _next_pow2(num_local_experts))
+    # Up to 32 tokens (128 experts) one program routes them all and groups the picks itself.
+    block_t = max(1, min(32, 4096 // e_pad_all, _next_pow2(T)))
+    programs = triton.cdiv(T, block_t)
+    # Counters start at zero for the atomics of several programs; one program writes them whole.
+    counts = (torch.empty if programs == 1 else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
+    topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
+    rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
+    sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
+    routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
+    if T == 0:
+        return routing
+    block_h = 128
+    picks_per_program = block_t * _next_pow2(top_k)
+    _route_kernel[(programs, max(1, triton.cdiv(hidden, block_h)))](
+        router_logits,
+        topk_ids,
+        topk_w,
+        rank,
+        counts,
+        sorted_picks,
+        out,
+        T,
+        E_total,
+        hidden,
+        router_logits.stride(0),
+        out.stride(0),
+        expert_lo,
+        num_local_experts,
+        hidden_states if act else None,
+        x_mx.codes if act else None,
+        x_mx.scales if act else None,
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        E_PAD=e_pad_all,
+        BLOCK_H=block_h,
+        E_LOCAL_PAD=e_pad_local,
+        TOPK_PAD=_next_pow2(top_k),
+        PLACE=programs == 1,  # one launch fewer for few tokens
+        ACT=act,
+        **chain_launch(device),
+        # Grouping 128 picks in one program compares every pair: more warps for more picks.
+        num_warps=4 if picks_per_program <= 32 else 8 if picks_per_program <= 64 else 16,
+    )
+    if programs > 1:
+        scatter_block = 128
+        _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
+            topk_ids,
+            rank,
+            counts,
+            sorted_picks,
+            TK,
+            expert_lo,
+            num_local_experts,
+            E_PAD=e_pad_local,
+            BLOCK=scatter_block,
+            **chain_launch(device),
+        )
+    return routing
+
+
+def gemm1_swiglu(
+    routing: Routing,
+    hidden_states: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor,
+    *,
+    valid_intermediate: int,
+    tactic: GemmTactic,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
+    small_scales: bool = False,
+    activations: ActivationPolicy = "bf16",
+) -> torch.Tensor | MxRows:
+    """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order, or with
+    an MX policy the same rows quantized (:class:`MxRows`; GEMM1 then reads ``routing.x_mx``, so
+    the routing must have been made with the same policy). ``small_scales``: see :func:`upcast_id`."""
+    act = _ACT_IDS[check_policy(activations)]
+    _check_tactic(tactic, "gemm1", activations)
+    if routing.activations != activations:
+        raise ValueError(f"gemm1 runs activations {activations!r}, the routing quantized for {routing.activations!r}")
+    if tactic.split_k != 1:
+        raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
+    T, H = hidden_states.shape
+    _check_panels(w13_blocks, H, "w13_blocks")
+    if w13_scales.shape[1] * 32 != H:
+        raise ValueError(f"w13 is for hidden {w13_scales.shape[1] * 32}, activations have {H}")
+    if hidden_states.stride(1) != 1:
+        raise ValueError("hidden_states must be contiguous in its last dim")
+    TK = routing.num_picks
+    device = hidden_states.device
+    if act:
+        if valid_intermediate % 32:
+            raise ValueError(f"activations {activations!r} need valid_intermediate a multiple of 32")
+        h1: torch.Tensor | MxRows = MxRows.empty(max(TK, 1), valid_intermediate, activations, device)
+    else:
+        h1 = torch.empty((max(TK, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
+    if TK == 0:
+        return h1
+    E_local = routing.num_local_experts
+    n1 = 2 * valid_intermediate
+    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    w_desc = weight_descriptor(w13_blocks, tactic, activations)
+    x_in = routing.x_mx.codes if act else hidden_states
+    _gemm1_swiglu_kernel[grid](
+        x_in,
+        w13_blocks,
+        w13_blocks if w_desc is None else w_desc,
+        w13_scales,
+        w13_bias,
+        routing.counts,
+        routing.sorted_picks,
+        h1.codes if act else h1,
+        routing.x_mx.scales if act else None,
+        h1.scales if act else None,
+        n1,
+        H,
+        E_local,
+        x_in.stride(0),
+        w13_blocks.stride(0),
+        w13_scales.stride(0),
+        w13_scales.stride(1),
+        w13_bias.stride(0),
+        h1.codes.stride(0) if act else h1.stride(0),
+        w13_blocks.shape[2],
+        w13_blocks.shape[1],
+        swiglu_alpha,
+        swiglu_limit,
+        TOP_K=routing.top_k,
+        E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m,
+        BLOCK_N=tactic.block_n,
+        BLOCK_K=tactic.block_k,
+        UPCAST=upcast_id(tactic, small_scales),
+        DOT_FP32=interpreting(),
+        SWAP=swaps_operands(tactic, activations),
+        JOIN=joins_halves(tactic),
+        W_TMA=w_desc is not None,
+        MASK_ALL=tactic.k_loop == "masked",
+        PANEL_K=PANEL_K,
+        ACT=act,
+        **chain_launch(device),
+        num_warps=tactic.num_warps,
+        num_stages=tactic.num_stages,
+    )
+    return h1
+
+
+def gemm2_combine(
+    routing: Routing,
+    h1: torch.Tensor | MxRows,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    *,
+    tactic: GemmTactic,
+    small_scales: bool = False,
+    activations: ActivationPolicy = "bf16",
+) -> torch.Tensor:
+    """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``. ``h1``
+    is what :func:`gemm1_swiglu` returned for the same ``activations``. ``small_scales``: see
+    :func:`upcast_id`."""
+    act = _ACT_IDS[check_policy(activations)]
+    _check_tactic(tactic, "gemm2", activations)
+    if isinstance(h1, MxRows) != bool(act) or (act and h1.activations != activations):
+        got = h1.activations if isinstance(h1, MxRows) else "bf16"
+        raise ValueError(f"gemm2 runs activations {activations!r}, h1 holds {got!r} rows")
+    out = routing.out
+    TK = routing.num_picks
+    if TK == 0:
+        return out
+    H = out.shape[1]
+    K = h1.num_cols if isinstance(h1, MxRows) else h1.shape[1]
+    _check_panels(w2_blocks, K, "w2_blocks")
+    if w2_blocks.shape[2] != H:
+        raise ValueError(f"w2 is for hidden {w2_blocks.shape[2]}, the output has {H}")
+    E_local = routing.num_local_experts
+    has_bias = w2_bias is not None
+    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
+    w_desc = weight_descriptor(w2_blocks, tactic, activations)
+    h_in = h1.codes if isinstance(h1, MxRows) else h1
+    _gemm2_combine_kernel[grid](
+        h_in,
+        w2_blocks,
+        w2_blocks if w_desc is None else w_desc,
+        w2_scales,
+        w2_bias if has_bias else out,
+        routing.counts,
+        routing.sorted_picks,
+        routing.topk_weights,
+        out,
+        h1.scales if isinstance(h1, MxRows) else None,
+        H,
+        K,
+        E_local,
+        h_in.stride(0),
+        w2_blocks.stride(0),
+        w2_scales.stride(0),
+        w2_scales.stride(1),
+        w2_bias.stride(0) if has_bias else 0,
+        out.stride(0),
+        w2_blocks.shape[2],
+        w2_blocks.shape[1],
+        TOP_K=routing.top_k,
+        E_PAD=max(16, _next_pow2(E_local)),
+        BLOCK_M=tactic.block_m,
+        BLOCK_N=tactic.block_n,
+        BLOCK_K=tactic.block_k,
+        SPLIT_K=tactic.split_k,
+        UPCAST=upcast_id(tactic, small_scales),
+        DOT_FP32=interpreting(),
+        SWAP=swaps_operands(tactic, activations),
+        JOIN=joins_halves(tactic),
+        HAS_BIAS=has_bias,
+        W_TMA=w_desc is not None,
+        MASK_ALL=tactic.k_loop == "masked",
+        PANEL_K=PANEL_K,
+        ACT=act,
+        **chain_launch(out.device),
+        num_warps=tactic.num_warps,
+        num_stages=tactic.num_stages,
+    )
+    return out
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    expert_lo: int,
+    valid_intermediate: int,
+    gemm1: GemmTactic,
+    gemm2: GemmTactic,
+    swiglu_alpha: float = SWIGLU_ALPHA,
+    swiglu_limit: float = SWIGLU_LIMIT,
+    out: torch.Tensor | None = None,
+    small_scales: tuple[bool, bool] = (False, False),
+    activations: ActivationPolicy = "bf16",
+) -> torch.Tensor:
+    """One MoE layer for this rank's experts. Returns the fp32 ``[T, H]`` sum over the token's picks
+    that live on this rank (``out`` if given). ``w2_bias=None`` skips the down bias (TP ranks but
+    one). Shapes as in the module docstring; ``router_logits`` is ``[T, E_total]`` over all experts.
+    ``small_scales``: (w13, w2), see :func:`upcast_id`. ``activations``: the precision policy
+    (module docstring); the tactics must be valid for it
+    (:func:`prepkit.kernels.variants.invalid_reason`, :func:`~prepkit.kernels.variants.policy_variant`).
+    """
+    T, H = hidden_states.shape
+    if router_logits.shape[0] != T:
+        raise ValueError(f"router_logits has {router_logits.shape[0]} rows, hidden_states {T}")
+    routing = route(
+        router_logits,
+        top_k=top_k,
+        expert_lo=expert_lo,
+        num_local_experts=w13_blocks.shape[0],
+        hidden=H,
+        out=out,
+        hidden_states=hidden_states,
+        activations=activations,
+    )
+    h1 = gemm1_swiglu(
+        routing,
+        hidden_states,
+        w13_blocks,
+        w13_scales,
+        w13_bias,
+        valid_intermediate=valid_intermediate,
+        tactic=gemm1,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
+        small_scales=small_scales[0],
+        activations=activations,
+    )
+    return gemm2_combine(
+        routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1], activations=activations
+    )
