@@ -35,7 +35,7 @@ from typing import Any, Literal
 from prepkit.errors import DeviceError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import ARCH_DEVICES, DeviceInfo
-from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.tactic import FAMILY_KNOBS, GemmTactic
 from prepkit.kernels.variants import GEMMS, Gemm, MoeProblem, default_tactics, enumerate_tactics, invalid_reason
 from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
 
@@ -218,15 +218,17 @@ def default_candidates(
 
 
 def family(t: GemmTactic, activations: ActivationPolicy = "bf16") -> str:
-    """The variant family: the categorical knobs (how the weights are decoded, loaded and fed to
-    the MMA, how the K loop ends) and whether the tile swaps operands; tile sizes, warps, stages
-    and split-K vary inside a family."""
+    """The variant family: the values of the path knobs (:data:`~prepkit.kernels.tactic.FAMILY_KNOBS`:
+    how the weights are decoded, loaded and fed to the MMA, how the K loop ends) and whether the
+    tile swaps operands, then the knobs of swapped bf16-upcast tiles where the tile is one; tile
+    sizes, warps, stages and split-K vary inside a family."""
     from prepkit.kernels.variants import swaps_operands
 
-    swap = "swap" if swaps_operands(t, activations) else "plain"
-    parts = [t.upcast, t.weight_load, t.k_loop, swap]
-    if swap == "swap" and activations == "bf16" and t.upcast != "dot_scaled":
-        parts.append(t.swapped_dot)
+    swap = swaps_operands(t, activations)
+    parts = [str(getattr(t, k.name)) for k in FAMILY_KNOBS if not k.swapped_only]
+    parts.append("swap" if swap else "plain")
+    if swap and activations == "bf16" and t.upcast != "dot_scaled":
+        parts += [str(getattr(t, k.name)) for k in FAMILY_KNOBS if k.swapped_only]
     return "/".join(parts)
 
 

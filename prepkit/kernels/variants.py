@@ -12,22 +12,22 @@ from typing import Literal
 
 from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.kernels.device import DeviceInfo
-from prepkit.kernels.tactic import GemmTactic
+from prepkit.kernels.tactic import KNOB_NAMES, KNOBS, GemmTactic, knob
 
 Gemm = Literal["gemm1", "gemm2"]
 GEMMS: tuple[Gemm, ...] = ("gemm1", "gemm2")
 
-BLOCK_M = (16, 32, 64, 128)
-BLOCK_N = (32, 64, 128, 256)
-# Divisors of the layout's 256-element K panel (a K step never crosses a panel).
-BLOCK_K = (64, 128, 256)
-NUM_WARPS = (4, 8)
-NUM_STAGES = (1, 2, 3, 4)
-SPLIT_K = (1, 2, 4, 8)
-UPCASTS = ("bits", "asm", "dot_scaled")
-WEIGHT_LOADS = ("ptr", "tma")
-K_LOOPS = ("tail", "masked")
-SWAPPED_DOTS = ("split", "joined")
+# The knobs' domains (the table in prepkit.kernels.tactic), by the names the rules below use.
+BLOCK_M = knob("block_m").domain
+BLOCK_N = knob("block_n").domain
+BLOCK_K = knob("block_k").domain
+NUM_WARPS = knob("num_warps").domain
+NUM_STAGES = knob("num_stages").domain
+SPLIT_K = knob("split_k").domain
+UPCASTS = knob("upcast").domain
+WEIGHT_LOADS = knob("weight_load").domain
+K_LOOPS = knob("k_loop").domain
+SWAPPED_DOTS = knob("swapped_dot").domain
 # Tiles of at most this many rows swap operands (the weight tile is the MMA's M side).
 MAX_SWAPPED_ROWS = 32
 
@@ -89,24 +89,10 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: A
         return f"unknown gemm {gemm!r} (expected one of {GEMMS})"
     if activations not in ACTIVATION_POLICIES:
         return f"unknown activations {activations!r} (expected one of {ACTIVATION_POLICIES})"
-    if t.upcast not in UPCASTS:
-        return f"unknown upcast {t.upcast!r} (expected one of {UPCASTS})"
-    for name, value, allowed in (
-        ("block_m", t.block_m, BLOCK_M),
-        ("block_n", t.block_n, BLOCK_N),
-        ("block_k", t.block_k, BLOCK_K),
-        ("num_warps", t.num_warps, NUM_WARPS),
-        ("num_stages", t.num_stages, NUM_STAGES),
-        ("split_k", t.split_k, SPLIT_K),
-    ):
-        if value not in allowed:
-            return f"{name}={value} not in {allowed}"
-    if t.weight_load not in WEIGHT_LOADS:
-        return f"unknown weight_load {t.weight_load!r} (expected one of {WEIGHT_LOADS})"
-    if t.k_loop not in K_LOOPS:
-        return f"unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})"
-    if t.swapped_dot not in SWAPPED_DOTS:
-        return f"unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})"
+    for k, value in t.knob_values():
+        reason = k.reject(value)
+        if reason is not None:
+            return reason
     if activations != "bf16":
         reason = _mx_reason(t, gemm, activations)
         if reason is not None:
@@ -197,16 +183,11 @@ def enumerate_tactics(
     add masked rows.
     """
     out = []
-    for bm, bn, bk, w, s, sk, up, wl, kl, sd in itertools.product(
-        BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES, SPLIT_K, UPCASTS, WEIGHT_LOADS, K_LOOPS, SWAPPED_DOTS
-    ):
-        t = GemmTactic(
-            block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, split_k=sk, upcast=up, weight_load=wl,
-            k_loop=kl, swapped_dot=sd,
-        )  # fmt: skip
+    for values in itertools.product(*(k.domain for k in KNOBS)):
+        t = GemmTactic(**dict(zip(KNOB_NAMES, values, strict=True)))
         if invalid_reason(t, gemm, device, activations) is not None:
             continue
-        if problem is not None and bm > max(16, _next_pow2(problem.max_rows_per_expert)):
+        if problem is not None and t.block_m > max(16, _next_pow2(problem.max_rows_per_expert)):
             continue
         out.append(t)
     return out

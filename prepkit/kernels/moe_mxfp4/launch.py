@@ -17,7 +17,7 @@ from prepkit.kernels.moe_mxfp4._routing import _route_kernel, _scatter_kernel
 from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
 from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_ASM_FOLDED, UPCAST_BITS, UPCAST_DOT_SCALED
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import K_LOOPS, SWAPPED_DOTS, invalid_reason, joins_halves, swaps_operands
+from prepkit.kernels.variants import invalid_reason, joins_halves, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 SWIGLU_ALPHA = 1.702
@@ -55,12 +55,11 @@ def _check_tactic(t: GemmTactic, name: str, activations: ActivationPolicy = "bf1
         reason = invalid_reason(t, name, _ANY_DEVICE, activations)  # type: ignore[arg-type]
         if reason is not None:
             raise ValueError(f"{name}: tactic {t.key()} cannot run with activations {activations!r}: {reason}")
-    if t.upcast not in _UPCAST_IDS:
-        raise ValueError(f"{name}: unknown upcast {t.upcast!r}")
-    if t.k_loop not in K_LOOPS:
-        raise ValueError(f"{name}: unknown k_loop {t.k_loop!r} (expected one of {K_LOOPS})")
-    if t.swapped_dot not in SWAPPED_DOTS:
-        raise ValueError(f"{name}: unknown swapped_dot {t.swapped_dot!r} (expected one of {SWAPPED_DOTS})")
+    for knob, value in t.knob_values():
+        # Every path the table names must exist in the kernel; tile sizes go by the tile rule below.
+        reason = knob.reject(value) if knob.family else None
+        if reason is not None:
+            raise ValueError(f"{name}: {reason}")
     if t.upcast == "asm" and interpreting():
         raise ValueError(f"{name}: upcast 'asm' is inline PTX and cannot run under TRITON_INTERPRET")
     if PANEL_K % t.block_k or t.block_k < 32 or t.block_m < 16 or t.block_n < 16:
