@@ -1,8 +1,8 @@
 """The K loops shared by both GEMMs: one for bf16 activations, one for MX activations.
 
-triton_moe_v3 stores each 32-element scale group as 16 bytes where byte j holds element j (low
-nibble) and element j + 16 (high nibble), the bytes in MMA fragment order (``_natural_order``
-undoes it on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
+In the weights' byte order (:mod:`prepkit.layouts.triton_moe` describes it) byte j of a 32-element
+scale group holds its elements j and j + 16, the group's bytes in MMA fragment order
+(``_natural_order`` undoes that on load). Upcasting a tile therefore yields two bf16 tiles, the "low" elements
 (k = 32g + j) and the "high" ones (k = 32g + 16 + j), each a plain elementwise function of the
 bytes: no interleave, no reshape across registers. Swapped tiles (the weights are the MMA's
 register operand) feed each half to its own dot with the matching half of the activations, or,

@@ -1,8 +1,9 @@
-"""MX activations (policies mxfp8 and mxfp4, prepkit.kernels.activations)
+"""MX activations in the kernels (policies mxfp8 and mxfp4, :mod:`prepkit.kernels.activations`):
+quantizing rows to e4m3 / e2m1 with E8M0 scales, and widening e2m1 weights to e4m3.
 
 Quantized rows are stored as ``codes`` (one e4m3 byte per value, or two e2m1 codes per byte)
 plus ``scales`` ([rows, n/32] E8M0), both contiguous. Inside each 32-value group the values sit
-in the weights' order (docs/triton-moe-layout.md): position 2p + t holds value
+in the weights' order (:mod:`prepkit.layouts.triton_moe`): position 2p + t holds value
 FRAGMENT_ORDER[p] + 16t, the two values of the weights' stored byte p. A dot over K does not care
 how K is ordered inside a scale group as long as both operands agree, so the weight bytes reach
 ``tl.dot_scaled`` as stored (mxfp4) or with each nibble widened in place (mxfp8): no shuffle.
