@@ -224,6 +224,33 @@ def test_lookup_is_used_and_default_warns_once():
     assert seen[0][0] == layer_call(9, 4, 64, 64, 2)
 
 
+@pytest.mark.parametrize("with_db", [False, True], ids=["no-lookup", "empty-db"])
+def test_a_missed_tactic_warns_once_per_layer(tmp_path, with_db):
+    """A layer without tuned tactics, called at several token counts, says so once; a second layer
+    of the same shape says so once more (its own warning), whether the miss is the layer's (no
+    lookup) or the tactics DB's."""
+    from prepkit.runtime import moe
+    from prepkit.tactics.lookup import TacticResolver, make_tactic_lookup
+    from tests.kernels.moe_data import random_inputs
+
+    w = random_experts(4, 64, 64, seed=3)
+    lookup = None
+    if with_db:
+        lookup = make_tactic_lookup(
+            resolver=TacticResolver(user_db=tmp_path / "none.db", bundled_db=False), kernel_version=1
+        )
+    layers = [make_layer(w, 2, tactic_lookup=lookup)[0] for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in layers:
+            for T in (1, 3, 9):
+                x, logits = random_inputs(T, 4, 64, seed=T)
+                out = moe(layer, x, logits)
+                assert out.shape == (T, 64) and out.abs().sum() > 0
+    missed = [str(c.message) for c in caught if "no tuned tactic" in str(c.message)]
+    assert len(missed) == 2, missed
+
+
 def test_moe_checks_shapes():
     from prepkit.runtime import moe
 
