@@ -46,9 +46,11 @@ def _h100_triton_version(db: Path) -> str:
 def lookup() -> str | None:
     import warnings
 
+    from prepkit.dims import ModelDims
     from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from prepkit.kernels.variants import MoeProblem, default_tactics
+    from prepkit.kernels.variants import default_tactics
+    from prepkit.layer import rank_layer
     from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup
     from prepkit.tactics.lookup import bundled_db_path
 
@@ -60,13 +62,14 @@ def lookup() -> str | None:
     # The runtime's own lookup (what load_moe_layers installs); no user DB, and a miss is an error
     # here, not the warning a user would get before the layer falls back to the built-in default.
     resolver = TacticResolver(user_db="/nonexistent/prepkit-user/tactics.db")
-    lookup_fn = make_tactic_lookup(resolver=resolver, tp_size=1)
+    lookup_fn = make_tactic_lookup(resolver=resolver)
+    # gpt-oss-120b, TP 1: every expert local, the full intermediate size valid.
+    layer = rank_layer(ModelDims(36, 128, 2880, 2880, 4))
     tuned_points = 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for tokens in (1, 8, 64, 512, 4096):
-            # gpt-oss-120b, TP 1: every expert local, the full intermediate size valid.
-            problem = MoeProblem(num_tokens=tokens, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+            problem = layer.problem(tokens)
             got = lookup_fn(problem, env)
             if got is None:
                 return f"{tokens} tokens: the runtime lookup returned no tactic (built-in default)"
@@ -88,14 +91,15 @@ def _installed_triton(device: object) -> str | None:
     runtime's resolver still serves the bundled rows, warning that they come from another Triton."""
     import warnings
 
-    from prepkit.kernels.variants import MoeProblem
+    from prepkit.dims import ModelDims
+    from prepkit.layer import rank_layer
     from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup
     from prepkit.tactics.lookup import _all_decode
 
     env = Environment.of(device)
     resolver = TacticResolver(user_db="/nonexistent/prepkit-user/tactics.db", smoke_check=_all_decode)
-    lookup_fn = make_tactic_lookup(resolver=resolver, tp_size=1)
-    problem = MoeProblem(num_tokens=8, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    lookup_fn = make_tactic_lookup(resolver=resolver)
+    problem = rank_layer(ModelDims(36, 128, 2880, 2880, 4)).problem(8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = lookup_fn(problem, env)

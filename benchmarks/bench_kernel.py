@@ -31,10 +31,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prepkit.kernels.activations import ACTIVATION_POLICIES, check_policy  # noqa: E402
-from prepkit.kernels.device import DeviceInfo  # noqa: E402
+from prepkit.kernels.device import DeviceInfo, lowers_natively  # noqa: E402
 from prepkit.kernels.reference import moe_reference, relative_error  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
-from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant  # noqa: E402
+from prepkit.kernels.variants import default_tactics, policy_variant  # noqa: E402
 from prepkit.layouts.base import ExpertWeights  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
@@ -299,7 +299,7 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
 def policy_table(rows: list[dict], policies: list[str], info: DeviceInfo) -> str:
     """µs per layer and relative error against the unquantized fp32 layer, one column pair per
     activation policy, one line per token count."""
-    native = info.capability[0] in (10, 12)
+    native = lowers_natively(info.capability)
     head = "| tokens | " + " | ".join(f"{p} µs | {p} rel err" for p in policies) + " |"
     lines = [
         f"activation policies on {info.name}: MX "
@@ -363,11 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.tuned:
         from prepkit.tactics.lookup import make_tactic_lookup
 
-        lookup = make_tactic_lookup(tp_size=1)
+        lookup = make_tactic_lookup()
     rows = []
     for T, policy in itertools.product([int(t) for t in args.tokens.split(",")], policies):
         layer.activations = policy
-        problem = MoeProblem(T, E, H, I, TOP_K)
+        problem = layer.problem(T)
         tuned = lookup(problem, info) if lookup is not None else None
         tactics = (
             sweep(layer, T, device, log) if args.sweep else pinned.get(T) or tuned or default_tactics(problem, info)

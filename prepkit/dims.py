@@ -12,7 +12,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Model-wide MoE dimensions (from config.json)."""
+    """Model-wide MoE dimensions (from config.json): the recipe's and the manifest's dims.
+
+    A layout plans one rank of these (:class:`~prepkit.layouts.base.RankPlan`); what one rank of
+    the bundled kernel holds of a layer is :class:`prepkit.layer.RankLayer`.
+    """
 
     num_layers: int
     num_experts: int  # E

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from prepkit.cli import cli
+from prepkit.layer import rank_layer
 
 pytest.importorskip("triton")
 
@@ -97,7 +98,7 @@ def test_a_failing_default_exits_6_naming_kernel_and_tactic() -> None:
     assert r.returncode == 6, r.stderr
     from prepkit.kernels import compile_check as cc
 
-    shape = cc.LayerShape.of(_dims(), 1)
+    shape = rank_layer(_dims())
     g2 = [c.tactic for c in cc.default_candidates("sm121", shape, "bf16", (1,)) if c.gemm == "gemm2"]
     assert len(g2) == 1
     assert "1 default kernel(s) failed the sm121 compile check" in r.stderr
@@ -161,8 +162,9 @@ def test_compile_in_an_interpreted_process_is_one_clear_error() -> None:
         "import triton.language\n"
         "from prepkit.errors import DeviceError\n"
         "from prepkit.kernels import compile_check as cc\n"
+        "from prepkit.layer import rank_layer\n"
         "from prepkit.layouts.base import ModelDims\n"
-        "shape = cc.LayerShape.of(ModelDims(1, 8, 256, 512, 2), 1)\n"
+        "shape = rank_layer(ModelDims(1, 8, 256, 512, 2))\n"
         "try:\n"
         "    cc.compile_variants('sm121', shape, 'bf16', cc.default_candidates('sm121', shape, 'bf16', (1,)))\n"
         "except DeviceError as e:\n"
@@ -206,7 +208,7 @@ def test_every_sm12x_default_compiles_for_its_target(arch: str, activations: str
                  "--compile-only", "--sample", "0", "--json", "-q")  # fmt: skip
     assert r.returncode == 0, r.stderr
     reports = json.loads(r.stdout)
-    want = cc.default_candidates(arch, cc.LayerShape.of(_dims(), 1), activations)  # type: ignore[arg-type]
+    want = cc.default_candidates(arch, rank_layer(_dims()), activations)  # type: ignore[arg-type]
     gemms = [x for x in reports if x["stage"] != "route"]
     assert sorted((x["stage"], x["tactic"]) for x in gemms) == sorted((c.gemm, c.tactic.to_json()) for c in want)
     assert any(x["stage"] == "route" for x in reports)

@@ -14,9 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prepkit.dims import ModelDims
 from prepkit.errors import TacticsError
+from prepkit.layer import rank_layer
+from prepkit.layouts.base import RankSpec
 from prepkit.tactics import keys, lookup, schema
-from prepkit.tactics.keys import Environment, gpt_oss_problems
+from prepkit.tactics.keys import Environment, gpt_oss_problems, layer_problems
 from prepkit.tactics.lookup import (
     TOKEN_POINTS,
     Range,
@@ -33,6 +36,7 @@ from prepkit.tactics.store import RunRecorder, WinnerRow, env_record, open_db
 H100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", sm_count=132, triton_version="3.6.0")
 PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")
 G1, G2 = PROBS["gemm1"], PROBS["gemm2"]
+GPT_OSS_120B_TP1 = rank_layer(ModelDims(36, 128, 2880, 2880, 4))
 
 
 def tac(bm: int, **kw: int) -> str:
@@ -314,13 +318,13 @@ def test_token_series_is_the_documented_one() -> None:
 def test_adapter_for_the_moe_runtime(tmp_path: Path) -> None:
     from prepkit.kernels.device import H100 as KH100
     from prepkit.kernels.tactic import GemmTactic
-    from prepkit.kernels.variants import MoeProblem, default_tactics
+    from prepkit.kernels.variants import default_tactics
 
     path = tmp_path / "u.db"
     g1 = GemmTactic(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
     fill(path, env=Environment.of(KH100), winners=[WinnerRow(1, 8192, g1.to_json(), True)])
     tactic_lookup = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
-    prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    prob = GPT_OSS_120B_TP1.problem(7)
     with pytest.warns(TacticsDBWarning):  # GEMM2 has no rows: its default, warned once
         pair = tactic_lookup(prob, KH100)
     assert pair == (g1, default_tactics(prob, KH100)[1])
@@ -500,7 +504,6 @@ def test_curves_follow_the_lookup_rule_above_the_last_range(tmp_path: Path) -> N
 def test_the_runtime_uses_rows_of_another_triton_and_says_so_once(tmp_path: Path, monkeypatch) -> None:
     from prepkit.kernels.device import H100 as KH100
     from prepkit.kernels.tactic import GemmTactic
-    from prepkit.kernels.variants import MoeProblem
 
     path = tmp_path / "u.db"
     g1 = GemmTactic(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
@@ -508,7 +511,7 @@ def test_the_runtime_uses_rows_of_another_triton_and_says_so_once(tmp_path: Path
     older = replace(Environment.of(KH100), triton_version="2.9.0")  # a minor no installed Triton has
     fill(path, env=older, winners=[WinnerRow(1, 8192, g1.to_json(), True)])
     fill(path, env=older, winners=[WinnerRow(1, 8192, g2.to_json(), True)], problem=G2)
-    prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    prob = GPT_OSS_120B_TP1.problem(7)
     strict = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
     with pytest.warns(TacticsDBWarning, match="prepkit tune"):
         assert strict(prob, KH100) is None
@@ -527,7 +530,6 @@ def test_the_runtime_uses_rows_of_another_triton_and_says_so_once(tmp_path: Path
 
 def test_rows_that_no_longer_decode_do_not_serve(tmp_path: Path) -> None:
     from prepkit.kernels.device import H100 as KH100
-    from prepkit.kernels.variants import MoeProblem
 
     path = tmp_path / "u.db"
     older = replace(Environment.of(KH100), triton_version="2.9.0")
@@ -535,6 +537,66 @@ def test_rows_that_no_longer_decode_do_not_serve(tmp_path: Path) -> None:
     res = TacticResolver(user_db=path, bundled_db=False, smoke_check=lookup._all_decode)
     table = res.table(G1, KH100)
     assert table.ranges == () and any("smoke check" in n for n in table.notes)
-    prob = MoeProblem(num_tokens=7, num_experts=128, hidden=2880, intermediate=2880, top_k=4)
+    prob = GPT_OSS_120B_TP1.problem(7)
     with pytest.warns(TacticsDBWarning):
         assert lookup.make_tactic_lookup(resolver=res, kernel_version=1)(prob, KH100) is None
+
+
+# ------------------------------------------------------------------------------ hash pinning
+
+# Problem hashes of real layers as the tactics DBs store them (computed before problem keys took
+# per-rank dims, with kernel version 7). A change here orphans every stored row: see the warning
+# next to ProblemKey.
+PINNED_PROBLEM_HASHES = {
+    ("gpt-oss-120b", 1, "bf16"): ("7a98709c1cf0ceb6eae972d97293a046", "cba2121d9a392bff78e59baa9b10161e"),
+    ("gpt-oss-120b", 1, "mxfp8"): ("d0ec943ccecce01d8b7ebea5cf2e4f48", "80fca1264c9f6b55c5dd28608b6859ab"),
+    ("gpt-oss-120b", 1, "mxfp4"): ("e77ad723247af68a08a77633182d9f7a", "68ee5b62bcf1c4e7edfc0abda5fff31f"),
+    ("gpt-oss-120b", 2, "bf16"): ("148e38e9318391aa54354b712961ab39", "d6fc18f34f10ef5793da3744ad14fa8c"),
+    ("gpt-oss-120b", 2, "mxfp8"): ("e2efce213d80db24d61de0d0aa8fb31a", "00958bd5d17a1a837c50a136c650d34f"),
+    ("gpt-oss-120b", 2, "mxfp4"): ("179c008342f6ece8e1589ed3a3b3da7c", "42b731f5b294d52ad7970c1ea0999356"),
+    ("gpt-oss-120b", 4, "bf16"): ("5e4cdf3fbd4bae307f051363ed30f3b1", "f4394b1dd7b5fc7877c5ab7a6f2c14a5"),
+    ("gpt-oss-120b", 4, "mxfp8"): ("35b5bed6b6c7bf0534b59b835e3d4c44", "d60e2804c79e1820afefc1e1375521e6"),
+    ("gpt-oss-20b", 1, "bf16"): ("b24d01b7607e51d89279bde24a77a3af", "c85e8b9b3be5b6e830143a94ebb28c82"),
+    ("gpt-oss-20b", 1, "mxfp8"): ("865c0ba357364efab79d8358632e03d2", "450a1e3445fc26bb1adb76e5a3048b1e"),
+    ("gpt-oss-20b", 1, "mxfp4"): ("12142f69a4b59db26c4f2c29862d68b3", "cff211ded0fbb80c23c8faf600f77ad4"),
+}
+PINNED_KERNEL_HASHES = ("3c3124cf4ac932d6984cde6c23e78115", "adfa5c6f806e923023d8616816602b73")
+
+
+@pytest.mark.parametrize(("model", "tp", "policy"), sorted(PINNED_PROBLEM_HASHES))
+def test_problem_hashes_of_real_layers_are_pinned(model: str, tp: int, policy: str) -> None:
+    from prepkit.tune.run import tune_problems
+
+    keys_ = tune_problems(model=model, shards=None, tp=tp, kernel_version="7", activations=policy)
+    assert tuple(k.problem_hash() for k in keys_) == PINNED_PROBLEM_HASHES[(model, tp, policy)]
+    assert tuple(k.kernel_hash() for k in keys_) == PINNED_KERNEL_HASHES
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 5000])
+def test_the_runtime_lookup_keys_a_layer_as_the_tuner_does(num_tokens: int) -> None:
+    """The runtime keys a call by its layer record alone: every rank of a TP split asks the rows
+    the tuner stored for TP rank 0 when the ranks hold as many rows (tp 2), whatever the tokens."""
+    for tp_rank in (0, 1):
+        layer = rank_layer(ModelDims(36, 128, 2880, 2880, 4), RankSpec(tp_size=2, tp_rank=tp_rank))
+        got = layer_problems(
+            layer.problem(num_tokens).layer, kernel="moe_mxfp4", kernel_version="7",
+            weight_layout="triton_moe_v3", act_dtype="mxfp8",
+        )  # fmt: skip
+        assert (got["gemm1"].problem_hash(), got["gemm2"].problem_hash()) == PINNED_PROBLEM_HASHES[
+            ("gpt-oss-120b", 2, "mxfp8")
+        ]
+
+
+def test_the_db_lookup_warns_once_per_layer_for_a_missed_tactic(tmp_path: Path) -> None:
+    from prepkit.kernels.device import H100 as KH100
+    from prepkit.warn_once import new_owner, owned_by
+
+    fn = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=tmp_path / "none.db", bundled_db=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for owner in (new_owner(), new_owner()):  # two layers of the same shape
+            with owned_by(owner):
+                for m in (1, 7, 300, 9000):
+                    assert fn(GPT_OSS_120B_TP1.problem(m), KH100) is None
+    msgs = [str(w.message) for w in caught if issubclass(w.category, TacticsDBWarning)]
+    assert len(msgs) == 2 and all("no tuned tactics for gemm1" in m for m in msgs), msgs

@@ -238,11 +238,12 @@ def _compile_only(
 
     from prepkit.errors import VerifyError
     from prepkit.kernels.compile_check import format_reports, leave_interpreter, reports_to_json
+    from prepkit.layer import resolve_layer
     from prepkit.tune import compile_only as co
 
     leave_interpreter()
     co.check_arch_name(arch)
-    target = co.layer_target(model=model, shards=shards, tp=tp)
+    target = resolve_layer(model=model, shards=shards, tp=tp)
     res = co.run_compile_only(
         arch, activations, target, per_family=sample, points=points, on_line=None if quiet else console.info
     )

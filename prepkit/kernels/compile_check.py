@@ -34,10 +34,10 @@ from typing import Any, Literal
 
 from prepkit.errors import DeviceError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
-from prepkit.kernels.device import ARCH_DEVICES, DeviceInfo
+from prepkit.kernels.device import ARCH_DEVICES, DeviceInfo, lowers_natively
 from prepkit.kernels.tactic import FAMILY_KNOBS, GemmTactic
-from prepkit.kernels.variants import GEMMS, Gemm, MoeProblem, default_tactics, enumerate_tactics, invalid_reason
-from prepkit.layouts.base import LayoutOptions, ModelDims, RankSpec
+from prepkit.kernels.variants import GEMMS, Gemm, default_tactics, enumerate_tactics, invalid_reason
+from prepkit.layer import RankLayer
 
 Status = Literal["compiled", "pruned", "failed"]
 Stage = Literal["route", "gemm1", "gemm2"]
@@ -56,7 +56,8 @@ _MMA_KINDS: tuple[tuple[str, str], ...] = (
     ("mma.sync fp16", r"mma\.sync\.aligned\.\S*\.f16\.f16\S*"),
     ("mma.sync", r"mma\.sync\.aligned\.\S*"),
 )
-# What each policy's GEMMs must use on SM12x (sm_120a / sm_121a): the native block-scaled MMA.
+# What each policy's GEMMs must use where Triton lowers MX natively (on sm_120a / sm_121a, the
+# targets with a reference device: block-scaled mma.sync).
 NATIVE_MMA: dict[str, str] = {"mxfp8": "block_scale mxf8f6f4", "mxfp4": "block_scale mxf4nvf4"}
 _FRESH_PROCESS_HINT = (
     "compile in a process that imports triton without TRITON_INTERPRET (prepkit tune --compile-only does)"
@@ -149,40 +150,6 @@ def _cell(v: int | None) -> str:
 
 
 @dataclass(frozen=True)
-class LayerShape:
-    """One rank's MoE layer as the launchers see it (the ``triton_moe_v3`` tensors' shapes)."""
-
-    num_experts: int  # router width, all ranks
-    expert_lo: int
-    num_local_experts: int
-    hidden: int
-    valid_intermediate: int
-    padded_intermediate: int
-    top_k: int
-
-    @classmethod
-    def of(cls, dims: ModelDims, tp: int = 1, tp_rank: int = 0, ep: int = 1) -> LayerShape:
-        """The shape rank ``tp_rank`` (of EP group 0) of a TP ``tp`` x EP ``ep`` split holds (the
-        layout's own plan)."""
-        from prepkit.layouts.triton_moe import TritonMoeLayout
-
-        rank = RankSpec(tp_size=tp, tp_rank=tp_rank, ep_size=ep)
-        plan = TritonMoeLayout().plan_rank(dims, rank, LayoutOptions())
-        return cls(
-            num_experts=dims.num_experts,
-            expert_lo=plan.expert_range[0],
-            num_local_experts=plan.num_local_experts,
-            hidden=dims.hidden,
-            valid_intermediate=plan.valid_intermediate,
-            padded_intermediate=plan.padded_intermediate,
-            top_k=dims.top_k,
-        )
-
-    def problem(self, num_tokens: int) -> MoeProblem:
-        return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
-
-
-@dataclass(frozen=True)
 class Candidate:
     """One GEMM variant to compile, and why it was picked."""
 
@@ -193,7 +160,7 @@ class Candidate:
 
 
 def default_candidates(
-    arch: str, shape: LayerShape, activations: ActivationPolicy, token_points: Iterable[int] | None = None
+    arch: str, shape: RankLayer, activations: ActivationPolicy, token_points: Iterable[int] | None = None
 ) -> list[Candidate]:
     """The distinct default variants of both GEMMs over ``token_points`` (the tactic table's points
     by default), each with the token counts it is the default for, in GEMM then first-point order."""
@@ -233,7 +200,7 @@ def family(t: GemmTactic, activations: ActivationPolicy = "bf16") -> str:
 
 
 def sample_candidates(
-    arch: str, shape: LayerShape, activations: ActivationPolicy, per_family: int = 2, num_tokens: int = 1
+    arch: str, shape: RankLayer, activations: ActivationPolicy, per_family: int = 2, num_tokens: int = 1
 ) -> list[Candidate]:
     """A bounded, deterministic sample of the valid variant space: per GEMM and family (see
     :func:`family`), ``per_family`` variants spread evenly over the family's stable order (its
@@ -291,7 +258,7 @@ def arch_device(arch: str) -> DeviceInfo:
 
 def compile_variants(
     arch: str,
-    shape: LayerShape,
+    shape: RankLayer,
     activations: ActivationPolicy,
     candidates: Iterable[Candidate],
     *,
@@ -334,7 +301,7 @@ def compile_variants(
 
 def check_arch(
     arch: str,
-    shape: LayerShape,
+    shape: RankLayer,
     activations: ActivationPolicy,
     *,
     per_family: int = 2,
@@ -354,7 +321,7 @@ def check_arch(
 
 def check_candidates(
     arch: str,
-    shape: LayerShape,
+    shape: RankLayer,
     activations: ActivationPolicy,
     per_family: int = 2,
     token_points: Iterable[int] | None = None,
@@ -378,9 +345,10 @@ def failed_defaults(reports: Iterable[CompileReport]) -> list[CompileReport]:
 
 def check_failures(reports: Sequence[CompileReport]) -> list[str]:
     """Why the check fails, one line per kernel naming its stage, kernel and tactic (empty when
-    it passes): a default or routing kernel that did not compile, or, for an MX policy on SM12x,
-    a compiled default GEMM whose PTX lacks the native block-scaled MMA (:data:`NATIVE_MMA`):
-    without it the policy runs decomposed, which is what the policy exists to avoid."""
+    it passes): a default or routing kernel that did not compile, or, for an MX policy where
+    Triton lowers MX natively (:func:`~prepkit.kernels.device.lowers_natively`), a compiled
+    default GEMM whose PTX lacks the native block-scaled MMA (:data:`NATIVE_MMA`): without it
+    the policy runs decomposed, which is what the policy exists to avoid."""
     lines = [
         f"{_name(r)}: {r.status}: {r.message.splitlines()[0] if r.message else ''}" for r in failed_defaults(reports)
     ]
@@ -391,7 +359,7 @@ def check_failures(reports: Sequence[CompileReport]) -> list[str]:
             and r.ok
             and r.stage != "route"
             and r.origin.startswith("default")
-            and arch_device(r.arch).capability[0] == 12
+            and lowers_natively(arch_device(r.arch).capability)
             and r.mma != want
         ):
             lines.append(f"{_name(r)}: PTX holds {r.mma or 'no matrix instruction'}, not the native {want}")
@@ -404,7 +372,7 @@ def _name(r: CompileReport) -> str:
     return f"{r.arch} {r.activations} {r.stage}{kernel}{tactic} ({r.origin})"
 
 
-def _route_launch(k: ModuleType, shape: LayerShape, activations: str, num_tokens: int) -> Any:
+def _route_launch(k: ModuleType, shape: RankLayer, activations: str, num_tokens: int) -> Any:
     import torch
 
     def launch() -> None:
@@ -418,7 +386,7 @@ def _route_launch(k: ModuleType, shape: LayerShape, activations: str, num_tokens
     return launch
 
 
-def _gemm_launch(k: ModuleType, shape: LayerShape, activations: str, cand: Candidate, small_scales: bool) -> Any:
+def _gemm_launch(k: ModuleType, shape: RankLayer, activations: str, cand: Candidate, small_scales: bool) -> Any:
     """A launch of ``cand``'s GEMM on CPU tensors of the rank's real shapes (lazy allocations)."""
     import torch
 

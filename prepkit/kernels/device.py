@@ -1,8 +1,14 @@
-"""Device facts that kernel heuristics read. Heuristics take a ``DeviceInfo``; only
-:meth:`DeviceInfo.from_torch` talks to the driver, so tests can describe any GPU on a CPU."""
+"""Device facts that kernel heuristics read, and what Triton makes of a device.
+
+Heuristics take a ``DeviceInfo``; only :meth:`DeviceInfo.from_torch` talks to the driver (the
+tactics key's ``Environment`` is built from it), so tests can describe any GPU on a CPU.
+:func:`lowers_natively` is the one rule for whether MX operands reach block-scaled MMA.
+"""
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +25,7 @@ class DeviceInfo:
     registers_per_sm: int = 65536
     # DRAM bandwidth (bytes/s, from the data sheet; 0 when unknown: the driver does not report it).
     dram_bytes_per_s: float = 0.0
+    mem_bytes: int = 0  # device memory (0 for the reference devices: not a heuristic input)
 
     @classmethod
     def from_torch(cls, device: Any = None) -> DeviceInfo:
@@ -38,6 +45,7 @@ class DeviceInfo:
             max_shared_mem=smem,
             l2_bytes=int(getattr(props, "L2_cache_size", 50 * 2**20)),
             registers_per_sm=int(getattr(props, "regs_per_multiprocessor", 65536) or 65536),
+            mem_bytes=int(props.total_memory),
         )
 
 
@@ -54,3 +62,27 @@ ARCH_DEVICES: dict[str, DeviceInfo] = {"sm90": H100, "sm120": RTX_PRO_6000, "sm1
 def arch_name(capability: tuple[int, int]) -> str:
     """``(12, 1)`` -> ``"sm121"``: the name ``--arch`` and :data:`ARCH_DEVICES` use."""
     return f"sm{capability[0]}{capability[1]}"
+
+
+# The oldest Triton whose sm_120 / sm_121 lowering of same-format MX ``tl.dot_scaled`` to the
+# block-scaled ``mma.sync`` has been checked (docs/sm12x.md).
+NATIVE_MX_TRITON_SM12X = (3, 6)
+
+
+@functools.cache
+def lowers_natively(capability: tuple[int, int], triton_version: str | None = None) -> bool:
+    """Whether Triton lowers same-format MX ``tl.dot_scaled`` to block-scaled MMA on a GPU of
+    this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``, from Triton
+    3.6). Elsewhere (Hopper and older) it upcasts to bf16 first. ``triton_version``: the
+    installed one by default. Cached: MX layers ask on every call."""
+    if capability[0] not in (10, 12):
+        return False
+    import triton
+    import triton.language as tl
+
+    if not hasattr(tl, "dot_scaled"):
+        return False
+    if capability[0] == 12:
+        found = re.match(r"(\d+)\.(\d+)", triton_version or triton.__version__)
+        return found is not None and (int(found[1]), int(found[2])) >= NATIVE_MX_TRITON_SM12X
+    return True

@@ -7,12 +7,14 @@ tuner, the runtime and the tests all prune the same way on any machine.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import KNOB_NAMES, KNOBS, GemmTactic, knob
+
+if TYPE_CHECKING:
+    from prepkit.layer import MoeProblem
 
 Gemm = Literal["gemm1", "gemm2"]
 GEMMS: tuple[Gemm, ...] = ("gemm1", "gemm2")
@@ -34,25 +36,6 @@ MAX_SWAPPED_ROWS = 32
 # Accumulator plus the dequantized weight tile must stay in registers: beyond this many fp32
 # values per thread the compiler spills, and such a variant never wins.
 _MAX_VALUES_PER_THREAD = 256
-
-
-@dataclass(frozen=True)
-class MoeProblem:
-    """One MoE layer call as the tactic table keys it (per rank: local experts, valid I)."""
-
-    num_tokens: int
-    num_experts: int  # local experts on this rank
-    hidden: int
-    intermediate: int  # valid intermediate rows on this rank
-    top_k: int
-
-    def key(self) -> str:
-        return f"E{self.num_experts}H{self.hidden}I{self.intermediate}k{self.top_k}"
-
-    @property
-    def max_rows_per_expert(self) -> int:
-        """A token picks an expert at most once, so no expert sees more rows than tokens."""
-        return self.num_tokens
 
 
 # Bytes per activation value and per weight value handed to the matrix unit, by policy: bf16
@@ -239,24 +222,14 @@ def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTac
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
 
 
-# SM12x defaults (docs/sm12x.md). Weight bytes a program must keep in flight per SM to cover
-# DRAM latency at full bandwidth: bandwidth per SM x this latency (a loaded-DRAM round trip; an
-# assumption, not a measurement).
-DRAM_LATENCY_S = 1e-6
-
-
 def _sm12x_defaults(
     problem: MoeProblem, device: DeviceInfo, activations: ActivationPolicy
 ) -> tuple[GemmTactic, GemmTactic]:
-    """SM12x defaults, chosen by one rule from the compile reports of ``prepkit.kernels.compile_check``
-    for sm_120a / sm_121a (docs/sm12x.md has the reports):
-
-    1. compiled without spills, shared memory under the 99 KiB a block may use;
-    2. at decode, enough weight bytes in flight per SM (:func:`decode_bytes_in_flight_per_sm`) to
-       cover ``DRAM_LATENCY_S`` at the device's bandwidth per SM (GB10: 48 SMs at 273 GB/s, 5.7 KB;
-       RTX PRO 6000: 188 SMs at 1.79 TB/s, 9.5 KB), with at least one program per SM;
-    3. then the most warps resident per SM (``mma.sync`` is synchronous: warps hide each other's
-       latency), then the fewest SASS instructions per K step per 4 weight bytes.
+    """SM12x defaults (docs/sm12x.md), read off the compile reports of
+    ``prepkit.kernels.compile_check`` for sm_120a / sm_121a: variants that compile without spills
+    and within the 99 KiB of shared memory a block may use; at decode enough programs (and weight
+    tiles in flight) per SM to cover DRAM latency; then the most warps resident per SM
+    (``mma.sync`` is synchronous: warps hide each other's latency).
 
     Up to 12 rows per expert: 16 x 128 x 128 swapped tiles, 3 stages (25 KiB of shared memory for
     bf16, 21 KiB for mxfp8: three or four programs fit an SM); 16 x 64 x 256 when the 128-wide GEMM1
@@ -285,32 +258,6 @@ def _sm12x_defaults(
         _fit(g1, "gemm1", device, activations),
         _fit(g2, "gemm2", device, activations),
     )
-
-
-def decode_bytes_in_flight_per_sm(
-    t: GemmTactic,
-    gemm: Gemm,
-    problem: MoeProblem,
-    device: DeviceInfo,
-    activations: ActivationPolicy = "bf16",
-    registers: int | None = None,
-) -> float:
-    """Weight bytes the programs on one SM have requested and not yet received: each program
-    prefetches ``num_stages - 1`` weight tiles; an SM holds as many programs as the grid gives it,
-    its shared memory and (when ``registers`` per thread is known) its register file allow."""
-    active = max(1, min(problem.num_experts, problem.num_tokens * problem.top_k))
-    rows = -(-problem.num_tokens * problem.top_k // active)
-    n = 2 * problem.intermediate if gemm == "gemm1" else problem.hidden
-    programs = active * -(-rows // t.block_m) * -(-n // t.block_n) * t.split_k
-    resident = min(-(-programs // device.sm_count), device.max_shared_mem // max(1, shared_mem_bytes(t, activations)))
-    if registers:
-        resident = min(resident, device.registers_per_sm // (registers * 32 * t.num_warps))
-    return resident * max(1, t.num_stages - 1) * t.block_n * t.block_k / 2
-
-
-def decode_bytes_in_flight_needed(device: DeviceInfo) -> float:
-    """Bytes in flight per SM that keep the device's DRAM busy: bandwidth per SM x latency."""
-    return device.dram_bytes_per_s / device.sm_count * DRAM_LATENCY_S
 
 
 def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationPolicy = "bf16") -> GemmTactic:

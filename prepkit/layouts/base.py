@@ -147,7 +147,9 @@ class RankPlan:
     ``intermediate_range`` is the half-open range of checkpoint intermediate rows this rank holds
     (``valid_intermediate`` of them); the rest up to ``padded_intermediate`` is zero padding.
     ``tensors`` maps output tensor suffixes (e.g. ``w3_w1_weight``) to their per-layer specs.
-    ``facts`` carries layout-specific values worth recording in the manifest.
+    ``facts`` carries layout-specific values worth recording in the manifest. Any layout's byte
+    plan; the dims the bundled kernel reads of a triton-moe plan are its
+    :class:`prepkit.layer.RankLayer` (``RankLayer.of_plan``).
     """
 
     spec: RankSpec

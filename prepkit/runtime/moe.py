@@ -15,8 +15,6 @@ Triton's decomposition, and says so once per process.
 
 from __future__ import annotations
 
-import functools
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -27,17 +25,21 @@ import torch
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.errors import DeviceError, LayoutError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
-from prepkit.kernels.device import DeviceInfo
+from prepkit.kernels.device import NATIVE_MX_TRITON_SM12X, DeviceInfo, lowers_natively
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import MoeProblem, default_tactics, policy_variant
+from prepkit.kernels.variants import default_tactics, policy_variant
+from prepkit.layer import MoeProblem, RankLayer, rank_layer
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec
 from prepkit.layouts.triton_moe import LAYOUT, tensor_specs
+from prepkit.warn_once import new_owner, owned_by, warn_once
 
 # The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
 # through the constants so that checking a manifest does not import triton.
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
+# A lookup returns the pair for a call, or None after saying why, if it wants to (the tactics DB's
+# does, once per layer: the layer runs it as the warning owner). Without a lookup the layer warns.
 TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
 
 
@@ -62,6 +64,9 @@ class MoeLayer:
     expert_range: tuple[int, int]
     valid_intermediate: int
     top_k: int = 4
+    tp_size: int = 1
+    tp_rank: int = 0
+    ep_size: int = 1
     apply_down_bias: bool = True  # True on TP rank 0 only, so the all-reduce adds it once
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -71,13 +76,20 @@ class MoeLayer:
     # (w13, w2): every E8M0 byte <= 128, so the kernel may fold its upcast fix-up into the scale
     # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Derived from the scales once, at construction.
     small_scales: tuple[bool, bool] = field(init=False, default=(False, False))
+    # The layer's per-rank record (prepkit.layer), from the fields and the tensors' shapes.
+    shape: RankLayer = field(init=False, repr=False)
     _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
-    _warned: bool = field(default=False, repr=False)
+    _warn_owner: int = field(default_factory=new_owner, repr=False)  # whose warnings these are
     _tuned: set[int] = field(default_factory=set, repr=False)  # token counts served by the lookup
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
         self.small_scales = (scales_are_small(self.w13_scales), scales_are_small(self.w2_scales))
+        self.shape = RankLayer(
+            num_experts=self.num_experts, expert_range=self.expert_range, hidden=self.hidden,
+            valid_intermediate=self.valid_intermediate, padded_intermediate=self.padded_intermediate,
+            top_k=self.top_k, tp_size=self.tp_size, tp_rank=self.tp_rank, ep_size=self.ep_size,
+        )  # fmt: skip
 
     @classmethod
     def from_experts(
@@ -93,11 +105,7 @@ class MoeLayer:
         layer = cls.from_tensors(
             LAYOUT.build(experts.experts(*plan.expert_range), plan),
             layout_id=LAYOUT.layout_id,
-            num_experts=experts.num_experts,
-            expert_range=plan.expert_range,
-            valid_intermediate=plan.valid_intermediate,
-            top_k=top_k,
-            tp_rank=rank.tp_rank,
+            rank_layer=RankLayer.of_plan(plan),
             facts=plan.facts,
             **kwargs,
         )
@@ -109,18 +117,21 @@ class MoeLayer:
         tensors: Mapping[str, torch.Tensor],
         *,
         layout_id: str,
-        num_experts: int,
-        expert_range: tuple[int, int],
-        valid_intermediate: int,
+        num_experts: int | None = None,
+        expert_range: tuple[int, int] | None = None,
+        valid_intermediate: int | None = None,
         top_k: int = 4,
         tp_rank: int = 0,
+        rank_layer: RankLayer | None = None,
         device: torch.device | str | None = None,
         tactic_lookup: TacticLookup | None = None,
         facts: Mapping[str, Any] | None = None,
         activations: ActivationPolicy = "bf16",
     ) -> MoeLayer:
         """Build a layer from one rank's tensors of one layer (names may carry a prefix such as
-        ``model.layers.3.mlp.experts.``; the suffix decides).
+        ``model.layers.3.mlp.experts.``; the suffix decides). The rank's dims come from
+        ``rank_layer`` (the layout's record, :mod:`prepkit.layer`) or, without it, from
+        ``num_experts``, ``expert_range``, ``valid_intermediate``, ``top_k`` and ``tp_rank``.
 
         Raises:
             LayoutError: the layout id is not ``triton_moe_v3``, a tensor is missing, or shapes
@@ -140,12 +151,20 @@ class MoeLayer:
                 raise LayoutError(f"expected one tensor named *{suffix}, found {sorted(hits) or 'none'}")
             found[suffix] = tensors[hits[0]].to(device) if device is not None else tensors[hits[0]]
         facts = dict(facts or {})
+        if rank_layer is not None:
+            num_experts, expert_range = rank_layer.num_experts, rank_layer.expert_range
+            valid_intermediate, top_k, tp_rank = rank_layer.valid_intermediate, rank_layer.top_k, rank_layer.tp_rank
+        if num_experts is None or expert_range is None or valid_intermediate is None:
+            raise TypeError("from_tensors needs rank_layer, or num_experts, expert_range and valid_intermediate")
         layer = cls(
             **{k: v.contiguous() for k, v in found.items()},
             num_experts=num_experts,
             expert_range=(int(expert_range[0]), int(expert_range[1])),
             valid_intermediate=valid_intermediate,
             top_k=top_k,
+            tp_size=rank_layer.tp_size if rank_layer is not None else 1,
+            tp_rank=tp_rank,
+            ep_size=rank_layer.ep_size if rank_layer is not None else 1,
             apply_down_bias=tp_rank == int(facts.get("w2_bias_tp_rank", 0)),
             swiglu_alpha=float(facts.get("swiglu_alpha", 1.702)),
             swiglu_limit=float(facts.get("swiglu_limit", 7.0)),
@@ -168,7 +187,7 @@ class MoeLayer:
         return self.w13_blocks.shape[2] // 2
 
     def problem(self, num_tokens: int) -> MoeProblem:
-        return MoeProblem(num_tokens, self.num_local_experts, self.hidden, self.valid_intermediate, self.top_k)
+        return self.shape.problem(num_tokens)
 
     def validate(self) -> None:
         """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v3`` layer."""
@@ -193,18 +212,23 @@ class MoeLayer:
             return chosen
         device = self._device_info()
         problem = self.problem(num_tokens)
-        chosen = self.tactic_lookup(problem, device) if self.tactic_lookup is not None else None
-        if chosen is not None:
-            self._tuned.add(num_tokens)
-            chosen = self._as_policy(chosen)
+        if self.tactic_lookup is not None:
+            # The lookup's own warnings about a miss are this layer's: once per layer.
+            with owned_by(self._warn_owner):
+                chosen = self.tactic_lookup(problem, device)
         else:
-            if not self._warned:
-                warnings.warn(
+            chosen = None
+            with owned_by(self._warn_owner):
+                warn_once(
+                    "no tuned tactic",
                     f"no tuned tactic for {problem.key()} on {device.name}; using the built-in default "
                     "(run `prepkit tune` for faster variants)",
                     stacklevel=3,
                 )
-                self._warned = True
+        if chosen is not None:
+            self._tuned.add(num_tokens)
+            chosen = self._as_policy(chosen)
+        else:
             chosen = self._default_pair(num_tokens)
         self._chosen[num_tokens] = chosen
         return chosen
@@ -254,43 +278,14 @@ class MoeLayer:
         return self.device_info
 
 
-_DECOMPOSED_WARNED: set[tuple[str, tuple[int, int]]] = set()
-
-
-# The oldest Triton whose sm_120 / sm_121 lowering of same-format MX ``tl.dot_scaled`` to the
-# block-scaled ``mma.sync`` has been checked (docs/sm12x.md).
-NATIVE_MX_TRITON_SM12X = (3, 6)
-
-
-@functools.cache
-def lowers_natively(capability: tuple[int, int], triton_version: str | None = None) -> bool:
-    """Whether Triton lowers same-format MX ``tl.dot_scaled`` to block-scaled MMA on a GPU of
-    this compute capability (SM10x: tcgen05; SM12x: ``mma.sync ... block_scale``, from Triton
-    3.6). Elsewhere (Hopper and older) it upcasts to bf16 first. ``triton_version``: the
-    installed one by default."""
-    if capability[0] not in (10, 12):
-        return False
-    import triton
-    import triton.language as tl
-
-    if not hasattr(tl, "dot_scaled"):
-        return False
-    if capability[0] == 12:
-        found = re.match(r"(\d+)\.(\d+)", triton_version or triton.__version__)
-        return found is not None and (int(found[1]), int(found[2])) >= NATIVE_MX_TRITON_SM12X
-    return True
-
-
 def _warn_if_decomposed(layer: MoeLayer, device: DeviceInfo, on_cuda: bool) -> None:
     """One warning per process and (policy, capability) when MX activations cannot run natively."""
     if layer.activations == "bf16" or (on_cuda and lowers_natively(device.capability)):
         return
-    key = (layer.activations, device.capability if on_cuda else (0, 0))
-    if key in _DECOMPOSED_WARNED:
-        return
-    _DECOMPOSED_WARNED.add(key)
+    key = ("mx decomposed", layer.activations, device.capability if on_cuda else (0, 0))
     where = f"{device.name} (sm_{device.capability[0]}{device.capability[1]})" if on_cuda else "the CPU interpreter"
-    warnings.warn(
+    warn_once(
+        key,
         f"activations {layer.activations!r} run decomposed on {where}: Triton upcasts the MX operands to bf16 "
         "before the matrix unit (same numerics, no speed-up); block-scaled MMA needs SM10x, or SM12x with "
         f"Triton >= {'.'.join(map(str, NATIVE_MX_TRITON_SM12X))}",
@@ -404,18 +399,17 @@ def load_moe_layers(
     if tactic_lookup is None and use_tactics_db:
         from prepkit.tactics.lookup import make_tactic_lookup
 
-        tactic_lookup = make_tactic_lookup(tp_size=shards.tp_size, activations=activations)
-    dims = shards.dims
+        tactic_lookup = make_tactic_lookup(activations=activations)
+    record = rank_layer(
+        shards.manifest.model.dims,
+        RankSpec(tp_size=shards.tp_size, tp_rank=shards.tp_rank, ep_size=shards.ep_size, ep_rank=shards.ep_rank),
+    )
     facts = shards.facts
     return {
         index: MoeLayer.from_tensors(
             tensors,
             layout_id=shards.layout_id,
-            num_experts=int(dims["num_experts"]),
-            expert_range=shards.expert_range,
-            valid_intermediate=shards.valid_intermediate,
-            top_k=int(dims["top_k"]),
-            tp_rank=shards.tp_rank,
+            rank_layer=record,
             device=device,
             tactic_lookup=tactic_lookup,
             facts=facts,

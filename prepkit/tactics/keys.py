@@ -9,8 +9,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prepkit.layer import RankLayer
 
 # The kernel whose variants the DB holds, by name (prepkit.kernels.moe_mxfp4).
 KERNEL_NAME = "moe_mxfp4"
@@ -51,6 +54,10 @@ def triton_minor(version: str) -> str:
     return ".".join(parts[:2]) if len(parts) >= 2 else version
 
 
+# Every field of ProblemKey except tp_size/ep_size enters problem_hash() through shape_fields(),
+# and the hashes are the rows' keys in every tactics DB: a new field (even one with a default), a
+# renamed one or another value spelling changes every problem hash and orphans every stored row.
+# tests/test_tactics_db.py pins today's hashes of real problems.
 @dataclass(frozen=True)
 class ProblemKey:
     """Everything that changes the math or the best variant of one GEMM, except the token count.
@@ -128,26 +135,38 @@ def gpt_oss_problems(
     ep_size: int = 1,
     act_dtype: str = "bf16",
 ) -> dict[str, ProblemKey]:
-    """The two GEMM problems of one gpt-oss MoE layer on one rank, keyed by role."""
-    local_i = intermediate // tp_size
-    local_e = num_experts // ep_size
+    """The two GEMM problems of one gpt-oss MoE layer on one rank, keyed by role. The dims are the
+    rank's own: ``num_experts`` its local experts, ``intermediate`` its valid intermediate rows
+    (``tp_size``/``ep_size`` are recorded only)."""
     common = dict(
         kernel=kernel, kernel_version=str(kernel_version), weight_layout=weight_layout,
-        num_experts=local_e, top_k=top_k, act_dtype=act_dtype, tp_size=tp_size, ep_size=ep_size,
+        num_experts=num_experts, top_k=top_k, act_dtype=act_dtype, tp_size=tp_size, ep_size=ep_size,
     )  # fmt: skip
     return {
-        "gemm1": ProblemKey(role="gemm1", n=2 * local_i, k=hidden, activation="swiglu_oai", **common),
-        "gemm2": ProblemKey(role="gemm2", n=hidden, k=local_i, activation="routed_sum", **common),
+        "gemm1": ProblemKey(role="gemm1", n=2 * intermediate, k=hidden, activation="swiglu_oai", **common),
+        "gemm2": ProblemKey(role="gemm2", n=hidden, k=intermediate, activation="routed_sum", **common),
     }
+
+
+def layer_problems(
+    layer: RankLayer, *, kernel: str, kernel_version: str, weight_layout: str, act_dtype: str = "bf16"
+) -> dict[str, ProblemKey]:
+    """:func:`gpt_oss_problems` of a rank's layer record."""
+    return gpt_oss_problems(
+        kernel=kernel, kernel_version=kernel_version, weight_layout=weight_layout,
+        num_experts=layer.num_local_experts, hidden=layer.hidden, intermediate=layer.valid_intermediate,
+        top_k=layer.top_k, tp_size=layer.tp_size, ep_size=layer.ep_size, act_dtype=act_dtype,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class Environment:
     """The GPU and software stack a row was measured on, or that a lookup runs on.
 
-    Passed in (never probed inside a heuristic). :meth:`of` also takes the kernels'
+    Passed in (never probed inside a heuristic). :meth:`of` builds one from the kernels'
     ``prepkit.kernels.device.DeviceInfo`` (filling software versions from the installed
-    packages), and :meth:`current` reads the current CUDA device through torch.
+    packages); :meth:`current` does the same for the current CUDA device, whose facts come from
+    ``DeviceInfo.from_torch`` (the one device probe) and whose versions from the loaded stack.
     """
 
     cc_major: int
@@ -198,6 +217,7 @@ class Environment:
             sm_count=int(getattr(device, "sm_count", 0)),
             l2_bytes=int(getattr(device, "l2_bytes", 0)),
             smem_per_block_optin=int(getattr(device, "max_shared_mem", 0)),
+            mem_bytes=int(getattr(device, "mem_bytes", 0)),
             triton_version=str(getattr(device, "triton_version", "") or _dist_version("triton")),
             torch_version=str(getattr(device, "torch_version", "") or _dist_version("torch")),
         )
@@ -218,22 +238,17 @@ class Environment:
                 "no CUDA device is visible to torch",
                 hint="run on a machine with an NVIDIA GPU, or check CUDA_VISIBLE_DEVICES and the driver",
             )
+        from prepkit.kernels.device import DeviceInfo
+
         idx = torch.cuda.current_device() if device is None else device
-        props = torch.cuda.get_device_properties(idx)
         try:
             import triton
 
             triton_version = str(triton.__version__)
         except ImportError:
             triton_version = ""
-        return cls(
-            cc_major=int(props.major),
-            cc_minor=int(props.minor),
-            name=str(props.name),
-            sm_count=int(props.multi_processor_count),
-            l2_bytes=int(getattr(props, "L2_cache_size", 0)),
-            smem_per_block_optin=int(getattr(props, "shared_memory_per_block_optin", 0)),
-            mem_bytes=int(props.total_memory),
+        return replace(
+            cls.of(DeviceInfo.from_torch(idx)),
             triton_version=triton_version,
             torch_version=str(torch.__version__),
             cuda_version=str(torch.version.cuda or ""),

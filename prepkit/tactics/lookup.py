@@ -2,8 +2,8 @@
 
 Contract for the MoE runtime (``prepkit.runtime.moe``)
 -----------------------------------------------------
-Build one :class:`~prepkit.tactics.keys.ProblemKey` per GEMM of a layer (``gpt_oss_problems``
-does it from the model dims), then either
+Build one :class:`~prepkit.tactics.keys.ProblemKey` per GEMM of a layer (``layer_problems``
+does it from a rank's :class:`~prepkit.layer.RankLayer`), then either
 
 * at load time: ``table = TacticTable.load(problem, device)``, and per call
   ``tactic = table.tactic_for(num_tokens)`` (O(1); ``None`` means "use your built-in default"),
@@ -24,7 +24,8 @@ Where a table comes from, in order (first that has winners for the problem wins)
    (:func:`runtime_resolver`) accepts a table whose tactics all decode, warns once per GEMM, and
    the runtime falls back to the default for a variant that no longer compiles;
 4. the built-in default (``None`` here): counted as a miss, with one warning per problem and
-   device that names the ``prepkit tune`` command to run.
+   device (and per runtime layer: :mod:`prepkit.warn_once`) that names the ``prepkit tune``
+   command to run.
 
 A row is never used when its compute capability differs from the device's, or its kernel name,
 role, kernel version, weight layout or activation precision differs from the problem's (those are
@@ -55,8 +56,9 @@ from typing import Any, Generic, TypeVar
 from prepkit.constants import TACTICS_DB_NAME
 from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
-from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, gpt_oss_problems, triton_minor
+from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems, triton_minor
 from prepkit.tactics.schema import MIN_READABLE_SCHEMA, open_readonly
+from prepkit.warn_once import new_owner, warn_once
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +414,7 @@ class TacticResolver:
         self.bundled_db = bundled_db
         self.smoke_check = smoke_check
         self._tables: dict[tuple[ProblemKey, Environment], TacticTable] = {}
-        self._warned: set[tuple[str, str, str]] = set()
+        self._warn_owner = new_owner()  # each resolver warns about its own misses
         self._lock = threading.Lock()
 
     def table(self, problem: ProblemKey, device: Environment | Any) -> TacticTable:
@@ -428,21 +430,25 @@ class TacticResolver:
                 self._tables[key] = table
         return table
 
-    def lookup(self, problem: ProblemKey, num_tokens: int, device: Environment | Any) -> str | None:
-        """Tactic JSON for the call, or ``None`` (the caller's default serves it; warned once)."""
+    def lookup(
+        self, problem: ProblemKey, num_tokens: int, device: Environment | Any, *, warn: bool = True
+    ) -> str | None:
+        """Tactic JSON for the call, or ``None`` (the caller's default serves it; with ``warn``,
+        warned once by :meth:`warn_miss`)."""
         device = Environment.of(device)
         table = self.table(problem, device)
         tj = table.tactic_for(num_tokens)
-        if tj is None:
-            self._warn_miss(table, num_tokens, device)
+        if tj is None and warn:
+            self.warn_miss(problem, num_tokens, device)
         return tj
 
-    def _warn_miss(self, table: TacticTable, num_tokens: int, device: Environment) -> None:
+    def warn_miss(self, problem: ProblemKey, num_tokens: int, device: Environment | Any) -> None:
+        """Say once per problem, device and kind of miss that the default serves ``num_tokens``,
+        naming the command that would tune it."""
+        device = Environment.of(device)
+        table = self.table(problem, device)
         outside = bool(table.ranges)  # a table exists but does not reach this M
-        key = (table.problem.problem_hash(), device.arch + device.name, "outside" if outside else "none")
-        if key in self._warned:
-            return
-        self._warned.add(key)
+        key = (self._warn_owner, problem.problem_hash(), device.arch + device.name, "outside" if outside else "none")
         cmd = suggest_tune_command(table.problem, device.arch)
         where = device.name or "this GPU"
         if outside:
@@ -459,7 +465,7 @@ class TacticResolver:
             )
             if table.notes:
                 msg += " (" + "; ".join(table.notes[:3]) + ")"
-        warnings.warn(msg, TacticsDBWarning, stacklevel=3)
+        warn_once(key, msg, TacticsDBWarning, stacklevel=3)
 
     def stats(self) -> dict[str, Any]:
         """Hits and misses over every table, and where each table came from (source/tier)."""
@@ -473,7 +479,7 @@ class TacticResolver:
     def clear(self) -> None:
         with self._lock:
             self._tables.clear()
-            self._warned.clear()
+            self._warn_owner = new_owner()  # and warn again
 
 
 _default_resolver: TacticResolver | None = None
@@ -496,14 +502,7 @@ def lookup_tactic(
     """The :class:`~prepkit.kernels.tactic.GemmTactic` for ``num_tokens``, or ``None`` on a miss
     (the caller then uses its built-in default; a warning was issued once)."""
     res = resolver or default_resolver()
-    tj = res.lookup(problem, num_tokens, device)
-    if tj is None:
-        return None
-    try:
-        return _gemm_tactic_decoder()(tj)
-    except (ValueError, TypeError) as err:
-        log.warning("stored tactic %s cannot be decoded (%s); using the default", tj, err)
-        return None
+    return _decode_or_none(res.lookup(problem, num_tokens, device))
 
 
 _runtime_resolver: TacticResolver | None = None
@@ -536,31 +535,31 @@ def make_tactic_lookup(
     kernel: str = KERNEL_NAME,
     kernel_version: str | int | None = None,
     weight_layout: str | None = None,
-    tp_size: int = 1,
     activations: str = "bf16",
 ) -> Callable[[Any, Any], tuple[Any, Any] | None]:
     """A ``prepkit.runtime.moe.TacticLookup`` backed by the tactic DBs.
 
-    Called with a ``MoeProblem`` (tokens, local experts, hidden, valid intermediate, top_k) and
-    the kernels' ``DeviceInfo``, it returns ``(gemm1, gemm2)`` tactics. A GEMM without a tuned
-    row gets the built-in default for its slot (warned once, naming the tune command); when
-    neither GEMM has one it returns ``None`` and the layer's own default applies.
-    ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use;
-    ``weight_layout=None`` is the bundled kernel's layout. ``activations`` is the activation
-    precision policy the layer runs with: rows tuned for another policy never serve it.
-    ``resolver=None`` is :func:`runtime_resolver`: a table tuned with another Triton minor
-    version serves, with one warning naming both versions.
+    Called with a ``prepkit.layer.MoeProblem`` (a rank's layer record and a token count) and the
+    kernels' ``DeviceInfo``, it returns ``(gemm1, gemm2)`` tactics. A GEMM without a tuned row
+    gets the built-in default for its slot; when neither GEMM has one it returns ``None`` and the
+    layer's own default applies. Either way one warning names the tune command, once per missed
+    problem (and per layer, when a layer calls it). ``kernel_version=None`` reads
+    ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use; ``weight_layout=None`` is the
+    bundled kernel's layout. ``activations`` is the activation precision policy the layer runs
+    with: rows tuned for another policy never serve it. ``resolver=None`` is
+    :func:`runtime_resolver`: a table tuned with another Triton minor version serves, with one
+    warning naming both versions.
     """
     res = resolver or runtime_resolver()
-    warned_other: set[str] = set()
+    owner = new_owner()
 
     def note_other_triton(key: ProblemKey, device: Any) -> None:
         table = res.table(key, device)
-        if table.tier != "triton_minor" or key.role in warned_other:
+        if table.tier != "triton_minor":
             return
-        warned_other.add(key.role)
         env = Environment.of(device)
-        warnings.warn(
+        warn_once(
+            (owner, "other triton", key.role),
             f"tactics for {key.describe()} were tuned with another Triton than this one "
             f"({env.triton_version}); they run as they are (same kernel version). `prepkit tune` "
             "re-measures them for this Triton",
@@ -570,28 +569,29 @@ def make_tactic_lookup(
 
     version: list[str] = [] if kernel_version is None else [str(kernel_version)]
     layout = weight_layout or _kernel_layout()
-    problems: dict[tuple[int, int, int, int], dict[str, ProblemKey]] = {}
+    problems: dict[Any, dict[str, ProblemKey]] = {}
 
     def lookup(problem: Any, device: Any) -> tuple[Any, Any] | None:
         if not version:
             from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
 
             version.append(str(KERNEL_VERSION))
-        dims = (problem.num_experts, problem.hidden, problem.intermediate, problem.top_k)
-        keys = problems.get(dims)
+        keys = problems.get(problem.layer)
         if keys is None:
-            keys = gpt_oss_problems(
-                kernel=kernel, kernel_version=version[0], weight_layout=layout,
-                num_experts=problem.num_experts, hidden=problem.hidden,
-                intermediate=problem.intermediate * tp_size, top_k=problem.top_k, tp_size=tp_size,
-                act_dtype=activations,
-            )  # fmt: skip
-            problems[dims] = keys
-        g1 = lookup_tactic(keys["gemm1"], problem.num_tokens, device, resolver=res)
-        g2 = lookup_tactic(keys["gemm2"], problem.num_tokens, device, resolver=res)
+            keys = layer_problems(
+                problem.layer, kernel=kernel, kernel_version=version[0], weight_layout=layout, act_dtype=activations
+            )
+            problems[problem.layer] = keys
+        found = {role: res.lookup(keys[role], problem.num_tokens, device, warn=False) for role in ("gemm1", "gemm2")}
+        missed = [role for role, tj in found.items() if tj is None]
+        if missed:
+            # One warning for the call, about the first GEMM that missed: one tune run fills both.
+            res.warn_miss(keys[missed[0]], problem.num_tokens, device)
+        decoded = {role: _decode_or_none(tj) for role, tj in found.items()}
+        g1, g2 = decoded["gemm1"], decoded["gemm2"]
         if g1 is None and g2 is None:
             return None
-        for role, tactic in (("gemm1", g1), ("gemm2", g2)):
+        for role, tactic in decoded.items():
             if tactic is not None:
                 note_other_triton(keys[role], device)
         if g1 is None or g2 is None:
@@ -602,6 +602,16 @@ def make_tactic_lookup(
         return g1, g2
 
     return lookup
+
+
+def _decode_or_none(tj: str | None) -> Any | None:
+    if tj is None:
+        return None
+    try:
+        return _gemm_tactic_decoder()(tj)
+    except (ValueError, TypeError) as err:
+        log.warning("stored tactic %s cannot be decoded (%s); using the default", tj, err)
+        return None
 
 
 def _kernel_layout() -> str:

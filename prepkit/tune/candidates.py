@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS
+
+if TYPE_CHECKING:
+    from prepkit.layer import MoeProblem, RankLayer
 
 
 def parse_tokens(spec: str | None, *, max_tokens: int | None = None) -> tuple[int, ...]:
@@ -153,9 +156,16 @@ def kernel_candidates(
     return prune_candidates(space, problem.role, max_count=max_count, seeds=seeds)
 
 
-def moe_problem(problem: ProblemKey, m: int) -> Any:
-    """The kernels' ``MoeProblem`` for ``m`` tokens of the layer ``problem`` belongs to."""
-    from prepkit.kernels.variants import MoeProblem
+def key_layer(problem: ProblemKey) -> RankLayer:
+    """The layer ``problem`` belongs to, as one rank holding all of its (local) experts and valid
+    intermediate rows: the layer a tuning worker builds and measures."""
+    from prepkit.dims import ModelDims
+    from prepkit.layer import rank_layer
 
     hidden, inter = problem.layer_dims
-    return MoeProblem(m, problem.num_experts, hidden, inter, problem.top_k)
+    return rank_layer(ModelDims(1, problem.num_experts, hidden, inter, problem.top_k))
+
+
+def moe_problem(problem: ProblemKey, m: int) -> MoeProblem:
+    """The call of ``problem``'s layer with ``m`` tokens."""
+    return key_layer(problem).problem(m)

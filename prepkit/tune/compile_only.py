@@ -12,15 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prepkit.constants import TRITON_MOE_LAYOUT_ID
-from prepkit.errors import DeviceError, RecipeError
+from prepkit.errors import DeviceError
 from prepkit.kernels.device import ARCH_DEVICES
+from prepkit.layer import LayerSource
 
 if TYPE_CHECKING:
-    from prepkit.kernels.compile_check import Candidate, CompileReport, LayerShape
+    from prepkit.kernels.compile_check import Candidate, CompileReport
 
 # Architectures a compile-only run can target: those with a reference device.
 COMPILE_ARCHES: tuple[str, ...] = tuple(ARCH_DEVICES)
@@ -29,20 +28,12 @@ LineFn = Callable[[str], None]
 
 
 @dataclass(frozen=True)
-class CompileTarget:
-    """The layer one rank runs, and how to name it."""
-
-    label: str  # e.g. "gpt-oss-120b TP1 rank 0"
-    shape: LayerShape
-
-
-@dataclass(frozen=True)
 class CompileOnlyResult:
     """Every kernel compiled (or not), and why the check fails (empty ``failures``: it passes)."""
 
     arch: str
     activations: str
-    target: CompileTarget
+    target: LayerSource
     per_family: int
     reports: list[CompileReport]
     failures: list[str]
@@ -90,40 +81,10 @@ def check_arch_name(arch: str) -> str:
     return arch
 
 
-def layer_target(*, model: str | None, shards: Path | None, tp: int | None) -> CompileTarget:
-    """TP rank 0's layer of a recipe (default gpt-oss-120b, TP ``tp`` or 1) or of a prepared
-    triton-moe shard set (its own TP and EP split).
-
-    Raises:
-        RecipeError: unknown recipe; shards in another layout, or ``tp`` disagreeing with them.
-    """
-    from prepkit.kernels.compile_check import LayerShape
-
-    if shards is not None:
-        from prepkit.manifest import Manifest
-
-        man = Manifest.read(shards)
-        if man.layout.id != TRITON_MOE_LAYOUT_ID:
-            raise RecipeError(
-                f"{shards} is in layout {man.layout.id!r}; the bundled kernel reads {TRITON_MOE_LAYOUT_ID!r}",
-                hint="prepare with --layout triton-moe, or use --model",
-            )
-        m_tp, ep = man.parallel.tp_size, man.parallel.ep_size
-        if tp is not None and tp != m_tp:
-            raise RecipeError(f"--tp {tp} but {shards} was prepared for tp={m_tp}", hint="drop --tp")
-        split = f"TP{m_tp}" + (f" EP{ep}" if ep > 1 else "")
-        return CompileTarget(f"{shards} {split} rank 0", LayerShape.of(man.model.dims, m_tp, 0, ep))
-    from prepkit.recipes import load_recipe, model_dims
-
-    recipe = load_recipe(model or "gpt-oss-120b")
-    tp = tp or 1
-    return CompileTarget(f"{recipe.name} TP{tp} rank 0", LayerShape.of(model_dims(recipe.reference_dims), tp))
-
-
 def run_compile_only(
     arch: str,
     activations: str,
-    target: CompileTarget,
+    target: LayerSource,
     *,
     per_family: int = 1,
     points: Sequence[int] | None = None,
@@ -140,7 +101,7 @@ def run_compile_only(
     policy = check_policy(activations)
     pts = tuple(points or TOKEN_POINTS)
     candidates = cc.check_candidates(
-        arch, target.shape, policy, per_family, pts, sample_tokens=sorted({min(pts), max(pts)})
+        arch, target.layer, policy, per_family, pts, sample_tokens=sorted({min(pts), max(pts)})
     )
     if on_line is not None:
         on_line(
@@ -154,7 +115,7 @@ def run_compile_only(
                 on_line(progress_line(done, total, r))
 
     start = time.perf_counter()
-    reports = cc.compile_variants(arch, target.shape, policy, candidates, on_progress=progress)
+    reports = cc.compile_variants(arch, target.layer, policy, candidates, on_progress=progress)
     return CompileOnlyResult(
         arch, activations, target, per_family, reports, cc.check_failures(reports), time.perf_counter() - start
     )

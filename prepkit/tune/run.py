@@ -16,9 +16,10 @@ from typing import Any
 
 from prepkit import __version__
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
-from prepkit.errors import DeviceError, RecipeError, TacticsError
+from prepkit.errors import DeviceError, TacticsError
+from prepkit.layer import resolve_layer
 from prepkit.tactics import store
-from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, gpt_oss_problems
+from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems
 from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults
@@ -64,40 +65,16 @@ def tune_problems(
     kernel_version: str,
     activations: str = "bf16",
 ) -> list[ProblemKey]:
-    """GEMM1 and GEMM2 problem keys of TP rank 0 from a recipe or a prepared shard set.
+    """GEMM1 and GEMM2 problem keys of TP rank 0's layer (:func:`prepkit.layer.resolve_layer`)
+    of a recipe or a prepared shard set.
 
     Raises:
         RecipeError: the shard set is not in the kernel's layout, or ``tp`` disagrees with it.
     """
-    from prepkit.layouts.triton_moe import intermediate_split
-
-    if shards is not None:
-        from prepkit.manifest import Manifest
-
-        man = Manifest.read(shards)
-        if man.layout.id != TRITON_MOE_LAYOUT_ID:
-            raise RecipeError(
-                f"{shards} is in layout {man.layout.id!r}; the bundled kernel (the one tuned) reads "
-                f"{TRITON_MOE_LAYOUT_ID!r}",
-                hint="prepare with --layout triton-moe, or tune with --model",
-            )
-        d = man.model.dims
-        m_tp, ep = man.parallel.tp_size, man.parallel.ep_size
-        if tp is not None and tp != m_tp:
-            raise RecipeError(f"--tp {tp} but {shards} was prepared for tp={m_tp}", hint="drop --tp")
-        tp = m_tp
-        E, H, I, k = d.num_experts, d.hidden, d.intermediate, d.top_k
-    else:
-        from prepkit.recipes import load_recipe
-
-        r = load_recipe(model or "gpt-oss-120b").reference_dims
-        E, H, I, k = r["num_local_experts"], r["hidden_size"], r["intermediate_size"], r["num_experts_per_tok"]
-        ep = 1
-        tp = tp or 1
-    lo, hi, _ = intermediate_split(I, tp, 0)
-    probs = gpt_oss_problems(
-        kernel=KERNEL_NAME, kernel_version=kernel_version, weight_layout=TRITON_MOE_LAYOUT_ID, num_experts=E,
-        hidden=H, intermediate=(hi - lo) * tp, top_k=k, tp_size=tp, ep_size=ep, act_dtype=activations,
+    layer = resolve_layer(model=model, shards=shards, tp=tp).layer
+    probs = layer_problems(
+        layer, kernel=KERNEL_NAME, kernel_version=kernel_version, weight_layout=TRITON_MOE_LAYOUT_ID,
+        act_dtype=activations,
     )  # fmt: skip
     return [probs["gemm1"], probs["gemm2"]]
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prepkit.tactics.keys import ProblemKey, canon, canonical_json
-from prepkit.tune.candidates import moe_problem
+from prepkit.tune.candidates import key_layer
 
 
 def kernel_timing_scope() -> str:
@@ -57,8 +57,8 @@ class GpuBench:
             from prepkit.kernels.device import H100
 
             self.info = H100
-        E, top_k = self.problem.num_experts, self.problem.top_k
-        H, I = self.problem.layer_dims
+        shape = key_layer(self.problem)
+        E, H, I, top_k = shape.num_local_experts, shape.hidden, shape.valid_intermediate, shape.top_k
         self.H, self.I, self.E, self.top_k = H, I, E, top_k
         g = torch.Generator(device=self.dev).manual_seed(seed)
 
@@ -89,7 +89,7 @@ class GpuBench:
 
         if pair is not None:
             return GemmTactic.from_json(pair[0]), GemmTactic.from_json(pair[1])
-        g1, g2 = (self._runnable(t) for t in default_tactics(moe_problem(self.problem, m), self.info, self.activations))
+        g1, g2 = (self._runnable(t) for t in default_tactics(self.layer.problem(m), self.info, self.activations))
         assert tactic is not None
         t = GemmTactic.from_json(tactic)
         return (t, g2) if self.problem.role == "gemm1" else (g1, t)
@@ -189,7 +189,7 @@ class GpuBench:
     def _default(self, m: int, idx: int) -> str:
         from prepkit.kernels.variants import default_tactics
 
-        return canon(self._runnable(default_tactics(moe_problem(self.problem, m), self.info, self.activations)[idx]))
+        return canon(self._runnable(default_tactics(self.layer.problem(m), self.info, self.activations)[idx]))
 
     def _runnable(self, t: Any) -> Any:
         # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.

@@ -12,9 +12,10 @@ from prepkit.kernels import compile_check as cc
 from prepkit.kernels.device import ARCH_DEVICES
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import invalid_reason
+from prepkit.layer import rank_layer
 from prepkit.layouts.base import ModelDims
 
-SMALL = cc.LayerShape.of(ModelDims(1, 8, 256, 512, 2), 1)
+SMALL = rank_layer(ModelDims(1, 8, 256, 512, 2))
 
 
 def test_ranges_joins_consecutive_points() -> None:

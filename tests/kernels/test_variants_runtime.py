@@ -15,14 +15,21 @@ from prepkit.kernels.device import GB10, H100, H200, RTX_PRO_6000, DeviceInfo
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import (
     BLOCK_M,
-    MoeProblem,
     default_tactics,
     enumerate_tactics,
     invalid_reason,
     shared_mem_bytes,
 )
+from prepkit.layer import rank_layer
+from prepkit.layouts.base import ModelDims
 from prepkit.runtime import MoeLayer
 from tests.kernels.moe_data import make_layer, random_experts
+
+
+def layer_call(num_tokens: int, experts: int, hidden: int, intermediate: int, top_k: int):
+    """A call of the TP 1 layer of these dims."""
+    return rank_layer(ModelDims(1, experts, hidden, intermediate, top_k)).problem(num_tokens)
+
 
 DEVICES = [H100, H200, RTX_PRO_6000, GB10]
 
@@ -53,7 +60,7 @@ def test_small_shared_memory_prunes_more():
 
 
 def test_problem_prunes_oversized_row_tiles():
-    tactics = enumerate_tactics("gemm1", H100, MoeProblem(4, 128, 2880, 2880, 4))
+    tactics = enumerate_tactics("gemm1", H100, layer_call(4, 128, 2880, 2880, 4))
     assert {t.block_m for t in tactics} == {16}
 
 
@@ -86,7 +93,7 @@ def test_the_dot_knob_reaches_the_kernel_only_for_swapped_tiles():
 
 def test_a_default_that_does_not_fit_falls_back_to_pointer_loads_not_two_stage_tma():
     small_hopper = DeviceInfo("small", (9, 0), 132, 60000)
-    problem = MoeProblem(8, 128, 2880, 2880, 4)
+    problem = layer_call(8, 128, 2880, 2880, 4)
     for t, gemm in zip(default_tactics(problem, small_hopper), ("gemm1", "gemm2"), strict=True):
         assert invalid_reason(t, gemm, small_hopper) is None
         assert t.weight_load == "ptr" and t.num_stages == 2, t
@@ -112,7 +119,7 @@ def test_weight_descriptor_only_where_the_tensor_allows_it(device):
 @pytest.mark.parametrize("T", [0, 1, 2, 7, 64, 512, 1024, 4096, 8192, 65536])
 @pytest.mark.parametrize("experts", [4, 32, 128])
 def test_default_is_always_valid(device, T, experts):
-    g1, g2 = default_tactics(MoeProblem(T, experts, 2880, 1440, 4), device)
+    g1, g2 = default_tactics(layer_call(T, experts, 2880, 1440, 4), device)
     assert invalid_reason(g1, "gemm1", device) is None
     assert invalid_reason(g2, "gemm2", device) is None
 
@@ -214,7 +221,34 @@ def test_lookup_is_used_and_default_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert tuned.tactics(9) == pinned
-    assert seen[0][0] == MoeProblem(9, 4, 64, 64, 2)
+    assert seen[0][0] == layer_call(9, 4, 64, 64, 2)
+
+
+@pytest.mark.parametrize("with_db", [False, True], ids=["no-lookup", "empty-db"])
+def test_a_missed_tactic_warns_once_per_layer(tmp_path, with_db):
+    """A layer without tuned tactics, called at several token counts, says so once; a second layer
+    of the same shape says so once more (its own warning), whether the miss is the layer's (no
+    lookup) or the tactics DB's."""
+    from prepkit.runtime import moe
+    from prepkit.tactics.lookup import TacticResolver, make_tactic_lookup
+    from tests.kernels.moe_data import random_inputs
+
+    w = random_experts(4, 64, 64, seed=3)
+    lookup = None
+    if with_db:
+        lookup = make_tactic_lookup(
+            resolver=TacticResolver(user_db=tmp_path / "none.db", bundled_db=False), kernel_version=1
+        )
+    layers = [make_layer(w, 2, tactic_lookup=lookup)[0] for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for layer in layers:
+            for T in (1, 3, 9):
+                x, logits = random_inputs(T, 4, 64, seed=T)
+                out = moe(layer, x, logits)
+                assert out.shape == (T, 64) and out.abs().sum() > 0
+    missed = [str(c.message) for c in caught if "no tuned tactic" in str(c.message)]
+    assert len(missed) == 2, missed
 
 
 def test_moe_checks_shapes():
@@ -293,7 +327,7 @@ def test_mx_swaps_few_row_tiles_too():
 def test_policy_variant_of_every_default_is_valid(device, policy, T):
     from prepkit.kernels.variants import policy_variant
 
-    for t, gemm in zip(default_tactics(MoeProblem(T, 128, 2880, 2880, 4), device), ("gemm1", "gemm2"), strict=True):
+    for t, gemm in zip(default_tactics(layer_call(T, 128, 2880, 2880, 4), device), ("gemm1", "gemm2"), strict=True):
         mapped = policy_variant(t, gemm, device, policy)
         assert invalid_reason(mapped, gemm, device, policy) is None
         if policy == "bf16":
@@ -313,13 +347,11 @@ def test_unknown_policy_is_a_clear_error():
 
 
 def test_mx_layer_maps_the_default_and_warns_once_where_it_runs_decomposed(monkeypatch):
-    import importlib
-
+    from prepkit import warn_once
+    from prepkit.kernels.device import lowers_natively
     from prepkit.runtime import moe as run_moe
 
-    moe_module = importlib.import_module("prepkit.runtime.moe")  # the package's `moe` is the function
-
-    monkeypatch.setattr(moe_module, "_DECOMPOSED_WARNED", set())
+    monkeypatch.setattr(warn_once, "_SEEN", set())
     w = random_experts(4, 64, 64, seed=0)
     layer, _ = make_layer(w, 2, activations="mxfp8")
     assert layer.activations == "mxfp8"
@@ -336,8 +368,8 @@ def test_mx_layer_maps_the_default_and_warns_once_where_it_runs_decomposed(monke
         warnings.filterwarnings("error", message=".*decomposed")
         run_moe(layer, x, logits)  # once per process: neither this layer nor another warns again
         run_moe(other, x, logits)
-    assert moe_module.lowers_natively((12, 0)) and moe_module.lowers_natively((12, 1))
-    assert moe_module.lowers_natively((10, 0)) and not moe_module.lowers_natively((9, 0))
+    assert lowers_natively((12, 0)) and lowers_natively((12, 1))
+    assert lowers_natively((10, 0)) and not lowers_natively((9, 0))
 
 
 @pytest.mark.parametrize(
@@ -354,7 +386,7 @@ def test_mx_layer_maps_the_default_and_warns_once_where_it_runs_decomposed(monke
     ],
 )
 def test_native_mx_needs_sm12x_and_a_checked_triton(capability, triton_version, native):
-    from prepkit.runtime.moe import lowers_natively
+    from prepkit.kernels.device import lowers_natively
 
     assert lowers_natively(capability, triton_version) is native
 
