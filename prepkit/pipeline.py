@@ -44,6 +44,7 @@ from prepkit.fsutil import (
     free_bytes,
     fsync_dir,
     make_dirs,
+    sha256_file,
     temp_path,
     temp_writer_pid,
 )
@@ -71,8 +72,7 @@ from prepkit.shards import (
     WrittenFile,
     link_or_copy,
     safetensors_header,
-    sha256_file,
-    write_json_atomic,
+    write_output_json,
     write_safetensors,
 )
 from prepkit.synth import read_synth_record
@@ -767,7 +767,7 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
             "metadata": {"total_size": total, "prepkit_layout": plan.layout.layout_id, "rank": r},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        files[f"rank{r}/{INDEX_NAME}"] = write_json_atomic(root, f"rank{r}/{INDEX_NAME}", index)
+        files[f"rank{r}/{INDEX_NAME}"] = write_output_json(root, f"rank{r}/{INDEX_NAME}", index)
         rank_files.append(f"rank{r}/{INDEX_NAME}")
         rank_entries.append(
             RankRecord(
@@ -811,7 +811,7 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
         ranks=tuple(rank_entries),
         files={rel: FileHash(wf.sha256, wf.bytes) for rel, wf in sorted(files.items())},
     )
-    write_json_atomic(root, MANIFEST_NAME, manifest.to_json())
+    write_output_json(root, MANIFEST_NAME, manifest.to_json())
     Journal(root, plan.fingerprint).remove()
     return manifest
 

@@ -223,7 +223,7 @@ def test_verify_names_the_corrupted_file_and_expert(ep_ckpt: Path, tmp_path: Pat
     assert code == 6 and "rank1/experts-00001.safetensors: sha256 differs" in stderr
     # same corruption with the manifest hash updated: only the inverse against the source finds it
     manifest = json.loads((out / MANIFEST_NAME).read_text())
-    from prepkit.shards import sha256_file
+    from prepkit.fsutil import sha256_file
 
     manifest["files"]["rank1/experts-00001.safetensors"]["sha256"] = sha256_file(victim)
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -248,7 +248,7 @@ def test_main_entry_point_exit_codes(tmp_path: Path) -> None:
 
 
 def test_source_hashes_come_from_the_record_only_for_unchanged_files(ep_ckpt: Path, tmp_path: Path) -> None:
-    from prepkit.shards import sha256_file
+    from prepkit.fsutil import sha256_file
 
     src = tmp_path / "src"
     shutil.copytree(ep_ckpt, src)
