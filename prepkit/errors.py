@@ -55,6 +55,20 @@ class VerifyError(PrepkitError):
     exit_code = 6
 
 
+class CompileCheckError(PrepkitError):
+    """A default kernel that failed the compile-only check for a GPU architecture (a check that
+    failed, as for verify: the same exit code)."""
+
+    exit_code = 6
+
+
+class DependencyError(PrepkitError):
+    """An optional package a command needs is missing, or of a version prepkit does not support
+    (bad input to fix by installing, as for a recipe: the same exit code)."""
+
+    exit_code = 3
+
+
 class TacticsError(PrepkitError):
     """A tactic database that is corrupt, foreign or of a newer schema."""
 

@@ -1,11 +1,12 @@
-"""File helpers every writing command shares: free disk space, crash-safe writes, JSON bytes, and
-byte counts for people. Standard library only."""
+"""File helpers every command shares: free disk space, the one crash-safe writer, the one file
+hasher, JSON bytes, and byte counts for people. Standard library only."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
+import mmap
 import os
 import re
 import shutil
@@ -14,7 +15,9 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+HASH_WINDOW = 64 * 1024 * 1024  # bytes hashed per mmap window; bounds resident memory while hashing
 
 
 def free_bytes(path: Path) -> int:
@@ -96,6 +99,28 @@ def write_atomic(final: Path, chunks: Iterable[bytes | memoryview]) -> tuple[str
     crash_point()
     fsync_dir(final.parent)
     return digest.hexdigest(), total
+
+
+class HashLike(Protocol):
+    """What :func:`sha256_file` feeds: any ``hashlib`` object."""
+
+    def update(self, data: bytes | memoryview | mmap.mmap, /) -> None: ...
+
+
+def sha256_file(path: Path, *also: HashLike) -> str:
+    """sha256 of a file, hashed straight from the page cache through mmap windows: no copy into
+    user memory, and resident memory bounded by one window. Each digest in ``also`` is fed the same
+    bytes in the same pass (a caller that needs a second hash of the file reads it once)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for offset in range(0, size, HASH_WINDOW):
+            length = min(HASH_WINDOW, size - offset)
+            with mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as window:
+                digest.update(window)
+                for other in also:
+                    other.update(window)
+    return digest.hexdigest()
 
 
 CRASH_AT_ENV = "PREPKIT_TEST_CRASH_AT"

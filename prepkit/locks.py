@@ -11,12 +11,24 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import filelock
 
 from prepkit.errors import PrepkitError
 
 PROBE_GRACE_S = 0.1
+
+ErrorT = TypeVar("ErrorT", bound=PrepkitError)
+
+
+def busy_error(
+    error: type[ErrorT], pid: int | None, *, command: str, target: Path | str, hint: str, detail: str = ""
+) -> ErrorT:
+    """The one spelling of "another process is writing this": which command holds ``target``, with
+    its pid when the lock file names one. ``error`` keeps each caller's exit code."""
+    holder = f" (pid {pid})" if pid else ""
+    return error(f"another {command}{holder} is writing {target}{detail}", hint=hint)
 
 
 def holder_pid(lock_path: Path) -> int | None:

@@ -1,18 +1,16 @@
-"""Crash-safe output files: a streaming safetensors writer and the journal.
+"""Crash-safe output files under an output root: a streaming safetensors writer and the journal.
 
-Every file is written under a temp name, fsynced, then renamed into place and its folder fsynced
-(:func:`prepkit.fsutil.write_atomic`), and its sha256 is computed from the bytes as they are
-written (no second read). The manifest is written last, so a folder without ``manifest.json`` is
-never mistaken for a finished one; the journal, written first, marks the folder as prepkit's and
-records finished files so an interrupted run resumes where it stopped.
+Every file goes through :func:`prepkit.fsutil.write_atomic` (temp name, fsync, rename, folder
+fsync), and its sha256 is computed from the bytes as they are written (no second read). The
+manifest is written last, so a folder without ``manifest.json`` is never mistaken for a finished
+one; the journal, written first, marks the folder as prepkit's and records finished files so an
+interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
-import mmap
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,8 +21,7 @@ import torch
 
 from prepkit.constants import JOURNAL_NAME
 from prepkit.errors import OutputError
-from prepkit.fsutil import crash_point, fsync_dir, json_bytes, make_dirs
-from prepkit.fsutil import write_atomic as write_file_atomic
+from prepkit.fsutil import HASH_WINDOW, crash_point, fsync_dir, json_bytes, make_dirs, sha256_file, write_atomic
 
 ST_DTYPE = {
     torch.uint8: "U8",
@@ -35,7 +32,6 @@ ST_DTYPE = {
     torch.int32: "I32",
     torch.int64: "I64",
 }
-HASH_CHUNK = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,11 +73,12 @@ def safetensors_header(
     return len(raw).to_bytes(8, "little") + raw, order
 
 
-def write_atomic(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
-    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` crash-safely; OutputError on failure."""
+def write_output_file(root: Path, rel: str, chunks_fn: Any) -> WrittenFile:
+    """Write ``chunks_fn()``'s byte chunks to ``root/rel`` with :func:`prepkit.fsutil.write_atomic`;
+    returns the file named relative to ``root``. Raises OutputError (with the disk-full hint)."""
     final = root / rel
     try:
-        sha256, total = write_file_atomic(final, chunks_fn())
+        sha256, total = write_atomic(final, chunks_fn())
     except OSError as err:
         if err.errno == errno.ENOSPC:
             raise OutputError(
@@ -101,27 +98,15 @@ def write_safetensors(
         yield header
         for name in order:
             data = _tensor_bytes(tensors[name])
-            for start in range(0, len(data), HASH_CHUNK):
-                yield data[start : start + HASH_CHUNK]
+            for start in range(0, len(data), HASH_WINDOW):
+                yield data[start : start + HASH_WINDOW]
 
-    return write_atomic(root, rel, chunks)
-
-
-def write_json_atomic(root: Path, rel: str, payload: Any) -> WrittenFile:
-    return write_atomic(root, rel, lambda: [json_bytes(payload)])
+    return write_output_file(root, rel, chunks)
 
 
-def sha256_file(path: Path) -> str:
-    """sha256 of a file, hashed straight from the page cache through mmap windows: no copy into
-    user memory, and resident memory bounded by one window."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        for offset in range(0, size, HASH_CHUNK):
-            length = min(HASH_CHUNK, size - offset)
-            with mmap.mmap(f.fileno(), length, access=mmap.ACCESS_READ, offset=offset) as window:
-                digest.update(window)
-    return digest.hexdigest()
+def write_output_json(root: Path, rel: str, payload: Any) -> WrittenFile:
+    """:func:`prepkit.fsutil.json_bytes` of ``payload`` written by :func:`write_output_file`."""
+    return write_output_file(root, rel, lambda: [json_bytes(payload)])
 
 
 def link_or_copy(src: Path, dst: Path) -> str:
@@ -192,7 +177,7 @@ class Journal:
             "plan": self.plan,
             "files": {k: {"sha256": v.sha256, "bytes": v.bytes} for k, v in sorted(self.files.items())},
         }
-        write_json_atomic(self.root, JOURNAL_NAME, payload)
+        write_output_json(self.root, JOURNAL_NAME, payload)
 
     def remove(self) -> None:
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)

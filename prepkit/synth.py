@@ -25,9 +25,8 @@ from safetensors.torch import save_file
 
 from prepkit.constants import INDEX_NAME, SYNTH_RECORD
 from prepkit.errors import CheckpointError
-from prepkit.fsutil import temp_path, write_json_atomic
+from prepkit.fsutil import sha256_file, temp_path, write_json_atomic
 from prepkit.recipes import Recipe, load_recipe, shape_of
-from prepkit.shards import sha256_file
 
 SYNTH_RECORD_FORMAT = "prepkit-synth/1"
 SCALE_LOW, SCALE_HIGH = 118, 121  # E8M0 exponents 2^-9 .. 2^-6, where gpt-oss's experts sit

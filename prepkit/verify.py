@@ -14,10 +14,10 @@ from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
 from prepkit.errors import LayoutError, VerifyError
+from prepkit.fsutil import sha256_file
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
 from prepkit.manifest import Manifest, experts_file
 from prepkit.recipes import load_recipe
-from prepkit.shards import sha256_file
 
 ProgressFn = Callable[[str, int, int], None]
 

@@ -182,9 +182,9 @@ def test_bad_source_is_reported_without_traceback(ep_ckpt: Path, tmp_path: Path)
 def test_not_enough_disk_is_refused_before_writing(
     ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import prepkit.pipeline as pipeline
+    from prepkit.prepare import plan as prepare_plan
 
-    monkeypatch.setattr(pipeline, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(prepare_plan, "free_bytes", lambda path: 1000)
     code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--out", str(tmp_path / "o"), "-q")
     assert code == 3 and "free" in stderr
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
@@ -223,7 +223,7 @@ def test_verify_names_the_corrupted_file_and_expert(ep_ckpt: Path, tmp_path: Pat
     assert code == 6 and "rank1/experts-00001.safetensors: sha256 differs" in stderr
     # same corruption with the manifest hash updated: only the inverse against the source finds it
     manifest = json.loads((out / MANIFEST_NAME).read_text())
-    from prepkit.shards import sha256_file
+    from prepkit.fsutil import sha256_file
 
     manifest["files"]["rank1/experts-00001.safetensors"]["sha256"] = sha256_file(victim)
     (out / MANIFEST_NAME).write_text(json.dumps(manifest))
@@ -248,7 +248,7 @@ def test_main_entry_point_exit_codes(tmp_path: Path) -> None:
 
 
 def test_source_hashes_come_from_the_record_only_for_unchanged_files(ep_ckpt: Path, tmp_path: Path) -> None:
-    from prepkit.shards import sha256_file
+    from prepkit.fsutil import sha256_file
 
     src = tmp_path / "src"
     shutil.copytree(ep_ckpt, src)
@@ -272,3 +272,23 @@ def test_source_hashes_come_from_the_record_only_for_unchanged_files(ep_ckpt: Pa
     model = json.loads((out2 / MANIFEST_NAME).read_text())["model"]
     assert model["provenance"] == "local folder"
     assert model["source_files"][shard.name]["sha256"] == sha256_file(shard)
+
+
+def test_the_source_record_is_read_once_per_run(ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prepkit.prepare import provenance
+
+    reads: list[Path] = []
+    real_read = provenance.read_synth_record
+
+    def counting(model_dir: Path) -> object:
+        reads.append(Path(model_dir))
+        return real_read(model_dir)
+
+    monkeypatch.setattr(provenance, "read_synth_record", counting)
+    out = tmp_path / "out"
+    assert run("prepare", "--src", str(ep_ckpt), "--out", str(out), "-q")[0] == 0
+    assert reads == [ep_ckpt]
+    # and what it vouched for is what the manifest cites
+    record = {f["path"]: f["sha256"] for f in json.loads((ep_ckpt / SYNTH_RECORD).read_text())["files"]}
+    cited = json.loads((out / MANIFEST_NAME).read_text())["model"]["source_files"]
+    assert cited and {name: f["sha256"] for name, f in cited.items()} == {name: record[name] for name in cited}

@@ -24,6 +24,8 @@ from huggingface_hub import errors as hf_errors
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
+from prepkit.fetch import hashing, worker
+from prepkit.fetch import plan as fetch_plan
 
 COMMIT = "c0ffee" + "0" * 34
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
@@ -109,7 +111,7 @@ def fake_hub(src: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     def listing(source: fetching.Source, **_: Any) -> tuple[str, list[fetching.RemoteFile]]:
         return COMMIT, _remote(src)
 
-    monkeypatch.setattr(fetching, "_plan_online", listing)
+    monkeypatch.setattr(fetch_plan, "_plan_online", listing)
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub)
     return hub
 
@@ -151,7 +153,7 @@ def test_default_patterns_skip_original_and_metal() -> None:
     ]
     remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
     source = fetching.resolve_source("gpt-oss-120b")
-    pick = lambda original: sorted(f.path for f in fetching._select(remote, *source.patterns(original)))  # noqa: E731
+    pick = lambda original: sorted(f.path for f in fetch_plan._select(remote, *source.patterns(original)))  # noqa: E731
     assert pick(False) == ["chat_template.jinja", "config.json", "model-00000-of-00001.safetensors"]
     assert pick(True) == pick(False) + ["original/config.json", "original/model--00001-of-00007.safetensors"]
     assert not any(p.startswith("metal/") for p in pick(True))
@@ -380,14 +382,14 @@ def test_each_file_is_read_once_and_lfs_files_get_no_git_blob_id(
     fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     digests: list[tuple[str, Any]] = []
-    real_hash_file = fetching._hash_file
+    real_digest_file = hashing.digest_file
 
     def recording(path: Path, **kwargs: Any) -> Any:
-        digest = real_hash_file(path, **kwargs)
+        digest = real_digest_file(path, **kwargs)
         digests.append((path.name, digest))
         return digest
 
-    monkeypatch.setattr(fetching, "_hash_file", recording)
+    monkeypatch.setattr(worker, "digest_file", recording)
     result = fetching.fetch(_plan(tmp_path / "m"))
     assert sorted(name for name, _ in digests) == sorted(f.path for f in result.plan.files)
     lfs = {f.path for f in result.plan.files if f.remote.sha256 is not None}

@@ -10,16 +10,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prepkit import shards
+from prepkit import fsutil, shards
 
 
 @pytest.mark.parametrize("size", [0, 1, mmap.ALLOCATIONGRANULARITY, 3 * mmap.ALLOCATIONGRANULARITY + 17])
 def test_sha256_file_equals_hashlib_across_windows(tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(shards, "HASH_CHUNK", mmap.ALLOCATIONGRANULARITY)
+    monkeypatch.setattr(fsutil, "HASH_WINDOW", mmap.ALLOCATIONGRANULARITY)
     data = os.urandom(size)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    assert shards.sha256_file(path) == hashlib.sha256(data).hexdigest()
+    # a second digest fed in the same pass sees every byte too (fetch's git blob id)
+    blob = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    assert fsutil.sha256_file(path, blob) == hashlib.sha256(data).hexdigest()
+    want_blob = hashlib.sha1(f"blob {size}\0".encode() + data, usedforsecurity=False)
+    assert blob.hexdigest() == want_blob.hexdigest()
 
 
 def test_streamed_safetensors_read_back_equal_and_hash_matches(tmp_path: Path) -> None:

@@ -98,7 +98,7 @@ def prepare(
         prepkit prepare --model gpt-oss-120b --layout trtllm-gen --tp 4
         prepkit prepare --src ./synthetic --tp 8 --out ./shards --dry-run
     """
-    from prepkit import pipeline
+    from prepkit import prepare as preparing
     from prepkit.errors import OutputError
 
     recipe = load_recipe(model)
@@ -106,7 +106,7 @@ def prepare(
     src = src or default_src(model)
     suffix = f"-ep{ep_size}" if ep_size > 1 else ""
     out = out or Path("prepared") / f"{recipe.name}-{layout.name}-tp{tp_size}{suffix}"
-    plan = pipeline.plan_prepare(
+    plan = preparing.plan_prepare(
         recipe,
         src,
         layout,
@@ -127,7 +127,7 @@ def prepare(
             hint="free disk space or choose --out on another disk",
         )
     with console.progress(enabled=not quiet) as on_progress:
-        result = pipeline.prepare(plan, on_progress=on_progress)
+        result = preparing.prepare(plan, on_progress=on_progress)
     summary = result.summary()
     if as_json:
         console.emit_json(summary)
@@ -140,7 +140,7 @@ def prepare(
         click.echo(str(result.out_dir / MANIFEST_NAME))
 
 
-def _show_plan(plan: pipeline.PreparePlan) -> None:  # type: ignore[name-defined]  # noqa: F821
+def _show_plan(plan: preparing.PreparePlan) -> None:  # type: ignore[name-defined]  # noqa: F821
     from rich.table import Table
 
     s = plan.summary()

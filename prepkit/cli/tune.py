@@ -236,7 +236,7 @@ def _compile_only(
 ) -> None:
     from rich.text import Text
 
-    from prepkit.errors import VerifyError
+    from prepkit.errors import CompileCheckError
     from prepkit.kernels.compile_check import format_reports, leave_interpreter, reports_to_json
     from prepkit.layer import resolve_layer
     from prepkit.tune import compile_only as co
@@ -254,7 +254,7 @@ def _compile_only(
         console.out_console.print(Text(format_reports(res.reports)), soft_wrap=True)
         console.out_console.print(Text(res.summary()), soft_wrap=True)
     if not res.ok:
-        raise VerifyError(
+        raise CompileCheckError(
             f"{len(res.failures)} default kernel(s) failed the {arch} compile check:\n  " + "\n  ".join(res.failures),
             hint="the table above (or --json) holds each kernel's compiler message",
         )

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from prepkit.errors import DeviceError, LayoutError, RecipeError
+from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest
 from prepkit.runtime.moe import WEIGHT_LAYOUT, MoeLayer, load_moe_layers, moe
@@ -38,24 +38,24 @@ def check_transformers_version(version: str | None = None) -> str:
     """The installed (or given) transformers version, when this module supports it.
 
     Raises:
-        RecipeError: transformers is missing or outside :data:`SUPPORTED_TRANSFORMERS`.
+        DependencyError: transformers is missing or outside :data:`SUPPORTED_TRANSFORMERS`.
     """
     if version is None:
         try:
             import transformers
         except ImportError as err:
-            raise RecipeError(
+            raise DependencyError(
                 "transformers is not installed",
                 hint=f"pip install 'prepkit[transformers]' (transformers{supported_range()})",
             ) from err
         version = str(transformers.__version__)
     found = re.match(r"(\d+)\.(\d+)", version)
     if found is None:
-        raise RecipeError(f"transformers version {version!r} is not a release number")
+        raise DependencyError(f"transformers version {version!r} is not a release number")
     have = (int(found[1]), int(found[2]))
     lo, hi = SUPPORTED_TRANSFORMERS
     if not lo <= have < hi:
-        raise RecipeError(
+        raise DependencyError(
             f"transformers {version} is not supported: prepkit's gpt-oss MoE swap supports transformers"
             f"{supported_range()} (tested with {TESTED_TRANSFORMERS})",
             hint=f"pip install 'transformers{supported_range()}'",
@@ -157,8 +157,9 @@ def use_prepkit_moe(
     runs only under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported).
 
     Raises:
-        RecipeError: unsupported transformers version, not a gpt-oss model, or a config field
-            that differs from the manifest (named, with both values).
+        DependencyError: transformers is missing or of an unsupported version.
+        RecipeError: not a gpt-oss model, or a config field that differs from the manifest (named,
+            with both values).
         LayoutError: the shard set is not ``triton_moe_v3``, is split, or lacks ``rank``.
         DeviceError: layers on a CPU without the Triton interpreter.
         VerifyError: a shard file is missing or disagrees with the manifest.

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from prepkit.errors import LayoutError, VerifyError
+from prepkit.fsutil import sha256_file
 from prepkit.manifest import Manifest, RankRecord, experts_file
-from prepkit.shards import sha256_file
 
 _DTYPES = {
     "uint8": torch.uint8,

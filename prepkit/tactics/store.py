@@ -525,16 +525,13 @@ def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> dic
     Raises:
         TacticsError: another merge holds ``dest``, or either DB cannot be read or written.
     """
-    from prepkit.locks import exclusive
+    from prepkit.locks import busy_error, exclusive
 
     dest = Path(dest)
 
     def busy(pid: int | None) -> TacticsError:
-        who = f"pid {pid}" if pid else "another process"
-        return TacticsError(
-            f"{dest}: another `prepkit tactics merge` ({who}) is writing it",
-            hint="wait for it to finish, then merge again",
-        )
+        hint = "wait for it to finish, then merge again"
+        return busy_error(TacticsError, pid, command="`prepkit tactics merge`", target=dest, hint=hint)
 
     with exclusive(dest.with_name(dest.name + ".merge-lock"), busy=busy), open_db(dest) as tdb:
         return tdb.merge_from(src)

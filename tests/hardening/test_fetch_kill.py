@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from prepkit import fetch
+    from prepkit.fetch import plan, progress, worker
 
     step, marker = sys.argv[1], Path(sys.argv[2])
     BIG = "model-00000-of-00002.safetensors"
@@ -50,25 +50,25 @@ CHILD = textwrap.dedent(
         time.sleep(30)
 
     if step == "planning":
-        real_plan = fetch._plan_online
+        real_plan = plan._plan_online
         def plan_online(*args, **kwargs):
             arrived()
             return real_plan(*args, **kwargs)
-        fetch._plan_online = plan_online
+        plan._plan_online = plan_online
     elif step == "streaming":
-        real_update = fetch._Bar.update
+        real_update = progress.ProgressBar.update
         def update(self, n=1):
             real_update(self, n)
             if self._remote.path == BIG and self.n >= 2**20:
                 arrived()
-        fetch._Bar.update = update
+        progress.ProgressBar.update = update
     elif step == "hashing":
-        real_hash = fetch._hash_file
+        real_hash = worker.digest_file
         def hash_file(path, **kwargs):
             if path.name == BIG:
                 arrived()
             return real_hash(path, **kwargs)
-        fetch._hash_file = hash_file
+        worker.digest_file = hash_file
 
     from prepkit.cli import main
     sys.argv = ["prepkit", *sys.argv[3:]]

@@ -33,7 +33,7 @@ DRIVER = textwrap.dedent(
     import hashlib, json, os, shutil, sys
     from pathlib import Path
 
-    import prepkit.cli.prepare, prepkit.pipeline  # imported once, before the forks
+    import prepkit.cli.prepare, prepkit.prepare  # imported once, before the forks
     from prepkit.cli import main
     from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK
     from prepkit.fsutil import CRASH_AT_ENV

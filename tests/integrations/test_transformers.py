@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 from prepkit import mxfp4  # noqa: E402
 from prepkit.cli import cli  # noqa: E402
-from prepkit.errors import DeviceError, LayoutError, RecipeError  # noqa: E402
+from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError  # noqa: E402
 from prepkit.integrations.transformers import (  # noqa: E402
     PrepkitMoeBlock,
     check_transformers_version,
@@ -192,8 +192,9 @@ def test_not_a_gpt_oss_model_is_refused(prepared: Path) -> None:
 
 @pytest.mark.parametrize("version", ["4.55.0", "6.0.0", "5.22.1", "nightly"])
 def test_unsupported_transformers_versions_are_refused(version: str) -> None:
-    with pytest.raises(RecipeError, match="transformers"):
+    with pytest.raises(DependencyError, match="transformers") as refused:
         check_transformers_version(version)
+    assert refused.value.exit_code == 3  # as before it had a class of its own
 
 
 def test_the_installed_and_tested_versions_are_supported() -> None:
