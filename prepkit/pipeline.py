@@ -65,6 +65,7 @@ from prepkit.manifest import (
     experts_file,
     shared_file,
 )
+from prepkit.model_files import copy_model_files, is_model_file
 from prepkit.recipes import Recipe
 from prepkit.shards import (
     Journal,
@@ -339,7 +340,7 @@ def _is_rank_dir(name: str) -> bool:
 
 def _is_prepkit_name(name: str) -> bool:
     """A name prepare writes at the top of its folder, besides the manifest and the journal."""
-    return name in (PREPARE_LOCK, SHARED_DIR) or _is_rank_dir(name)
+    return name in (PREPARE_LOCK, SHARED_DIR) or _is_rank_dir(name) or is_model_file(name)
 
 
 def _is_leftover(path: Path) -> bool:
@@ -787,6 +788,8 @@ def _finish(plan: PreparePlan, files: dict[str, WrittenFile], source_hashes: dic
                 files=tuple(sorted(rank_files)),
             )
         )
+    # Tokenizer and generation defaults, so the prepared folder serves a model on its own.
+    files.update(copy_model_files(ckpt.root, root))
     manifest = Manifest(
         prepkit_version=__version__,
         fingerprint=plan.fingerprint,
