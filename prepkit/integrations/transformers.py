@@ -1,5 +1,9 @@
 """Hugging Face transformers' gpt-oss running prepkit's MoE kernel from prepared shards.
 
+``from_prepared(prepared_dir)`` (:mod:`prepkit.integrations.gpt_oss_loader`) builds the whole
+model from the prepared set alone, with the experts in MXFP4 from the start; it is the way in
+for a model too large to hold in bf16.
+
 ``use_prepkit_moe(model, prepared_dir)`` replaces each decoder layer's ``mlp`` (router + experts)
 with a :class:`PrepkitMoeBlock` that keeps transformers' router module (its logits feed the
 kernel, which does the top-k and softmax itself) and runs the experts through
@@ -12,6 +16,7 @@ Supported: transformers ``>=5.23,<6`` (tested with 5.23.0), whose ``GptOssMLP.fo
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,21 +175,33 @@ def use_prepkit_moe(
     config = model.config
     manifest = Manifest.read(prepared_dir)
     check_manifest_against_config(manifest, config, rank=rank)
-    devices = {_router_of(layer, i).weight.device for i, layer in enumerate(decoder_layers)}
-    if any(d.type == "cpu" for d in devices):
-        import os
-
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise DeviceError(
-                "the model's MoE layers are on the CPU, where the kernel runs only on the Triton interpreter",
-                hint="move the model to a GPU, or set TRITON_INTERPRET=1 before importing triton (tiny models only)",
-            )
+    for device in {_router_of(layer, i).weight.device for i, layer in enumerate(decoder_layers)}:
+        require_kernel_device(device)
     for index, decoder in enumerate(decoder_layers):
         router = _router_of(decoder, index)
         loaded = load_moe_layers(prepared_dir, rank, router.weight.device, layers=[index], activations=activations)
         # Assigning the new block drops the last reference to the old experts' parameters.
         decoder.mlp = PrepkitMoeBlock(router, loaded[index], index)
     return model
+
+
+def require_kernel_device(device: torch.device) -> None:
+    """Raise when the kernel cannot run on ``device``: a CPU needs the Triton interpreter."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise DeviceError(
+            "the model's MoE layers are on the CPU, where the kernel runs only on the Triton interpreter",
+            hint="use a GPU, or set TRITON_INTERPRET=1 before importing triton (tiny models only)",
+        )
+
+
+def __getattr__(name: str) -> Any:
+    # The loader builds on this module's block and checks: re-exported on first use, so that
+    # either module may be imported first.
+    if name == "from_prepared":
+        from prepkit.integrations.gpt_oss_loader import from_prepared
+
+        return from_prepared
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

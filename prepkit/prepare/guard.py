@@ -18,6 +18,7 @@ from prepkit.fsutil import fsync_dir, temp_writer_pid
 from prepkit.layouts import Layout, LayoutOptions
 from prepkit.locks import busy_error
 from prepkit.manifest import Manifest
+from prepkit.model_files import is_model_file
 from prepkit.shards import Journal, WrittenFile
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def _is_rank_dir(name: str) -> bool:
 
 def _is_prepkit_name(name: str) -> bool:
     """A name prepare writes at the top of its folder, besides the manifest and the journal."""
-    return name in (PREPARE_LOCK, SHARED_DIR) or _is_rank_dir(name)
+    return name in (PREPARE_LOCK, SHARED_DIR) or _is_rank_dir(name) or is_model_file(name)
 
 
 def _is_leftover(path: Path) -> bool:

@@ -19,6 +19,7 @@ from prepkit.manifest import (
     experts_file,
     shared_file,
 )
+from prepkit.model_files import copy_model_files
 from prepkit.prepare.plan import PreparePlan, used_options
 from prepkit.shards import Journal, WrittenFile, link_or_copy, write_output_json
 
@@ -72,6 +73,8 @@ def write_indexes_and_manifest(plan: PreparePlan, files: dict[str, WrittenFile],
                 files=tuple(sorted(rank_files)),
             )
         )
+    # Tokenizer and generation defaults, so the prepared folder serves a model on its own.
+    files.update(copy_model_files(ckpt.root, root))
     manifest = Manifest(
         prepkit_version=__version__,
         fingerprint=plan.fingerprint,

@@ -1,0 +1,232 @@
+"""``from_prepared(prepared_dir)``: transformers' gpt-oss built from a prepared shard set alone.
+
+The model is laid out on the meta device from the manifest's copy of the source ``config.json``;
+each decoder layer's experts module is dropped there, before any of its parameters could take
+memory. Non-expert tensors are then streamed from the rank's non-expert files to the device one
+tensor at a time, and each layer's experts go from its expert file to the device in MXFP4, as
+the :class:`~prepkit.runtime.moe.MoeLayer` that :class:`PrepkitMoeBlock` runs. Host memory stays
+near one shard file (read through safetensors' memory map) and device memory at the loaded bytes.
+
+Nothing is read from the source checkpoint or the hub: the tokenizer and the generation defaults
+come from the prepared folder too, when ``prepare`` found them in the source.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from prepkit.errors import RecipeError, VerifyError
+from prepkit.fsutil import sha256_file
+from prepkit.integrations.transformers import (
+    PrepkitMoeBlock,
+    check_manifest_against_config,
+    check_transformers_version,
+    require_kernel_device,
+)
+from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.manifest import Manifest, experts_file
+from prepkit.model_files import GENERATION_CONFIG
+from prepkit.recipes import check_config, load_recipe
+from prepkit.runtime.moe import load_moe_layers
+
+if TYPE_CHECKING:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+CONFIG_FIELD = "manifest.json model.config"  # where the errors say a config field lives
+
+
+def from_prepared(
+    prepared_dir: str | Path,
+    *,
+    device: str | torch.device = "cuda",
+    activations: ActivationPolicy = "bf16",
+    dtype: torch.dtype = torch.bfloat16,
+    rank: int = 0,
+    check_hashes: bool = False,
+) -> GptOssForCausalLM:
+    """A ready (``eval()``) transformers ``GptOssForCausalLM`` on ``device`` whose MoE blocks
+    run prepkit's kernel, built from ``prepared_dir`` alone (``prepkit prepare --layout
+    triton-moe --tp 1``): config from the manifest, non-expert weights in ``dtype``, experts in
+    MXFP4 with ``activations`` as their precision policy. No expert is ever held in bf16.
+
+    On ``device="cpu"`` the kernel runs only under the Triton interpreter (``TRITON_INTERPRET=1``
+    before triton is imported; tiny models). ``check_hashes`` re-hashes each file against the
+    manifest before reading it (what ``prepkit verify`` does); by default files are checked for
+    presence, size and readable headers, and every tensor for its shape.
+
+    Raises:
+        RecipeError: transformers outside the supported range, or a manifest config field that is
+            missing or invalid (named).
+        LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
+        DeviceError: ``device`` is the CPU without the Triton interpreter.
+        VerifyError: a missing, truncated or unreadable file, a tensor whose shape differs, or a
+            model tensor the shard set does not hold (each named).
+        PrepkitError: ``activations`` is not a policy.
+    """
+    check_transformers_version()
+    check_policy(activations)
+    target = torch.device(device)
+    require_kernel_device(target)
+    root = Path(prepared_dir)
+    manifest = Manifest.read(root)
+    config = gpt_oss_config(manifest)
+    check_manifest_against_config(manifest, config, rank=rank)
+    non_expert = non_expert_files(manifest, rank)
+    for rel in [*non_expert, *(experts_file(rank, i) for i in range(config.num_hidden_layers))]:
+        check_file(root, manifest, rel, check_hashes=check_hashes)
+
+    model = meta_skeleton(config, dtype)
+    for rel in non_expert:
+        stream_tensors(model, root, rel, target, dtype)
+    model.model.rotary_emb = _rotary_on(model, target)
+    load_experts(model, root, manifest, rank, target, activations)
+    check_nothing_on_meta(model)
+    if (root / GENERATION_CONFIG).is_file():
+        check_file(root, manifest, GENERATION_CONFIG, check_hashes=check_hashes)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(root))
+    return model.eval()
+
+
+def gpt_oss_config(manifest: Manifest) -> GptOssConfig:
+    """transformers' config from the manifest's copy of the source ``config.json``, without its
+    quantization entry (the experts are prepkit's, everything else loads as plain tensors).
+
+    Raises:
+        RecipeError: a field the model needs is missing or invalid; the message names it.
+    """
+    from transformers import GptOssConfig
+
+    raw = dict(manifest.model.config)
+    problems = check_config(load_recipe(manifest.model.recipe), raw, CONFIG_FIELD)
+    if problems:
+        raise RecipeError("; ".join(problems), hint="prepare the shards again from the model's checkpoint")
+    raw.pop("quantization_config", None)
+    return GptOssConfig.from_dict(raw)
+
+
+def non_expert_files(manifest: Manifest, rank: int) -> list[str]:
+    """The rank folder's copies (links) of the non-expert files, relative to the output folder."""
+    record = manifest.rank_record(rank)
+    held = set(record.files) if record is not None else set()
+    wanted = [f"rank{rank}/{Path(rel).name}" for rel in manifest.shared_files]
+    missing = [rel for rel in wanted if rel not in held]
+    if missing:
+        raise VerifyError(f"manifest.json: rank {rank} does not list {missing[0]}", hint="prepare the shards again")
+    return wanted
+
+
+def check_file(root: Path, manifest: Manifest, rel: str, *, check_hashes: bool = False) -> None:
+    """Raise VerifyError naming ``rel`` when it is missing, or its size (or sha256) is not the
+    manifest's."""
+    path = root / rel
+    recorded = manifest.files.get(rel)
+    hint = f"run: prepkit verify {root}"
+    if not path.is_file():
+        raise VerifyError(f"{path} is missing", hint=hint)
+    if recorded is None:
+        # A rank folder's link to a shared file is recorded under the shared name.
+        recorded = manifest.files.get(f"shared/{Path(rel).name}")
+    if recorded is None:
+        raise VerifyError(f"{rel} is not in {root / 'manifest.json'}", hint="prepare the shards again")
+    size = path.stat().st_size
+    if size != recorded.bytes:
+        raise VerifyError(f"{path} is {size} bytes, the manifest says {recorded.bytes}", hint=hint)
+    if check_hashes and sha256_file(path) != recorded.sha256:
+        raise VerifyError(f"{path}: sha256 differs from the manifest", hint=hint)
+
+
+def meta_skeleton(config: GptOssConfig, dtype: torch.dtype) -> GptOssForCausalLM:
+    """The model on the meta device, without its experts modules: nothing has memory yet, and
+    the experts' parameters never will."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for index, decoder in enumerate(model.model.layers):
+        if not hasattr(decoder.mlp, "router"):
+            raise RecipeError(f"layer {index}: {type(decoder.mlp).__name__} has no router (not gpt-oss's MoE block)")
+        del decoder.mlp.experts
+    return model
+
+
+def stream_tensors(model: nn.Module, root: Path, rel: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Put every tensor of ``root/rel`` into the meta parameter of the same name, on ``device``
+    (floating tensors in ``dtype``), one tensor at a time; returns the bytes loaded."""
+    loaded = 0
+    try:
+        with safe_open(str(root / rel), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
+                owner, _, attr = name.rpartition(".")
+                module = _submodule(model, owner)
+                param = module._parameters.get(attr) if module is not None else None
+                if param is None:
+                    raise VerifyError(f"{rel}: tensor {name} has no place in {type(model).__name__}")
+                if param.device.type != "meta":
+                    raise VerifyError(f"{rel}: tensor {name} is stored twice")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise VerifyError(
+                        f"{rel}: {name} is {list(tensor.shape)}, the model config gives {list(param.shape)}"
+                    )
+                if tensor.is_floating_point():
+                    tensor = tensor.to(dtype)  # on the host: the device holds only the final copy
+                module._parameters[attr] = nn.Parameter(tensor.to(device), requires_grad=False)
+                loaded += tensor.numel() * tensor.element_size()
+                del tensor
+    except SafetensorError as err:
+        raise VerifyError(f"{root / rel} cannot be read: {err}", hint=f"run: prepkit verify {root}") from err
+    return loaded
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
+
+def _rotary_on(model: Any, device: torch.device) -> nn.Module:
+    # inv_freq is computed from the config, not stored: compute it again, off the meta device.
+    rotary = model.model.rotary_emb
+    return type(rotary)(config=model.config).to(device)
+
+
+def load_experts(
+    model: Any,
+    root: Path,
+    manifest: Manifest,
+    rank: int,
+    device: torch.device,
+    activations: ActivationPolicy,
+) -> None:
+    """Each layer's experts, one layer at a time, from its file to ``device`` in MXFP4; each
+    decoder's MoE block becomes a :class:`PrepkitMoeBlock` around its (loaded) router."""
+    from prepkit.tactics.lookup import make_tactic_lookup
+
+    lookup = make_tactic_lookup(tp_size=manifest.parallel.tp_size, activations=activations)
+    for index, decoder in enumerate(model.model.layers):
+        try:
+            layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)
+        except SafetensorError as err:
+            raise VerifyError(
+                f"{root / experts_file(rank, index)} cannot be read: {err}", hint=f"run: prepkit verify {root}"
+            ) from err
+        decoder.mlp = PrepkitMoeBlock(decoder.mlp.router, layers[index], index)
+
+
+def check_nothing_on_meta(model: nn.Module) -> None:
+    """Raise VerifyError naming every parameter and buffer the shard set did not fill."""
+    left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if left:
+        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        raise VerifyError(
+            f"the prepared shard set holds no tensor for {shown}",
+            hint="prepare the shards again from the model's checkpoint",
+        )
