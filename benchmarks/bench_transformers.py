@@ -196,15 +196,23 @@ def bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
     return {"experts": experts, "attention": attention, "router": router, "norms": norms, "head": head}
 
 
-def same_tokens(model: torch.nn.Module, steps: int) -> bool:
-    """Whether the graph-captured decoder gives transformers' eager greedy tokens."""
+def same_tokens(model: torch.nn.Module, steps: int) -> dict[str, Any]:
+    """The graph-captured decoder's tokens against its eager step's and transformers' eager greedy
+    generate's (index of the first differing token, None when all agree)."""
     from prepkit.integrations.static_decode import generate_greedy
 
     model.generation_config.eos_token_id = None
     prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
     want = model.generate(prompt, max_new_tokens=steps, do_sample=False).cpu()
     got = generate_greedy(model, prompt, steps)
-    return bool(torch.equal(got, want))
+    eager = generate_greedy(model, prompt, steps, cuda_graph=False)
+    differs = (got != want)[0].nonzero()
+    return {
+        "graph_equals_eager_step": bool(torch.equal(got, eager)),
+        "equals_transformers_generate": bool(torch.equal(got, want)),
+        "first_difference": int(differs[0]) if len(differs) else None,
+        "new_tokens": steps,
+    }
 
 
 def moe_host_costs(layer: Any, hidden: int, num_experts: int) -> dict[str, Any]:
@@ -376,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
             report["prepkit_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
             report["bytes_per_token"] = floor_bytes = bytes_per_token(model)
-            report["graph_tokens_equal_eager_generate"] = same_tokens(model, args.decode_tokens)
+            report["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
             print("prepkit's MoE ...", flush=True)
             row = measure_decode(model, args, fixed, "prepkit")
             for cuda_graph in (False, True):

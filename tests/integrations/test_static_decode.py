@@ -121,14 +121,29 @@ def real_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_cuda_graph_decode_matches_eager_generate(real_model: torch.nn.Module) -> None:
-    ids = torch.randint(0, REAL["vocab_size"] - 4, (1, 40), generator=torch.Generator().manual_seed(3)).cuda()
+    prompt = 40
+    ids = torch.randint(0, REAL["vocab_size"] - 4, (1, prompt), generator=torch.Generator().manual_seed(3)).cuda()
     with torch.no_grad():
         want = real_model.generate(ids, max_new_tokens=48, do_sample=False).cpu()
+    eager = PrepkitDecoder(real_model, 160, cuda_graph=False).generate(ids, 48)
     decoder = PrepkitDecoder(real_model, 160)
     got = decoder.generate(ids, 48)
     assert decoder.graph is not None
-    assert torch.equal(got, want)
-    assert torch.equal(decoder.generate(ids, 48), want)  # replayed from the first call's graph
+    # The replayed graph is the eager step, kernel for kernel: the same tokens, bit for bit.
+    assert torch.equal(got, eager)
+    assert torch.equal(decoder.generate(ids, 48), got)  # replayed from the first call's graph
+    # Against transformers' loop: cuBLAS reduces over the static cache's length, not the live
+    # one, so a near tie among random weights' logits may flip. Equal up to such a tie only.
+    differs = (got != want)[0].nonzero()
+    print("first difference from transformers' generate:", differs[0].item() if len(differs) else None)
+    if len(differs) == 0:
+        return
+    first = int(differs[0])
+    assert first >= prompt + 8, (got, want)
+    with torch.no_grad():
+        logits = real_model(want[:, :first].cuda()).logits[0, -1].float()
+    margin = float(logits[want[0, first]] - logits[got[0, first]])
+    assert 0 <= margin <= 2e-2 * float(logits.abs().max()), (first, margin)
 
 
 @pytest.mark.gpu
