@@ -10,7 +10,9 @@ own modules: embedding, rotary embedding, norms, q/k/v/o projections, attention 
 block (prepkit's :class:`~prepkit.integrations.transformers.PrepkitMoeBlock`; transformers' own
 expert loop syncs with the host and cannot be captured) and ``lm_head``. The attention follows
 transformers' eager gpt-oss attention operation for operation (bf16 scores, additive mask, sink
-column, softmax in the scores' dtype), so the tokens equal ``model.generate(do_sample=False)``'s.
+column, softmax in the scores' dtype), so the tokens are ``model.generate(do_sample=False)``'s: on
+the CPU exactly; on a GPU up to near ties between logits, since the MoE kernel's combine adds in
+fp32 atomics (not bitwise deterministic) and cuBLAS reduces over the cache's full length.
 """
 
 from __future__ import annotations
