@@ -1,26 +1,36 @@
-"""transformers' gpt-oss with its own MoE against the same model with prepkit's MoE swapped in.
+"""gpt-oss in transformers end to end: transformers' own MoE against prepkit's, eager and with the
+decode step in one CUDA graph, each against the bandwidth floor.
 
-    python -m benchmarks.bench_transformers [--layers 2] [--tokens 512] [--decode-tokens 32]
-                                            [--experts 128] [--activations bf16] [--workdir DIR]
+    python -m benchmarks.bench_transformers [--layers 4] [--vocab 201088] [--decode-tokens 64]
+                                            [--prefill 512,2048] [--json OUT.json] [--workdir DIR]
 
-Writes a synthetic checkpoint at the real per-expert dims (H = I = 2880, ``--experts``, 1024-token
-vocabulary) with ``prepkit synth``'s code, prepares it with ``--layout triton-moe``, then on one GPU:
+Writes a synthetic checkpoint at gpt-oss-120b's dims (128 experts, H = I = 2880, top-4, 64 query
+and 8 KV heads, the real 201,088-token vocabulary; ``--layers`` decoder layers) with ``prepkit
+synth``'s code, prepares it with ``--layout triton-moe --tp 1``, then on one GPU reports:
 
-- load: ``from_pretrained`` with MXFP4 dequantized on load, moved to the GPU (transformers' path),
-  against ``use_prepkit_moe`` loading the prepared experts onto the GPU (the files were just
-  written, so both read from the page cache);
-- prefill: one forward of ``[1, --tokens]`` ids without a cache;
-- decode: ``--decode-tokens`` single-token forwards on a KV cache after a 16-token prompt;
+- load seconds and peak device memory (the model comes from :func:`load_model`);
+- prefill tok/s (one forward without a cache) per ``--prefill`` length;
+- batch-1 decode tok/s: transformers' loop on its DynamicCache (eager), prepkit's
+  :class:`~prepkit.integrations.static_decode.PrepkitDecoder` eager and with its step in one CUDA
+  graph, and transformers' ``generate`` on a static cache with ``torch.compile`` if it runs;
+- per-layer figures and figures scaled to 36 layers (labelled *scaled*: fixed part (embedding,
+  final norm, lm_head, argmax, timed alone in a CUDA graph) + 36 x per layer);
+- the bandwidth floor: bytes read per decoded token (4 active experts, attention projections,
+  router, norms, lm_head) over the copy bandwidth measured in the same run;
+- the MoE kernel alone at 1 token in a CUDA graph, eager ``moe()`` host cost at 1/4/16/64 tokens
+  with a cProfile breakdown, and a profile of one graph-captured decode step by component.
 
-each timed with CUDA events after warmup, median of ``--iters``. The same model object runs both
-rows: measured with transformers' experts, then swapped in place. Times are also given per decoder
-layer (the small vocabulary keeps the head negligible), so that 36 layers scale from them. No
-network: nothing is downloaded, no tokenizer is used.
+Times are CUDA-event medians after warm-up. No network: nothing is downloaded, no tokenizer used.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import json
+import pstats
+import shutil
 import statistics
 import sys
 import tempfile
@@ -28,6 +38,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -35,9 +46,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PROMPT_TOKENS = 16  # decode starts from a short prompt's cache
+SCALED_LAYERS = 36
+REAL_DIMS = {"num_experts": 128, "hidden": 2880, "intermediate": 2880, "top_k": 4}
+REAL_ATTENTION = {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64}
 
 
-def cuda_ms(fn: Callable[[], None], warmup: int, iters: int, setup: Callable[[], None] | None = None) -> float:
+def cuda_ms(fn: Callable[[], object], warmup: int, iters: int, setup: Callable[[], None] | None = None) -> float:
     """Median milliseconds of ``fn`` over ``iters`` runs (``setup`` before each, untimed)."""
     times = []
     for i in range(warmup + iters):
@@ -54,75 +68,273 @@ def cuda_ms(fn: Callable[[], None], warmup: int, iters: int, setup: Callable[[],
     return statistics.median(times)
 
 
-def timed_s(fn: Callable[[], object]) -> tuple[float, object]:
-    torch.cuda.synchronize()
+def graph_ms(fn: Callable[[], object], replays: int = 50) -> float:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_ms(graph.replay, 3, replays)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (1 GiB each way)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = cuda_ms(lambda: dst.copy_(src), 3, 10)
+    return 2 * (1 << 30) / (ms / 1e3)
+
+
+def write_model(root: Path, layers: int, vocab: int) -> tuple[Path, Path, float]:
+    """(source checkpoint, prepared triton-moe shards, seconds to prepare)."""
+    from click.testing import CliRunner
+
+    from prepkit.cli import cli
+    from prepkit.synth import write_synthetic_checkpoint
+
+    src = write_synthetic_checkpoint(
+        root / "model", num_layers=layers, vocab_size=vocab, seed=0, **REAL_DIMS, **REAL_ATTENTION
+    )
     t = time.perf_counter()
-    result = fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t, result
+    result = CliRunner().invoke(
+        cli, ["prepare", "--src", str(src), "--out", str(root / "triton"), "--layout", "triton-moe", "--tp", "1", "-q"]
+    )
+    if result.exit_code != 0:
+        raise RuntimeError(result.output)
+    return src, root / "triton", time.perf_counter() - t
+
+
+def load_transformers(src: Path) -> torch.nn.Module:
+    """transformers' own model: MXFP4 experts dequantized to bf16 on load, moved to the GPU."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(src), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
+    return model.to("cuda").eval()
+
+
+def load_model(src: Path, prepared: Path, base: torch.nn.Module | None = None) -> torch.nn.Module:
+    """The model with prepkit's MoE: transformers' model (``base``, or loaded from ``src``) with
+    its MoE blocks swapped for the prepared experts. One function, so that a loader reading the
+    prepared set alone can take its place."""
+    from prepkit.integrations.transformers import use_prepkit_moe
+
+    model = base if base is not None else load_transformers(src)
+    return use_prepkit_moe(model, prepared)
 
 
 def prefill_ms(model: torch.nn.Module, tokens: int, warmup: int, iters: int) -> float:
     ids = torch.randint(0, 1000, (1, tokens), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-
-    def run() -> None:
-        model(ids, use_cache=False)
-
-    return cuda_ms(run, warmup, iters)
+    return cuda_ms(lambda: model(ids, use_cache=False, logits_to_keep=1), warmup, iters)
 
 
-def decode_ms(model: torch.nn.Module, steps: int, warmup: int, iters: int) -> float:
-    """Milliseconds for ``steps`` single-token forwards on a fresh cache each run."""
+def transformers_decode_ms(model: torch.nn.Module, steps: int, warmup: int, iters: int) -> float:
+    """Milliseconds per token of transformers' own single-token forwards on a DynamicCache."""
     g = torch.Generator("cuda").manual_seed(1)
     prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), device="cuda", generator=g)
     nxt = torch.randint(0, 1000, (steps, 1, 1), device="cuda", generator=g)
     state: dict[str, object] = {}
 
     def setup() -> None:
-        state["cache"] = model(prompt, use_cache=True).past_key_values
+        state["cache"] = model(prompt, use_cache=True, logits_to_keep=1).past_key_values
 
     def run() -> None:
         cache = state["cache"]
         for step in range(steps):
-            cache = model(nxt[step], past_key_values=cache, use_cache=True).past_key_values
+            cache = model(nxt[step], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
 
-    return cuda_ms(run, warmup, iters, setup)
+    return cuda_ms(run, warmup, iters, setup) / steps
 
 
-def block_ms(model: torch.nn.Module, tokens: int, warmup: int, iters: int) -> float:
-    """Median milliseconds of one MoE block (layer 0's ``mlp``) on ``[1, tokens, H]`` inputs."""
-    block = model.model.layers[0].mlp
-    g = torch.Generator("cuda").manual_seed(2)
-    x = torch.randn(1, tokens, model.config.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+def decoder_step_ms(model: torch.nn.Module, steps: int, cuda_graph: bool, iters: int) -> tuple[float, Any]:
+    """Milliseconds per decode step of PrepkitDecoder (eager or graph-replayed), and the decoder."""
+    from prepkit.integrations.static_decode import PrepkitDecoder
+
+    decoder = PrepkitDecoder(model, PROMPT_TOKENS + steps * (iters + 4) + 8, cuda_graph=cuda_graph)
+    prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
+    decoder.generate(prompt, 2)  # prefill, one step (warm-up; captures the graph)
 
     def run() -> None:
-        block(x)
+        for _ in range(steps):
+            decoder.step()
 
-    return cuda_ms(run, warmup, iters)
+    return cuda_ms(run, 2, iters) / steps, decoder
 
 
-def measure(model: torch.nn.Module, args: argparse.Namespace) -> tuple[float, float, float, float]:
-    """(prefill ms, decode ms, block ms at --tokens, block ms at 1 token)."""
+def fixed_ms(model: torch.nn.Module) -> float:
+    """The per-token work outside the decoder layers (embedding, final norm, lm_head, argmax), in a graph."""
+    ids = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    base = model.model
+    return graph_ms(lambda: model.lm_head(base.norm(base.embed_tokens(ids))).argmax(-1))
+
+
+def bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes one batch-1 decode step must read: 4 active experts, attention projections and sinks,
+    router, norms per layer, the final norm and lm_head (the embedding reads one row)."""
+    base, layers = model.model, list(model.model.layers)
+
+    def nbytes(module: torch.nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in module.parameters())
+
+    experts = 0
+    for layer in layers:
+        moe_layer = layer.mlp.moe_layer
+        total = sum(
+            getattr(moe_layer, n).numel() * getattr(moe_layer, n).element_size()
+            for n in ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
+        )
+        experts += total * moe_layer.top_k // moe_layer.num_local_experts
+    attention = sum(nbytes(layer.self_attn) for layer in layers)
+    router = sum(nbytes(layer.mlp.router) for layer in layers)
+    norms = sum(nbytes(layer.input_layernorm) + nbytes(layer.post_attention_layernorm) for layer in layers)
+    head = nbytes(model.lm_head) + nbytes(base.norm) + base.embed_tokens.weight[0].numel() * 2
+    return {"experts": experts, "attention": attention, "router": router, "norms": norms, "head": head}
+
+
+def same_tokens(model: torch.nn.Module, steps: int) -> dict[str, Any]:
+    """The graph-captured decoder's tokens against its eager step's and transformers' eager greedy
+    generate's (index of the first differing token, None when all agree)."""
+    from prepkit.integrations.static_decode import generate_greedy
+
+    model.generation_config.eos_token_id = None
+    prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+    want = model.generate(prompt, max_new_tokens=steps, do_sample=False).cpu()
+    got = generate_greedy(model, prompt, steps)
+    eager = generate_greedy(model, prompt, steps, cuda_graph=False)
+    differs = (got != want)[0].nonzero()
+    return {
+        "graph_equals_eager_step": bool(torch.equal(got, eager)),
+        "equals_transformers_generate": bool(torch.equal(got, want)),
+        "first_difference": int(differs[0]) if len(differs) else None,
+        "new_tokens": steps,
+    }
+
+
+def moe_host_costs(layer: Any, hidden: int, num_experts: int) -> dict[str, Any]:
+    """Eager ``moe()`` microseconds per call (200 back-to-back calls, one sync), the same in a
+    CUDA graph, and a cProfile of the 1-token eager call."""
+    from prepkit.runtime import moe
+
+    g = torch.Generator("cuda").manual_seed(3)
+    result: dict[str, Any] = {}
+    for tokens in (1, 4, 16, 64):
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        logits = torch.randn(tokens, num_experts, device="cuda", generator=g)
+        for _ in range(5):
+            moe(layer, x, logits)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            moe(layer, x, logits)
+        host_s = time.perf_counter() - t
+        torch.cuda.synchronize()
+        eager_us = (time.perf_counter() - t) / 200 * 1e6
+        result[str(tokens)] = {
+            "eager_us": eager_us,
+            "host_launch_us": host_s / 200 * 1e6,
+            "graph_us": graph_ms(lambda x=x, logits=logits: moe(layer, x, logits), 200) * 1e3,
+        }
+    x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    logits = torch.randn(1, num_experts, device="cuda", generator=g)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(500):
+        moe(layer, x, logits)
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    result["cprofile_1_token_500_calls"] = text.getvalue()
+    return result
+
+
+def step_profile(decoder: Any) -> dict[str, float]:
+    """Kernel time by component over one replay of the captured decode step, and the gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        decoder.step()
+        end.record()
+        torch.cuda.synchronize()
+    wall_us = start.elapsed_time(end) * 1e3
+    parts = {"moe_us": 0.0, "gemm_us": 0.0, "other_us": 0.0}
+    kernels = 0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kernels += 1
+        us = event.time_range.elapsed_us()
+        if any(k in name for k in ("_route", "_scatter", "gemm1_swiglu", "gemm2_combine")):
+            parts["moe_us"] += us
+        elif any(k in name for k in ("gemm", "gemv", "xmma", "cutlass", "cublas", "splitk", "sm90")):
+            parts["gemm_us"] += us
+        else:
+            parts["other_us"] += us
+    parts["kernels"] = kernels
+    parts["step_wall_us"] = wall_us
+    parts["gaps_us"] = wall_us - parts["moe_us"] - parts["gemm_us"] - parts["other_us"]
+    return parts
+
+
+def try_transformers_static_compile(model: torch.nn.Module, steps: int) -> dict[str, Any]:
+    """transformers' generate on a StaticCache with its automatic torch.compile: works or not, its
+    tokens against eager greedy generate, and ms per token."""
+    prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    model.generation_config.eos_token_id = None
+    out: dict[str, Any] = {}
+    try:
+        want = model.generate(prompt, max_new_tokens=steps, do_sample=False)
+        kwargs = {"max_new_tokens": steps, "do_sample": False, "cache_implementation": "static"}
+        model.generate(prompt, **kwargs)  # compiles
+        got = model.generate(prompt, **kwargs)
+        out["same_tokens_as_eager"] = bool(torch.equal(got, want))
+        t_full = cuda_ms(lambda: model.generate(prompt, **kwargs), 1, 3)
+        t_one = cuda_ms(lambda: model.generate(prompt, **{**kwargs, "max_new_tokens": 1}), 1, 3)
+        out["ms_per_token"] = (t_full - t_one) / (steps - 1)
+        out["works"] = True
+    except Exception as err:  # report, do not stop the benchmark
+        out["works"] = False
+        out["error"] = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    torch._dynamo.reset()
+    return out
+
+
+def measure_decode(model: torch.nn.Module, args: argparse.Namespace, fixed: float, label: str) -> dict[str, Any]:
+    L = args.layers
+    row: dict[str, Any] = {"moe": label}
     w, n = args.warmup, args.iters
-    return (
-        prefill_ms(model, args.tokens, w, n),
-        decode_ms(model, args.decode_tokens, w, n),
-        block_ms(model, args.tokens, w, n),
-        block_ms(model, 1, w, n),
-    )
+    for tokens in args.prefill:
+        row[f"prefill_{tokens}_ms"] = prefill_ms(model, tokens, w, n)
+    row["transformers_loop_ms_per_token"] = transformers_decode_ms(model, args.decode_tokens, w, n)
+    for key in ("transformers_loop",):
+        ms = row[f"{key}_ms_per_token"]
+        row[f"{key}_ms_per_layer"] = (ms - fixed) / L
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=512, help="prefill length")
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--activations", default="bf16", choices=("bf16", "mxfp8", "mxfp4"))
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=201088)
+    parser.add_argument("--prefill", default="512,2048", help="comma-separated prefill lengths")
+    parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--skip-transformers-moe", action="store_true", help="only prepkit's MoE")
+    parser.add_argument("--skip-static-compile", action="store_true")
+    parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--workdir", type=Path, help="where the checkpoint and shards go (default: a temp dir)")
     args = parser.parse_args(argv)
+    args.prefill = [int(t) for t in args.prefill.split(",") if t]
     if not torch.cuda.is_available():
         print("bench_transformers needs a CUDA device", file=sys.stderr)
         return 2
@@ -131,75 +343,125 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("bench_transformers needs transformers: pip install 'prepkit[transformers]'", file=sys.stderr)
         return 2
-    from click.testing import CliRunner
-
-    from prepkit.cli import cli
-    from prepkit.integrations.transformers import use_prepkit_moe
-    from prepkit.synth import write_synthetic_checkpoint
-
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        root = Path(tmp)
-        print(
-            f"writing a {args.layers}-layer, {args.experts}-expert checkpoint and its triton-moe shards ...", flush=True
-        )
-        src = write_synthetic_checkpoint(
-            root / "model", num_layers=args.layers, num_experts=args.experts, vocab_size=1024, seed=0
-        )
-        result = CliRunner().invoke(
-            cli, ["prepare", "--src", str(src), "--out", str(root / "triton"), "--layout", "triton-moe", "-q"]
-        )
-        if result.exit_code != 0:
-            print(result.output, file=sys.stderr)
-            return 1
-        # Kept and listed after the table: an untuned tactic or a decomposed MX path explains a number.
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("default")
-
-            def load() -> torch.nn.Module:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    str(src), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.bfloat16
-                )
-                return model.to("cuda").eval()
-
-            tf_load_s, model = timed_s(load)
-            rows: list[tuple[str, float, tuple[float, float, float, float]]] = []
-            with torch.no_grad():
-                rows.append(("transformers", tf_load_s, measure(model, args)))
-                pk_load_s, _ = timed_s(lambda: use_prepkit_moe(model, root / "triton", activations=args.activations))
-                rows.append((f"prepkit ({args.activations})", pk_load_s, measure(model, args)))
     L = args.layers
-    print()
-    print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"{L} layers, {args.experts} experts, H = I = 2880, top-4; prefill {args.tokens} tokens, "
-        f"decode {args.decode_tokens} tokens after {PROMPT_TOKENS}; median of {args.iters}"
-    )
-    print()
-    print(
-        "| MoE | load s | load s/layer | prefill tok/s | prefill ms/layer | decode tok/s | decode ms/token/layer "
-        "| MoE block ms, prefill | MoE block ms, 1 token | 36-layer prefill tok/s | 36-layer decode tok/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, load_s, (pre_ms, dec_ms, blk_ms, blk1_ms) in rows:
-        pre_layer, dec_layer = pre_ms / L, dec_ms / args.decode_tokens / L
-        print(
-            f"| {name} | {load_s:.2f} | {load_s / L:.2f} | {args.tokens / pre_ms * 1e3:,.0f} | {pre_layer:.3f} "
-            f"| {args.decode_tokens / dec_ms * 1e3:,.1f} | {dec_layer:.3f} | {blk_ms:.3f} | {blk1_ms:.3f} "
-            f"| {args.tokens / (pre_layer * 36) * 1e3:,.0f} | {1e3 / (dec_layer * 36):,.1f} |"
-        )
-    print()
-    print(
-        "load: transformers = from_pretrained with MXFP4 dequantized on load + .to('cuda'), whole model; "
-        "prepkit = use_prepkit_moe, the prepared experts onto the GPU (the rest of the model is transformers'). "
-        "MoE block: layer 0's mlp alone (router + experts), eager, no CUDA graph."
-    )
-    seen = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught})
-    if seen:
-        print()
-        print("warnings during the run:")
-        for line in seen:
-            print(f"- {line}")
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "layers": L,
+        "vocab": args.vocab,
+        "decode_tokens": args.decode_tokens,
+        "prefill_tokens": args.prefill,
+    }
+    report["copy_bandwidth_bytes_per_s"] = bw = copy_bandwidth()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        root = Path(tmp)
+        print(f"writing a {L}-layer real-dims checkpoint and its triton-moe shards ...", flush=True)
+        t = time.perf_counter()
+        src, prepared, report["prepare_s"] = write_model(root, L, args.vocab)
+        report["write_and_prepare_s"] = time.perf_counter() - t
+        print(f"  {report['write_and_prepare_s']:.1f} s", flush=True)
+        torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        model = load_transformers(src)
+        torch.cuda.synchronize()
+        report["transformers_load_s"] = time.perf_counter() - t
+        report["transformers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        shutil.rmtree(src)  # disk: the source is read once
+        with torch.no_grad():
+            fixed = fixed_ms(model)
+            report["fixed_ms"] = fixed
+            if not args.skip_transformers_moe:
+                print("transformers' MoE ...", flush=True)
+                rows.append(measure_decode(model, args, fixed, "transformers"))
+            torch.cuda.reset_peak_memory_stats()
+            t = time.perf_counter()
+            model = load_model(src, prepared, base=model)
+            torch.cuda.synchronize()
+            report["prepkit_swap_s"] = time.perf_counter() - t
+            torch.cuda.empty_cache()
+            report["prepkit_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+            report["bytes_per_token"] = floor_bytes = bytes_per_token(model)
+            report["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
+            print("prepkit's MoE ...", flush=True)
+            row = measure_decode(model, args, fixed, "prepkit")
+            for cuda_graph in (False, True):
+                key = "prepkit_graph" if cuda_graph else "prepkit_eager"
+                ms, decoder = decoder_step_ms(model, args.decode_tokens, cuda_graph, args.iters)
+                row[f"{key}_ms_per_token"] = ms
+                row[f"{key}_ms_per_layer"] = (ms - fixed) / L
+            row["step_profile"] = step_profile(decoder)
+            report["decoder_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            del decoder
+            rows.append(row)
+            layer0 = model.model.layers[0].mlp.moe_layer
+            report["moe_host"] = moe_host_costs(layer0, model.config.hidden_size, model.config.num_local_experts)
+            if not args.skip_static_compile:
+                print("transformers' static cache + torch.compile with prepkit's MoE ...", flush=True)
+                report["transformers_static_compile"] = try_transformers_static_compile(model, 32)
+        report["warnings"] = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught})
+    report["rows"] = rows
+    total_bytes = sum(floor_bytes.values())
+    per_layer_bytes = (total_bytes - floor_bytes["head"]) / L
+    floor_ms = total_bytes / bw * 1e3
+    floor36_ms = (floor_bytes["head"] + SCALED_LAYERS * per_layer_bytes) / bw * 1e3
+    report["floor_ms"], report["floor_36_ms"] = floor_ms, floor36_ms
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1, default=str))
+    print_table(report, rows)
     return 0
+
+
+def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    L, fixed = report["layers"], report["fixed_ms"]
+    print()
+    print(report["moe_host"].pop("cprofile_1_token_500_calls", ""))
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rows", "moe_host")}, indent=1, default=str))
+    print(json.dumps(report["moe_host"], indent=1))
+    for row in rows:
+        print(json.dumps(row, indent=1))
+    print()
+    print(
+        f"{report['device']}, torch {report['torch']}, transformers {report['transformers']}; {L} layers at "
+        f"gpt-oss-120b dims, vocab {report['vocab']:,}; copy bandwidth "
+        f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; "
+        f"fixed part (embed, norm, lm_head, argmax) {fixed:.3f} ms"
+    )
+    print()
+    print(
+        f"| decode (batch 1) | ms/token, {L} layers | tok/s, {L} layers | ms/layer "
+        "| scaled 36-layer tok/s | % of floor |"
+    )
+    print("|---|---|---|---|---|---|")
+    floor, floor36 = report["floor_ms"], report["floor_36_ms"]
+    print(f"| bandwidth floor | {floor:.3f} | {1e3 / floor:,.0f} | - | {1e3 / floor36:,.0f} | 100 |")
+    for row in rows:
+        for key in ("transformers_loop", "prepkit_eager", "prepkit_graph"):
+            if f"{key}_ms_per_token" not in row:
+                continue
+            ms, per_layer = row[f"{key}_ms_per_token"], row[f"{key}_ms_per_layer"]
+            scaled = fixed + SCALED_LAYERS * per_layer
+            print(
+                f"| {row['moe']} MoE, {key.replace('_', ' ')} | {ms:.3f} | {1e3 / ms:,.1f} | {per_layer:.3f} "
+                f"| {1e3 / scaled:,.1f} | {100 * report['floor_36_ms'] / scaled:.1f} |"
+            )
+    static = report.get("transformers_static_compile")
+    if static:
+        print(f"| prepkit MoE, transformers StaticCache + compile | {static} |")
+    print()
+    print("| prefill | " + " | ".join(f"{t} tok/s" for t in report["prefill_tokens"]) + " |")
+    print("|---|" + "---|" * len(report["prefill_tokens"]))
+    for row in rows:
+        cells = " | ".join(f"{t / row[f'prefill_{t}_ms'] * 1e3:,.0f}" for t in report["prefill_tokens"])
+        print(f"| {row['moe']} MoE | {cells} |")
+    print()
+    host = report["moe_host"]
+    print("| moe() tokens | eager µs/call | host µs/call | CUDA graph µs/call |")
+    print("|---|---|---|---|")
+    for tokens, v in host.items():
+        print(f"| {tokens} | {v['eager_us']:.1f} | {v['host_launch_us']:.1f} | {v['graph_us']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -225,3 +225,16 @@ def _router_of(decoder: nn.Module, index: int) -> nn.Module:
     if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
         raise RecipeError(f"layer {index}: {type(mlp).__name__} has no router with a weight (not gpt-oss's MoE block)")
     return router
+
+
+# Graph-captured greedy decoding has its own module; it is part of this integration's surface.
+from prepkit.integrations.static_decode import PrepkitDecoder, generate_greedy  # noqa: E402
+
+__all__ = [
+    "PrepkitDecoder",
+    "PrepkitMoeBlock",
+    "check_manifest_against_config",
+    "check_transformers_version",
+    "generate_greedy",
+    "use_prepkit_moe",
+]

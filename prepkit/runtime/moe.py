@@ -31,6 +31,7 @@ from prepkit.kernels.variants import default_tactics, policy_variant
 from prepkit.layer import MoeProblem, RankLayer, rank_layer
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec
 from prepkit.layouts.triton_moe import LAYOUT, tensor_specs
+from prepkit.runtime.op import register as register_layer
 from prepkit.warn_once import new_owner, owned_by, warn_once
 
 # The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
@@ -81,6 +82,8 @@ class MoeLayer:
     _chosen: dict[int, tuple[GemmTactic, GemmTactic]] = field(default_factory=dict, repr=False)
     _warn_owner: int = field(default_factory=new_owner, repr=False)  # whose warnings these are
     _tuned: set[int] = field(default_factory=set, repr=False)  # token counts served by the lookup
+    # The id torch.ops.prepkit.moe finds this layer by (prepkit.runtime.op), assigned at construction.
+    op_id: int = field(init=False, default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
@@ -90,6 +93,7 @@ class MoeLayer:
             valid_intermediate=self.valid_intermediate, padded_intermediate=self.padded_intermediate,
             top_k=self.top_k, tp_size=self.tp_size, tp_rank=self.tp_rank, ep_size=self.ep_size,
         )  # fmt: skip
+        self.op_id = register_layer(self)
 
     @classmethod
     def from_experts(
@@ -307,10 +311,19 @@ def moe(
     the layer. ``out_dtype`` defaults to the activations' dtype; ``torch.float32`` returns the
     kernel's accumulator without a final cast. ``tactics`` pins the (GEMM1, GEMM2) variants.
 
+    Under ``torch.compile`` the call goes through the registered op ``torch.ops.prepkit.moe``
+    (:mod:`prepkit.runtime.op`), so that the compiled graph has no break here; eagerly it runs the
+    kernel directly, which costs less host time.
+
     Raises:
         DeviceError: tensors on different devices.
-        ValueError: shapes that do not match the layer.
+        ValueError: shapes that do not match the layer, or ``tactics`` pinned under ``torch.compile``.
     """
+    if torch.compiler.is_compiling():
+        if tactics is not None:
+            raise ValueError("moe(): pinned tactics are not supported under torch.compile")
+        target = hidden_states.dtype if out_dtype is None else out_dtype
+        return torch.ops.prepkit.moe(hidden_states, router_logits, layer.op_id, target)
     if hidden_states.device != layer.w13_blocks.device or router_logits.device != hidden_states.device:
         raise DeviceError(
             f"hidden_states on {hidden_states.device}, router_logits on {router_logits.device}, "

@@ -1,0 +1,214 @@
+"""Greedy decoding of a transformers gpt-oss model with every piece of state on the device, so that
+one decode step (embedding -> all decoder layers -> final norm -> lm_head -> argmax -> next input
+and position) is captured in one CUDA graph and replayed once per token.
+
+transformers' own caches keep part of their bookkeeping on the host (a plain capture of a
+``StaticCache`` step replays out of bounds), so this module brings its own: a static KV cache per
+layer, ``[batch, kv_heads, max_len, head_dim]``, written at a device-side position, and causal /
+sliding-window masks computed from that position on the device. Everything else is the model's
+own modules: embedding, rotary embedding, norms, q/k/v/o projections, attention sinks, the MoE
+block (prepkit's :class:`~prepkit.integrations.transformers.PrepkitMoeBlock`; transformers' own
+expert loop syncs with the host and cannot be captured) and ``lm_head``. The attention follows
+transformers' eager gpt-oss attention operation for operation (bf16 scores, additive mask, sink
+column, softmax in the scores' dtype), so the tokens are ``model.generate(do_sample=False)``'s: on
+the CPU exactly; on a GPU up to near ties between logits, since the MoE kernel's combine adds in
+fp32 atomics (not bitwise deterministic) and cuBLAS reduces over the cache's full length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class PrepkitDecoder:
+    """Greedy decoding for a transformers gpt-oss ``model`` (batch ``batch_size``, prompts of one
+    length, at most ``max_len`` tokens in all) on a static KV cache of its own.
+
+    ``generate(input_ids, max_new_tokens)`` runs the prompt eagerly (one forward over all its
+    tokens), then one decode step per new token. With ``cuda_graph=True`` (on a CUDA device) the
+    first decode step runs eagerly as warm-up and is then captured once into a
+    ``torch.cuda.CUDAGraph``; later steps, and later calls, replay it without any host sync; the
+    tokens are read back once, at the end. It returns what ``model.generate(input_ids,
+    max_new_tokens=..., do_sample=False)`` returns: prompt and new tokens, stopped at the
+    generation config's EOS ids (rows that finish early padded with its pad id).
+
+    The decode step reads the model's modules at call time, so a model whose MoE blocks were
+    swapped (``use_prepkit_moe``) before the decoder was built decodes with them. The cache costs
+    ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the model's dtype.
+    """
+
+    def __init__(self, model: nn.Module, max_len: int, *, batch_size: int = 1, cuda_graph: bool = True) -> None:
+        config = model.config
+        base = model.model
+        self.model = model
+        self.config = config
+        self.layers = list(base.layers)
+        embed = base.embed_tokens.weight
+        self.device, self.dtype = embed.device, embed.dtype
+        self.max_len, self.batch_size = max_len, batch_size
+        self.cuda_graph = cuda_graph and self.device.type == "cuda"
+        attn = self.layers[0].self_attn
+        shape = (batch_size, config.num_key_value_heads, max_len, attn.head_dim)
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.kv_index = torch.arange(max_len, device=self.device)
+        # The step's whole state, at fixed addresses: the position of the next input, that input,
+        # and every token so far (the graph writes each new one at its position).
+        self.position = torch.zeros((), dtype=torch.long, device=self.device)
+        self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=self.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+        self._rotary = apply_rotary_pos_emb
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """``[batch, prompt]`` ids -> ``[batch, prompt + new]`` ids, greedy (see the class)."""
+        batch, prompt = input_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(f"input_ids has batch {batch}, the decoder was built for {self.batch_size}")
+        if max_new_tokens < 1 or prompt + max_new_tokens > self.max_len:
+            raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} must be within max_len {self.max_len}")
+        input_ids = input_ids.to(self.device)
+        self.tokens[:, :prompt] = input_ids
+        logits = self.forward(input_ids, self.kv_index[:prompt])
+        self.next_ids.copy_(logits.argmax(-1, keepdim=True))
+        self.position.fill_(prompt)
+        self.tokens.index_copy_(1, self.position.view(1), self.next_ids)
+        for _ in range(max_new_tokens - 1):
+            self.step()
+        out = self.tokens[:, : prompt + max_new_tokens].cpu()  # the one host sync
+        return stop_at_eos(out, prompt, _ids(self.model.generation_config.eos_token_id), self._pad_id())
+
+    def step(self) -> None:
+        """One greedy decode step from the device-side state: a graph replay once captured."""
+        if not self.cuda_graph:
+            self._step()
+            return
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        # Warm-up on a side stream (Triton compiles, cuBLAS picks its workspace): a real step.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        # Capturing runs nothing: the warm-up above was this step.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.graph = graph
+
+    def _step(self) -> None:
+        positions = self.position.view(1)
+        logits = self.forward(self.next_ids, positions)
+        self.next_ids.copy_(logits.argmax(-1, keepdim=True))
+        self.position.add_(1)
+        self.tokens.index_copy_(1, self.position.view(1), self.next_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits of the last position, ``[batch, vocab]``, for ``input_ids`` ``[batch, T]`` at
+        device-side ``positions`` ``[T]``; writes their keys and values into the cache."""
+        base = self.model.model
+        hidden = base.embed_tokens(input_ids)
+        cos, sin = base.rotary_emb(hidden, positions.unsqueeze(0))
+        masks = {
+            "full_attention": self._mask(positions, None),
+            "sliding_attention": self._mask(positions, self.config.sliding_window),
+        }
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            mask = masks[self.config.layer_types[index]]
+            hidden = residual + self._attention(layer.self_attn, hidden, cos, sin, mask, index, positions)
+            residual = hidden
+            hidden, _ = layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = residual + hidden
+        # The norm is per token: only the last position feeds the head.
+        return self.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
+
+    def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """Additive ``[T, max_len]`` mask: causal, and within ``window`` for sliding layers."""
+        query, key = positions[:, None], self.kv_index[None, :]
+        allowed = key <= query
+        if window is not None:
+            allowed &= key > query - window
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    def _attention(
+        self,
+        attn: nn.Module,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        index: int,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        head_dim = attn.head_dim
+        query = attn.q_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        key = attn.k_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        value = attn.v_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        query, key = self._rotary(query, key, cos, sin)
+        keys, values = self.keys[index], self.values[index]
+        keys.index_copy_(2, positions, key)
+        values.index_copy_(2, positions, value)
+        heads, kv_heads = query.shape[1], keys.shape[1]
+        group = heads // kv_heads
+        # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows
+        # (row g*T + t) instead of repeating the cache per head.
+        query = query.reshape(batch, kv_heads, group * tokens, head_dim)
+        scores = torch.matmul(query, keys.transpose(2, 3)) * attn.scaling + mask.repeat(group, 1)
+        sinks = attn.sinks.reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, tokens, -1)
+        scores = torch.cat([scores, sinks.reshape(batch, kv_heads, group * tokens, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype)
+        out = torch.matmul(probs, values).reshape(batch, heads, tokens, head_dim).transpose(1, 2)
+        return attn.o_proj(out.reshape(batch, tokens, heads * head_dim))
+
+    def _pad_id(self) -> int | None:
+        pad = self.model.generation_config.pad_token_id
+        return pad if pad is not None else self.config.pad_token_id
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, Sequence | torch.Tensor) else [int(value)]
+
+
+def stop_at_eos(tokens: torch.Tensor, prompt: int, eos_ids: list[int], pad_id: int | None) -> torch.Tensor:
+    """What greedy ``generate`` keeps of ``tokens`` ``[batch, prompt + new]``: a row's tokens after
+    its first EOS become ``pad_id``, and the columns after the step where every row has finished go."""
+    if not eos_ids:
+        return tokens
+    new = tokens[:, prompt:]
+    is_eos = torch.isin(new, torch.tensor(eos_ids, dtype=new.dtype))
+    finished_after = is_eos.long().cumsum(1) > 0  # at or after the first EOS
+    past_eos = torch.cat([torch.zeros_like(finished_after[:, :1]), finished_after[:, :-1]], dim=1)
+    if pad_id is not None:
+        new = new.masked_fill(past_eos, pad_id)
+    all_done = finished_after.all(0).nonzero()
+    keep = int(all_done[0]) + 1 if len(all_done) else new.shape[1]
+    return torch.cat([tokens[:, :prompt], new[:, :keep]], dim=1)
+
+
+def generate_greedy(
+    model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool = True
+) -> torch.Tensor:
+    """One-off :class:`PrepkitDecoder` sized for this call: greedy tokens as
+    ``model.generate(input_ids, max_new_tokens=..., do_sample=False)`` gives them, decoded with one
+    CUDA graph per step on a CUDA device. Keep a decoder to reuse its cache and captured graph."""
+    decoder = PrepkitDecoder(
+        model, input_ids.shape[1] + max_new_tokens, batch_size=input_ids.shape[0], cuda_graph=cuda_graph
+    )
+    return decoder.generate(input_ids, max_new_tokens)
