@@ -84,6 +84,8 @@ class MoeLayer:
     _tuned: set[int] = field(default_factory=set, repr=False)  # token counts served by the lookup
     # The id torch.ops.prepkit.moe finds this layer by (prepkit.runtime.op), assigned at construction.
     op_id: int = field(init=False, default=-1, repr=False, compare=False)
+    # Recorded launches per (tokens, logits dtype, stream) for cheap eager calls (moe_mxfp4.plan).
+    _plans: dict[tuple[int, torch.dtype, int], Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
@@ -324,6 +326,12 @@ def moe(
             raise ValueError("moe(): pinned tactics are not supported under torch.compile")
         target = hidden_states.dtype if out_dtype is None else out_dtype
         return torch.ops.prepkit.moe(hidden_states, router_logits, layer.op_id, target)
+    if tactics is None and layer._plans:
+        plan = layer._plans.get(_plan_key(hidden_states, router_logits))
+        if plan is not None and plan.accepts(hidden_states, router_logits):
+            out = plan(hidden_states, router_logits)
+            target = hidden_states.dtype if out_dtype is None else out_dtype
+            return out if target == torch.float32 else out.to(target)
     if hidden_states.device != layer.w13_blocks.device or router_logits.device != hidden_states.device:
         raise DeviceError(
             f"hidden_states on {hidden_states.device}, router_logits on {router_logits.device}, "
@@ -340,8 +348,10 @@ def moe(
     x = hidden_states if hidden_states.dtype == torch.bfloat16 else hidden_states.to(torch.bfloat16)
     x, logits = x.contiguous(), router_logits.contiguous()
     pair = tactics if tactics is not None else layer.tactics(num_tokens)
+    # Calls whose tensors are the kernel's as given can be recorded for cheap replays.
+    plan_key = _plan_key(x, logits) if tactics is None and x is hidden_states and logits is router_logits else None
     try:
-        out = _launch(layer, x, logits, pair)
+        out = _launch(layer, x, logits, pair, plan_key)
     except _compile_errors() as err:
         # Tuned variants from another Triton may no longer compile: the default always does.
         fallback = None if tactics is not None else layer.fall_back_to_default(num_tokens, err)
@@ -352,18 +362,40 @@ def moe(
     return out if target == torch.float32 else out.to(target)
 
 
-def _launch(
-    layer: MoeLayer, x: torch.Tensor, logits: torch.Tensor, pair: tuple[GemmTactic, GemmTactic]
-) -> torch.Tensor:
-    from prepkit.kernels.moe_mxfp4 import fused_moe  # imports triton: only when a layer runs
+def _plan_key(hidden_states: torch.Tensor, router_logits: torch.Tensor) -> tuple[int, torch.dtype, int] | None:
+    if hidden_states.device.type != "cuda":
+        return None
+    from prepkit.kernels.moe_mxfp4.plan import current_stream
 
-    return fused_moe(
-        x, logits, layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks, layer.w2_scales,
-        layer.w2_bias if layer.apply_down_bias else None, top_k=layer.top_k, expert_lo=layer.expert_range[0],
-        valid_intermediate=layer.valid_intermediate, gemm1=pair[0], gemm2=pair[1],
-        swiglu_alpha=layer.swiglu_alpha, swiglu_limit=layer.swiglu_limit, small_scales=layer.small_scales,
-        activations=layer.activations,
+    return (hidden_states.shape[0], router_logits.dtype, current_stream(hidden_states.device))
+
+
+def _launch(
+    layer: MoeLayer,
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    pair: tuple[GemmTactic, GemmTactic],
+    plan_key: tuple[int, torch.dtype, int] | None = None,
+) -> torch.Tensor:
+    """The kernel on ``x``; with a ``plan_key`` its launches are recorded for the next calls of
+    that key, where they can be (:func:`prepkit.kernels.moe_mxfp4.plan.plannable`)."""
+    from prepkit.kernels.moe_mxfp4 import fused_moe, plan_fused_moe  # imports triton: only when a layer runs
+
+    weights = (
+        layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks, layer.w2_scales,
+        layer.w2_bias if layer.apply_down_bias else None,
     )  # fmt: skip
+    options: dict[str, Any] = dict(
+        top_k=layer.top_k, expert_lo=layer.expert_range[0], valid_intermediate=layer.valid_intermediate,
+        gemm1=pair[0], gemm2=pair[1], swiglu_alpha=layer.swiglu_alpha, swiglu_limit=layer.swiglu_limit,
+        small_scales=layer.small_scales, activations=layer.activations,
+    )  # fmt: skip
+    if plan_key is None:
+        return fused_moe(x, logits, *weights, **options)
+    plan, out = plan_fused_moe(x, logits, *weights, **options)
+    if plan is not None:
+        layer._plans[plan_key] = plan
+    return out
 
 
 def _compile_errors() -> tuple[type[BaseException], ...]:

@@ -58,6 +58,7 @@ from prepkit.kernels.moe_mxfp4.launch import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
     Routing,
+    Workspace,
     fused_moe,
     gemm1_swiglu,
     gemm2_combine,
@@ -68,6 +69,7 @@ from prepkit.kernels.moe_mxfp4.launch import (
     upcast_id,
     weight_descriptor,
 )
+from prepkit.kernels.moe_mxfp4.plan import MAX_PLANNED_TOKENS, LaunchPlan, plan_fused_moe
 
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 # The kernel's version in tactic DB keys: bump it when a change alters what a tactic measures
@@ -76,9 +78,11 @@ KERNEL_VERSION = 7
 
 __all__ = [
     "KERNEL_VERSION",
+    "MAX_PLANNED_TOKENS",
     "SWIGLU_ALPHA",
     "SWIGLU_LIMIT",
     "WEIGHT_LAYOUT",
+    "LaunchPlan",
     "MxRows",
     "Routing",
     "from_mx_rows",
@@ -88,9 +92,11 @@ __all__ = [
     "group_order",
     "joins_halves",
     "max_row_blocks",
+    "plan_fused_moe",
     "route",
     "swaps_operands",
     "to_mx_rows",
     "upcast_id",
     "weight_descriptor",
+    "Workspace",
 ]

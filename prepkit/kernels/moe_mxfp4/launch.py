@@ -13,6 +13,7 @@ from prepkit.kernels.moe_mxfp4._chain import chain_launch
 from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
 from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
 from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
+from prepkit.kernels.moe_mxfp4._record import launch, zero
 from prepkit.kernels.moe_mxfp4._routing import _route_kernel, _scatter_kernel
 from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
 from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_ASM_FOLDED, UPCAST_BITS, UPCAST_DOT_SCALED
@@ -123,6 +124,54 @@ class Routing:
         return self.num_tokens * self.top_k
 
 
+def empty_h1(
+    num_picks: int, valid_intermediate: int, activations: ActivationPolicy, device: torch.device
+) -> torch.Tensor | MxRows:
+    """GEMM1's output rows: bf16, or quantized to the MX policy."""
+    if activations != "bf16":
+        return MxRows.empty(max(num_picks, 1), valid_intermediate, activations, device)
+    return torch.empty((max(num_picks, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
+
+
+@dataclass
+class Workspace:
+    """What one call of the layer keeps between its launches: everything but the output. A launch
+    plan keeps one per stream and shape and reuses it call after call; calls on one stream run in
+    order, so no call reads what a later one writes."""
+
+    counts: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    rank: torch.Tensor
+    sorted_picks: torch.Tensor
+    x_mx: MxRows | None = None
+    h1: torch.Tensor | MxRows | None = None
+
+    @classmethod
+    def empty(
+        cls,
+        *,
+        tokens: int,
+        top_k: int,
+        num_local_experts: int,
+        hidden: int,
+        activations: ActivationPolicy,
+        device: torch.device,
+        valid_intermediate: int | None = None,
+    ) -> Workspace:
+        """Routing buffers for ``tokens``; with ``valid_intermediate`` GEMM1's output rows too."""
+        picks = tokens * top_k
+        return cls(
+            torch.empty(num_local_experts, dtype=torch.int32, device=device),
+            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
+            torch.empty((tokens, top_k), dtype=torch.float32, device=device),
+            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
+            torch.empty(max(picks, 1), dtype=torch.int32, device=device),
+            MxRows.empty(max(tokens, 1), hidden, activations, device) if activations != "bf16" else None,
+            None if valid_intermediate is None else empty_h1(picks, valid_intermediate, activations, device),
+        )
+
+
 def route(
     router_logits: torch.Tensor,
     *,
@@ -133,6 +182,7 @@ def route(
     out: torch.Tensor | None = None,
     hidden_states: torch.Tensor | None = None,
     activations: ActivationPolicy = "bf16",
+    workspace: Workspace | None = None,
 ) -> Routing:
     """Launch routing (top-k, softmax, counters, output zeroing) and grouping; with an MX
     ``activations`` policy the same launch quantizes ``hidden_states`` (contiguous bf16
@@ -142,14 +192,12 @@ def route(
     if router_logits.stride(1) != 1:
         raise ValueError("router_logits must be contiguous in its last dim")
     act = _ACT_IDS[check_policy(activations)]
-    x_mx = None
     if act:
         if hidden_states is None or tuple(hidden_states.shape) != (T, hidden) or not hidden_states.is_contiguous():
             got = None if hidden_states is None else list(hidden_states.shape)
             raise ValueError(f"activations {activations!r} need contiguous hidden_states [{T}, {hidden}], got {got}")
         if hidden % 32:
             raise ValueError(f"activations {activations!r} need hidden a multiple of 32, got {hidden}")
-        x_mx = MxRows.empty(max(T, 1), hidden, activations, device)
     TK = T * top_k
     if out is None:
         out = torch.empty((T, hidden), dtype=torch.float32, device=device)
@@ -158,18 +206,26 @@ def route(
     # Up to 32 tokens (128 experts) one program routes them all and groups the picks itself.
     block_t = max(1, min(32, 4096 // e_pad_all, _next_pow2(T)))
     programs = triton.cdiv(T, block_t)
-    # Counters start at zero for the atomics of several programs; one program writes them whole.
-    counts = (torch.empty if programs == 1 else torch.zeros)(num_local_experts, dtype=torch.int32, device=device)
-    topk_ids = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    topk_w = torch.empty((T, top_k), dtype=torch.float32, device=device)
-    rank = torch.empty((T, top_k), dtype=torch.int32, device=device)
-    sorted_picks = torch.empty(max(TK, 1), dtype=torch.int32, device=device)
+    if workspace is None:
+        workspace = Workspace.empty(
+            tokens=T, top_k=top_k, num_local_experts=num_local_experts, hidden=hidden, activations=activations,
+            device=device,
+        )  # fmt: skip
+    counts, topk_ids, topk_w, rank, sorted_picks, x_mx = (
+        workspace.counts, workspace.topk_ids, workspace.topk_weights, workspace.rank, workspace.sorted_picks,
+        workspace.x_mx,
+    )  # fmt: skip
+    if programs != 1:
+        # Counters start at zero for the atomics of several programs; one program writes them whole.
+        zero(counts)
     routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
     if T == 0:
         return routing
     block_h = 128
     picks_per_program = block_t * _next_pow2(top_k)
-    _route_kernel[(programs, max(1, triton.cdiv(hidden, block_h)))](
+    launch(
+        _route_kernel,
+        (programs, max(1, triton.cdiv(hidden, block_h))),
         router_logits,
         topk_ids,
         topk_w,
@@ -201,7 +257,9 @@ def route(
     )
     if programs > 1:
         scatter_block = 128
-        _scatter_kernel[(triton.cdiv(TK, scatter_block),)](
+        launch(
+            _scatter_kernel,
+            (triton.cdiv(TK, scatter_block),),
             topk_ids,
             rank,
             counts,
@@ -229,6 +287,7 @@ def gemm1_swiglu(
     swiglu_limit: float = SWIGLU_LIMIT,
     small_scales: bool = False,
     activations: ActivationPolicy = "bf16",
+    h1_out: torch.Tensor | MxRows | None = None,
 ) -> torch.Tensor | MxRows:
     """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order, or with
     an MX policy the same rows quantized (:class:`MxRows`; GEMM1 then reads ``routing.x_mx``, so
@@ -247,12 +306,9 @@ def gemm1_swiglu(
         raise ValueError("hidden_states must be contiguous in its last dim")
     TK = routing.num_picks
     device = hidden_states.device
-    if act:
-        if valid_intermediate % 32:
-            raise ValueError(f"activations {activations!r} need valid_intermediate a multiple of 32")
-        h1: torch.Tensor | MxRows = MxRows.empty(max(TK, 1), valid_intermediate, activations, device)
-    else:
-        h1 = torch.empty((max(TK, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
+    if act and valid_intermediate % 32:
+        raise ValueError(f"activations {activations!r} need valid_intermediate a multiple of 32")
+    h1 = h1_out if h1_out is not None else empty_h1(TK, valid_intermediate, activations, device)
     if TK == 0:
         return h1
     E_local = routing.num_local_experts
@@ -260,7 +316,9 @@ def gemm1_swiglu(
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
     w_desc = weight_descriptor(w13_blocks, tactic, activations)
     x_in = routing.x_mx.codes if act else hidden_states
-    _gemm1_swiglu_kernel[grid](
+    launch(
+        _gemm1_swiglu_kernel,
+        grid,
         x_in,
         w13_blocks,
         w13_blocks if w_desc is None else w_desc,
@@ -337,7 +395,9 @@ def gemm2_combine(
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
     w_desc = weight_descriptor(w2_blocks, tactic, activations)
     h_in = h1.codes if isinstance(h1, MxRows) else h1
-    _gemm2_combine_kernel[grid](
+    launch(
+        _gemm2_combine_kernel,
+        grid,
         h_in,
         w2_blocks,
         w2_blocks if w_desc is None else w_desc,
@@ -401,6 +461,7 @@ def fused_moe(
     out: torch.Tensor | None = None,
     small_scales: tuple[bool, bool] = (False, False),
     activations: ActivationPolicy = "bf16",
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """One MoE layer for this rank's experts. Returns the fp32 ``[T, H]`` sum over the token's picks
     that live on this rank (``out`` if given). ``w2_bias=None`` skips the down bias (TP ranks but
@@ -408,6 +469,7 @@ def fused_moe(
     ``small_scales``: (w13, w2), see :func:`upcast_id`. ``activations``: the precision policy
     (module docstring); the tactics must be valid for it
     (:func:`prepkit.kernels.variants.invalid_reason`, :func:`~prepkit.kernels.variants.policy_variant`).
+    ``workspace``: the buffers between launches (:class:`Workspace`, with GEMM1's rows), else new ones.
     """
     T, H = hidden_states.shape
     if router_logits.shape[0] != T:
@@ -421,6 +483,7 @@ def fused_moe(
         out=out,
         hidden_states=hidden_states,
         activations=activations,
+        workspace=workspace,
     )
     h1 = gemm1_swiglu(
         routing,
@@ -434,6 +497,7 @@ def fused_moe(
         swiglu_limit=swiglu_limit,
         small_scales=small_scales[0],
         activations=activations,
+        h1_out=None if workspace is None else workspace.h1,
     )
     return gemm2_combine(
         routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1], activations=activations
