@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from prepkit.integrations import decode_step
+
 
 class PrepkitDecoder:
     """Greedy decoding for a transformers gpt-oss ``model`` (batch ``batch_size``, prompts of one
@@ -42,7 +44,15 @@ class PrepkitDecoder:
     ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the model's dtype.
     """
 
-    def __init__(self, model: nn.Module, max_len: int, *, batch_size: int = 1, cuda_graph: bool = True) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        max_len: int,
+        *,
+        batch_size: int = 1,
+        cuda_graph: bool = True,
+        compile: bool | None = None,
+    ) -> None:
         config = model.config
         base = model.model
         self.model = model
@@ -66,6 +76,18 @@ class PrepkitDecoder:
         from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
 
         self._rotary = apply_rotary_pos_emb
+        # Compiled decode steps fuse the work between matrix products (decode_step); by default on
+        # CUDA, where launch gaps dominate a step, and never for the prompt (one shape per length).
+        prepkit_moe = all(hasattr(layer.mlp, "moe_layer") for layer in self.layers)
+        if compile and not prepkit_moe:
+            raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
+        self.compiled = self.device.type == "cuda" and prepkit_moe if compile is None else compile
+        if self.compiled:
+            self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
+            self._eps = float(base.norm.variance_epsilon)
+            self._attention_in = torch.compile(decode_step.attention_in, fullgraph=True, dynamic=False)
+            self._attention_out = torch.compile(decode_step.attention_out, fullgraph=True, dynamic=False)
+            self._head = torch.compile(decode_step.head, fullgraph=True, dynamic=False)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -108,8 +130,11 @@ class PrepkitDecoder:
 
     def _step(self) -> None:
         positions = self.position.view(1)
-        logits = self.forward(self.next_ids, positions)
-        self.next_ids.copy_(logits.argmax(-1, keepdim=True))
+        if self.compiled:
+            self.next_ids.copy_(self._compiled_forward(positions))
+        else:
+            logits = self.forward(self.next_ids, positions)
+            self.next_ids.copy_(logits.argmax(-1, keepdim=True))
         self.position.add_(1)
         self.tokens.index_copy_(1, self.position.view(1), self.next_ids)
 
@@ -133,6 +158,31 @@ class PrepkitDecoder:
             hidden = residual + hidden
         # The norm is per token: only the last position feeds the head.
         return self.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
+
+    def _compiled_forward(self, positions: torch.Tensor) -> torch.Tensor:
+        """Greedy ids ``[batch, 1]`` after ``self.next_ids`` at ``positions`` ``[1]``, through the
+        compiled halves of :mod:`prepkit.integrations.decode_step`; writes the cache."""
+        from prepkit.runtime.moe import moe
+
+        base = self.model.model
+        hidden = base.embed_tokens(self.next_ids)
+        cos, sin = base.rotary_emb(hidden, positions.unsqueeze(0))
+        masks = {
+            "full_attention": self._mask(positions, None),
+            "sliding_attention": self._mask(positions, self.config.sliding_window),
+        }
+        mlp_out = None
+        for index, (layer, weights) in enumerate(zip(self.layers, self._weights, strict=True)):
+            attn = layer.self_attn
+            hidden, query, key, value = self._attention_in(hidden, mlp_out, weights, cos, sin, self._eps, attn.head_dim)
+            self.keys[index].index_copy_(2, positions, key)
+            self.values[index].index_copy_(2, positions, value)
+            mask = masks[self.config.layer_types[index]]
+            hidden, x, logits = self._attention_out(
+                hidden, query, self.keys[index], self.values[index], mask, weights, attn.scaling, self._eps
+            )
+            mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
+        return self._head(hidden, mlp_out, base.norm.weight, self.model.lm_head.weight, self._eps)
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive ``[T, max_len]`` mask: causal, and within ``window`` for sliding layers."""

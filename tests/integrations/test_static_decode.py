@@ -185,3 +185,26 @@ def test_a_decoder_layer_with_prepkit_moe_traces_whole(source: Path, prepared: P
         compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
         got = compiled(x, attention_mask=None, position_embeddings=cos_sin, position_ids=position_ids)
     assert torch.equal(got, want)
+
+
+@pytest.mark.slow
+def test_compiled_decode_steps_give_the_eager_steps_tokens(source: Path, prepared: Path, interpreter: None) -> None:
+    # The compiled halves (prepkit.integrations.decode_step) against the module-by-module step.
+    model = _no_eos(swapped(source, prepared))
+    ids = _prompt(20)
+    eager = PrepkitDecoder(model, 32, compile=False)
+    assert not eager.compiled
+    want = eager.generate(ids, 6)
+    torch._dynamo.reset()
+    compiled = PrepkitDecoder(model, 32, compile=True)
+    got = compiled.generate(ids, 6)
+    assert torch.equal(got, want)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+
+
+def test_compiling_needs_prepkit_moe_blocks(source: Path) -> None:
+    model = load_reference(source)
+    assert not PrepkitDecoder(model, 16).compiled  # the default: compiled only where it can be
+    with pytest.raises(ValueError, match="prepkit's MoE blocks"):
+        PrepkitDecoder(model, 16, compile=True)
