@@ -39,9 +39,9 @@ lint: $(STAMP)
 wheel-check:
 	PYTHON=$(PYTHON) .ci/wheel-check
 
-# The slim tactics DB shipped in the package, rewritten from the full history in data/.
+# The slim tactics DB at the top (the wheel ships it in prepkit/data/), rewritten from the full history in data/.
 tactics-bundle: $(STAMP)
-	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db prepkit/data/tactics.db
+	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db tactics.db
 
 # No GPU: compile gpt-oss-120b TP1's kernels for each SM12x target and activation policy, the
 # defaults plus COMPILE_SAMPLE variants of each variant family, with the venv's Triton and the

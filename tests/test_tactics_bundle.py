@@ -1,6 +1,6 @@
-"""The tactics DB shipped in the package: cut from the full history, it serves the same winners.
+"""The tactics DB shipped with the package: cut from the full history, it serves the same winners.
 
-The repository keeps every tuning run in ``data/tactics-full.db``; ``prepkit/data/tactics.db`` is
+The repository keeps every tuning run in ``data/tactics-full.db``; ``tactics.db`` at its top is
 what ``python -m prepkit.tactics.bundle`` writes from it. These tests hold the shipped file to
 the full one: same lookups for every problem and environment, same ``tactics show`` rows, same
 plot curves, same tuner seeds, and the same rows a fresh bundle writes.
@@ -29,7 +29,7 @@ NOWHERE = "/nonexistent/prepkit-user/tactics.db"
 
 def shipped() -> Path:
     path = bundled_db_path()
-    assert path is not None, "prepkit/data/tactics.db is missing"
+    assert path is not None, "tactics.db (the repository top) is missing"
     return path
 
 
