@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := .demo
 
-.PHONY: install demo test test-gpu lint wheel-check tactics-bundle compile-check bench-prepare bench-kernel clean
+.PHONY: install install-flashinfer demo test test-gpu lint wheel-check tactics-bundle compile-check bench-prepare bench-kernel clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# FlashInfer, for the byte cross-checks of tests/layouts/test_flashinfer_oracle.py (CPU only).
+# --no-deps: its declared dependencies pull CUDA-only packages (CUTLASS DSL, cuDNN, NCCL); these
+# pinned ones (and its own packaging and tqdm specs) are what it needs to import on a machine without a GPU.
+FLASHINFER := flashinfer-python==0.7.2.post1
+FLASHINFER_DEPS := apache-tvm-ffi==0.1.15.post2 cuda-python==13.4.4 cuda-bindings==13.4.4 cuda-core==1.2.2 \
+	cuda-pathfinder==1.9.1 einops==0.8.2 ninja==1.13.2 nvidia-ml-py==13.615.71 requests==2.34.2 tabulate==0.10.0 \
+	'packaging>=24.2' tqdm
+FLASHINFER_STAMP := $(VENV)/.flashinfer-0.7.2.post1
+
+$(FLASHINFER_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps $(FLASHINFER)
+	$(BIN)/pip install -q $(FLASHINFER_DEPS)
+	$(BIN)/python -c 'import flashinfer.fused_moe'
+	touch $(FLASHINFER_STAMP)
+
+install-flashinfer: $(FLASHINFER_STAMP)
 
 # The main job on an embedded default: a synthetic gpt-oss checkpoint (real 2880 dims),
 # prepared for trtllm-gen at TP 4, then verified byte for byte against the source.
@@ -39,9 +56,9 @@ lint: $(STAMP)
 wheel-check:
 	PYTHON=$(PYTHON) .ci/wheel-check
 
-# The slim tactics DB shipped in the package, rewritten from the full history in data/.
+# The slim tactics DB at the top (the wheel ships it in prepkit/data/), rewritten from the full history in data/.
 tactics-bundle: $(STAMP)
-	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db prepkit/data/tactics.db
+	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db tactics.db
 
 # No GPU: compile gpt-oss-120b TP1's kernels for each SM12x target and activation policy, the
 # defaults plus COMPILE_SAMPLE variants of each variant family, with the venv's Triton and the

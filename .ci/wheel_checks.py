@@ -1,5 +1,9 @@
 """Checks that ``.ci/wheel-check`` runs inside the installed wheel, from an unrelated folder.
 
+``python wheel_checks.py data``: the recipes and the bundled DB prepkit resolves are the installed
+package's ``prepkit/data/`` files, byte for byte the ``recipes/`` and ``tactics.db`` at the top of
+the repository (their sources of truth), and a recipe loads from them.
+
 ``python wheel_checks.py show < tactics-show.json``: ``prepkit tactics show --json`` read the DB
 shipped inside the installed package and lists its winners.
 
@@ -21,7 +25,30 @@ from pathlib import Path
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
 SHIPPED_DB = SITE / "prepkit" / "data" / "tactics.db"
+SHIPPED_RECIPES = SITE / "prepkit" / "data" / "recipes"
+REPO = Path(__file__).resolve().parent.parent
 H100 = "NVIDIA H100 80GB HBM3"
+
+
+def data() -> str | None:
+    import prepkit
+    from prepkit import recipes
+    from prepkit.data import recipes_dir, tactics_db
+
+    if Path(prepkit.__file__).resolve().parent != SITE / "prepkit":
+        return f"prepkit imported from {prepkit.__file__}, not {SITE}"
+    if tactics_db().resolve() != SHIPPED_DB or recipes_dir().resolve() != SHIPPED_RECIPES:
+        return f"resolved {tactics_db()} and {recipes_dir()}, expected {SHIPPED_DB} and {SHIPPED_RECIPES}"
+    pairs = [(SHIPPED_DB, REPO / "tactics.db")]
+    pairs += [(SHIPPED_RECIPES / p.name, p) for p in sorted((REPO / "recipes").glob("*.json"))]
+    differ = [str(top) for shipped, top in pairs if not shipped.is_file() or shipped.read_bytes() != top.read_bytes()]
+    if len(pairs) < 3 or differ:
+        return f"the installed files differ from the repository top's: {differ or pairs}"
+    recipe = recipes.load_recipe("gpt-oss-120b")
+    if recipe.path.resolve().parent != SHIPPED_RECIPES:
+        return f"gpt-oss-120b loaded from {recipe.path}"
+    print(f"{SHIPPED_DB.parent}: {len(pairs)} files equal to the repository top's; {recipe.name} loads from it")
+    return None
 
 
 def show() -> str | None:
@@ -114,7 +141,7 @@ def _installed_triton(device: object) -> str | None:
 
 
 if __name__ == "__main__":
-    checks = {"show": show, "lookup": lookup}
+    checks = {"data": data, "show": show, "lookup": lookup}
     if len(sys.argv) != 2 or sys.argv[1] not in checks:
         sys.exit(f"usage: python {sys.argv[0]} {{{'|'.join(checks)}}}")
     error = checks[sys.argv[1]]()

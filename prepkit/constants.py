@@ -26,6 +26,7 @@ SHARED_DIR = "shared"  # non-expert tensors, written once and linked into every 
 EXPERTS_FILE = "rank{rank}/experts-{layer:05d}.safetensors"  # one rank's experts of one layer
 SHARED_FILE = SHARED_DIR + "/non-expert-{index:05d}.safetensors"
 
-# Inside the package (prepkit/data, found through importlib.resources by prepkit.data).
+# Shipped with the package (recipes/ and tactics.db at the repository top, prepkit/data/ in a wheel;
+# found by prepkit.data).
 RECIPES_FOLDER = "recipes"  # ``<model>.json`` per supported checkpoint
 TACTICS_DB_NAME = "tactics.db"  # the bundled DB, and the user's under $XDG_CACHE_HOME/prepkit

@@ -1,4 +1,4 @@
-"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``prepkit/data/recipes/*.json``.
+"""Per-model data (hub repo, pinned revision, tensor names and shapes) from ``recipes/*.json``.
 
 Recipes hold names and shape *formulas*; actual dims come from the checkpoint's config.json, so a
 small synthetic gpt-oss checkpoint is prepared by the same recipe as the real one.

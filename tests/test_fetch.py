@@ -271,7 +271,7 @@ def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
         raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
 
     fake_hub.download = broken
-    result = fetch_cli(dest, "--workers", "1")
+    result = fetch_cli(dest, "--max-workers", "1")
     assert result.exit_code == FetchError.exit_code
     assert "broke off" in result.stderr and shard in result.stderr and "again" in result.stderr
     assert "Traceback" not in result.stderr
@@ -299,7 +299,7 @@ def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
         return fake_hub.copy(repo_id, filename, **kwargs)
 
     fake_hub.download = full
-    result = fetch_cli(dest, "--workers", "1")
+    result = fetch_cli(dest, "--max-workers", "1")
     assert result.exit_code == FetchError.exit_code
     assert f"disk full while writing {shard}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -346,12 +346,16 @@ def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fak
     assert fetch_cli(dest).exit_code == 0
 
 
-def test_old_option_spellings_still_work_but_are_not_shown(fake_hub: FakeHub, tmp_path: Path) -> None:
+def test_the_hf_download_spellings_are_the_only_ones(fake_hub: FakeHub, tmp_path: Path) -> None:
     dest = tmp_path / "m"
     args = ["fetch", "--model", "someorg/model", "--revision", COMMIT, "--endpoint", DEAD_ENDPOINT]
-    result = run_cli(*args, "--dir", str(dest), "--workers", "1", "--json")
+    result = run_cli(*args, "--local-dir", str(dest), "--max-workers", "1", "--json")
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["dir"] == str(dest.resolve())
+    for old in (["--dir", str(tmp_path / "old")], ["--workers", "1"]):
+        refused = run_cli(*args, *old)
+        assert refused.exit_code == 2 and f"No such option '{old[0]}'" in refused.stderr
+    assert not (tmp_path / "old").exists()
     shown = run_cli("fetch", "--help").stdout
     for new in ("--local-dir", "--max-workers", "--include", "--exclude", "--token", "--revision", "--cache-dir"):
         assert new in shown

@@ -1,13 +1,15 @@
-"""The files prepkit ships inside its package: where they are found, what pyproject puts in the
-wheel, and the ``PREPKIT_RECIPES`` override. (``.ci/wheel-check`` builds and runs the real wheel.)"""
+"""The files prepkit ships: recipes/ and tactics.db at the repository top, found there from a source
+checkout, copied into the wheel's prepkit/data/ by the build, and the ``PREPKIT_RECIPES`` override.
+(``.ci/wheel-check`` installs the real wheel and runs it from an unrelated folder.)"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
-from fnmatch import fnmatch
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,31 +22,98 @@ PKG = Path(prepkit.__file__).resolve().parent
 ROOT = PKG.parent
 
 
-def test_recipes_and_the_tactics_db_live_inside_the_package() -> None:
-    # importlib.resources resolves them in the package that was imported (this tree), not a copy
-    assert data.recipes_dir() == PKG / "data" / "recipes" and data.recipes_dir().is_dir()
-    assert data.tactics_db() == PKG / "data" / "tactics.db" and data.tactics_db().is_file()
+def _tracked(*paths: str) -> list[str]:
+    out = subprocess.run(["git", "ls-files", "--", *paths], capture_output=True, text=True, cwd=ROOT, check=True)
+    return sorted(out.stdout.split())
+
+
+def test_a_source_checkout_reads_the_recipes_and_the_db_at_the_top() -> None:
+    # this tree is imported from source (PYTHONPATH or an editable install): no package copy exists
+    assert data.recipes_dir() == ROOT / "recipes" and data.recipes_dir().is_dir()
+    assert data.tactics_db() == ROOT / "tactics.db" and data.tactics_db().is_file()
     assert data.recipes_dir() == recipes.RECIPES_DIR  # no PREPKIT_RECIPES in the test environment
     names = recipes.available()
     assert {"gpt-oss-120b", "gpt-oss-20b"} <= set(names)
     for name in names:
         assert recipes.load_recipe(name).path.parent == data.recipes_dir()
     assert bundled_db_path() == data.tactics_db()
-    # one copy only: nothing left at the repository top for a source checkout to fall back on
-    assert not (ROOT / "recipes").exists() and not (ROOT / "tactics.db").exists()
+    # one copy only: nothing inside the package for the checkout to drift from
+    assert not (PKG / "data" / "recipes").exists() and not (PKG / "data" / "tactics.db").exists()
 
 
-def test_pyproject_ships_every_data_file_and_the_license() -> None:
+def test_git_holds_each_shipped_file_once_at_the_top() -> None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    assert _tracked("recipes", "tactics.db") == ["recipes/gpt-oss-120b.json", "recipes/gpt-oss-20b.json", "tactics.db"]
+    assert _tracked("prepkit/data") == ["prepkit/data/__init__.py"]
+
+
+def test_pyproject_builds_with_the_step_that_ships_the_root_files() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    globs = project["tool"]["setuptools"]["package-data"]["prepkit"]
-    shipped = sorted(p.relative_to(PKG).as_posix() for p in (PKG / "data").rglob("*") if p.is_file())
-    data_files = [p for p in shipped if not p.endswith((".py", ".pyc")) and "__pycache__" not in p]
-    assert "data/tactics.db" in data_files and "data/recipes/gpt-oss-120b.json" in data_files
-    for path in data_files:
-        assert any(fnmatch(path, g) for g in globs), f"{path} is not in package-data {globs}"
+    assert project["tool"]["setuptools"]["cmdclass"] == {"build_py": "tools.ship_data.BuildPyWithRootData"}
     assert project["project"]["license-files"] == ["LICENSE"]
     assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+@pytest.mark.slow
+def test_the_built_wheel_carries_and_serves_the_root_files(tmp_path: Path) -> None:
+    """Build the wheel from a copy of the tree, then import prepkit from the wheel file itself (a zip)
+    in an unrelated folder: the recipes and the DB come out of the wheel, byte for byte the top's,
+    as real paths (SQLite opens only real files, so a zip-imported package extracts them)."""
+    pytest.importorskip("setuptools")
+    src = tmp_path / "src"
+    src.mkdir()
+    skip = shutil.ignore_patterns("__pycache__")
+    for name in ["pyproject.toml", "README.md", "LICENSE", "tactics.db", "recipes", "tools", "prepkit"]:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, src / name, ignore=skip)
+        else:
+            shutil.copy2(ROOT / name, src / name)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            str(src),
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("prepkit-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {
+        "prepkit/data/tactics.db",
+        "prepkit/data/recipes/gpt-oss-120b.json",
+        "prepkit/data/recipes/gpt-oss-20b.json",
+    }
+    assert shipped <= names and not any(n.startswith(("recipes/", "tactics.db", "tools/")) for n in names)
+    code = (
+        "import sqlite3, sys, prepkit.data as d\n"
+        "assert '.whl' in d.__file__, d.__file__\n"
+        "db = d.tactics_db()\n"
+        "winners = sqlite3.connect(f'file:{db}?mode=ro', uri=True).execute('select count(*) from winner')\n"
+        "print(db.is_file(), winners.fetchone()[0] > 0)\n"
+        "print(sorted(p.name for p in d.recipes_dir().glob('*.json')))\n"
+        "sys.stdout.buffer.write(db.read_bytes()[:4096])\n"
+    )
+    workdir = tmp_path / "elsewhere"
+    workdir.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(wheel)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, cwd=workdir, check=False)
+    assert out.returncode == 0, out.stderr.decode()
+    first, second, db_head = out.stdout.split(b"\n", 2)
+    assert first == b"True True"
+    assert second == b"['gpt-oss-120b.json', 'gpt-oss-20b.json']"
+    assert db_head == (ROOT / "tactics.db").read_bytes()[:4096]
 
 
 def test_prepkit_recipes_overrides_the_packaged_folder(tmp_path: Path) -> None:
@@ -78,30 +147,3 @@ def test_the_cli_finds_the_recipes_from_any_folder(tmp_path: Path) -> None:
     code = "from prepkit import recipes; r = recipes.load_recipe('openai/gpt-oss-120b'); print(r.name, r.repo_id)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=workdir)
     assert out.stdout.split() == ["gpt-oss-120b", "openai/gpt-oss-120b"]
-
-
-def test_a_zip_imported_package_gets_real_paths(tmp_path: Path) -> None:
-    """SQLite opens only real files: from a zip archive the DB and the recipes are extracted."""
-    import zipfile
-
-    archive = tmp_path / "prepkit.zip"
-    with zipfile.ZipFile(archive, "w") as zf:
-        for path in [PKG / "__init__.py", PKG / "errors.py", PKG / "constants.py", *(PKG / "data").rglob("*")]:
-            if path.is_file() and "__pycache__" not in path.parts:
-                zf.write(path, path.relative_to(ROOT).as_posix())
-    code = (
-        "import sqlite3, prepkit.data as d\n"
-        "assert '.zip' in d.__file__, d.__file__\n"
-        "db = d.tactics_db()\n"
-        "winners = sqlite3.connect(f'file:{db}?mode=ro', uri=True).execute('select count(*) from winner')\n"
-        "print(db.is_file(), winners.fetchone()[0] > 0)\n"
-        "print(sorted(p.name for p in d.recipes_dir().glob('*.json')))\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(archive)}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, check=False
-    )
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0] == "True True"
-    assert lines[1] == "['gpt-oss-120b.json', 'gpt-oss-20b.json']"

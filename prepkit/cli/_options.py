@@ -31,43 +31,7 @@ def quiet_option(f: F) -> F:
     )(f)
 
 
-class RenamedOption(click.Option):
-    """An option whose old spellings still work but are not shown in ``--help``: pass them as
-    ``old_names`` (kept for one release after a rename, so scripts do not break at once)."""
-
-    def __init__(self, *args: Any, old_names: tuple[str, ...] = (), **kwargs: Any) -> None:
-        decls = list(args[0]) if args else list(kwargs.pop("param_decls"))
-        super().__init__([*decls, *old_names], *args[1:], **kwargs)
-        self.old_names = old_names
-
-    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
-        shown = [o for o in self.opts if o not in self.old_names]
-        opts, self.opts = self.opts, shown
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
-class OldPositional(click.Argument):
-    """A positional argument kept for one release after it became an option: accepted, but left
-    out of the usage line so that ``--help`` teaches only the new spelling."""
-
-    def get_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return []
-
-
 def out_option(help: str, *, file: bool = False) -> Callable[[F], F]:
     """``--out``: the one spelling of where a command writes its result."""
     kind = click.Path(path_type=Path, dir_okay=not file, file_okay=file)
-    return click.option("--out", "out", type=kind, help=help)
-
-
-def pick_out(out: Path | None, old: Path | None) -> Path:
-    """``--out``, or the positional spelling it replaced; refuses neither or two different ones."""
-    if out is not None and old is not None and out != old:
-        raise click.UsageError(f"two output locations given: --out {out} and {old}")
-    chosen = out or old
-    if chosen is None:
-        raise click.UsageError("Missing option '--out'.")
-    return chosen
+    return click.option("--out", "out", type=kind, required=True, help=help)

@@ -10,7 +10,7 @@ from rich.table import Table
 from prepkit import console
 from prepkit import fetch as fetching
 from prepkit.cli._app import cli
-from prepkit.cli._options import RenamedOption, json_option, model_option
+from prepkit.cli._options import json_option, model_option
 from prepkit.fsutil import format_bytes
 
 _STATUS = {
@@ -34,8 +34,6 @@ _STATUS = {
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Skip files matching GLOB (repeatable).")
 @click.option(
     "--local-dir",
-    cls=RenamedOption,
-    old_names=("--dir",),
     type=click.Path(file_okay=False, path_type=Path),
     help="Put plain files in this folder (files already there, e.g. from `hf download --local-dir`, are "
     "hashed and kept when they match). Default: the Hugging Face cache.",
@@ -53,8 +51,6 @@ _STATUS = {
 @click.option("--token", help="Hub token for gated or private repos. Default: $HF_TOKEN, or the `hf auth login` one.")
 @click.option(
     "--max-workers",
-    cls=RenamedOption,
-    old_names=("--workers",),
     type=click.IntRange(1, 16),
     default=4,
     show_default=True,

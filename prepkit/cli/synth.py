@@ -8,12 +8,11 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import OldPositional, RenamedOption, json_option, out_option, pick_out, quiet_option
+from prepkit.cli._options import json_option, out_option, quiet_option
 
 
 @cli.command()
 @out_option("Folder to write the checkpoint into (new, or empty).")
-@click.argument("old_out", cls=OldPositional, required=False, type=click.Path(path_type=Path, file_okay=False))
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(min=1))
 @click.option("--experts", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--hidden", default=2880, show_default=True, type=click.IntRange(min=32))
@@ -23,8 +22,6 @@ from prepkit.cli._options import OldPositional, RenamedOption, json_option, out_
 @click.option(
     "--num-shards",
     "num_shards",
-    cls=RenamedOption,
-    old_names=("--shards",),
     type=click.IntRange(min=1),
     help="Number of shard files (default: split at 4.8 GB like the hub's).",
 )
@@ -32,8 +29,7 @@ from prepkit.cli._options import OldPositional, RenamedOption, json_option, out_
 @json_option
 @quiet_option
 def synth(
-    out: Path | None,
-    old_out: Path | None,
+    out: Path,
     layers: int,
     experts: int,
     hidden: int,
@@ -57,7 +53,6 @@ def synth(
     from prepkit.errors import RecipeError
     from prepkit.synth import write_synthetic_checkpoint
 
-    out = pick_out(out, old_out)
     if hidden % 32 or intermediate % 32:
         raise RecipeError(f"--hidden {hidden} and --intermediate {intermediate} must be multiples of 32 (MXFP4 blocks)")
     if top_k > experts:

@@ -9,7 +9,7 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import OldPositional, json_option, out_option, pick_out
+from prepkit.cli._options import json_option, out_option
 from prepkit.errors import TacticsError
 
 
@@ -76,9 +76,7 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
 
 @tactics_group.command("export")
 @_db_option
-# JSON is the only format; --json stays accepted for scripts written when it was required.
-@click.option("--json", "as_json", is_flag=True, hidden=True)
-def export_command(db_path: Path | None, as_json: bool) -> None:
+def export_command(db_path: Path | None) -> None:
     """Write the whole DB as JSON on stdout (for review, or to share measurements).
 
     \b
@@ -137,10 +135,9 @@ def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) 
 
 @tactics_group.command("plot")
 @out_option("Image to write (its suffix picks the format: .png, .svg, .pdf).", file=True)
-@click.argument("old_out", cls=OldPositional, required=False, type=click.Path(path_type=Path, dir_okay=False))
 @_db_option
 @click.option("--gpu", help="Only this GPU name (default: every GPU in the DB).")
-def plot_command(out: Path | None, old_out: Path | None, db_path: Path | None, gpu: str | None) -> None:
+def plot_command(out: Path, db_path: Path | None, gpu: str | None) -> None:
     """Plot latency per token count, tuned vs default, against the memory-bandwidth floor.
 
     \b
@@ -151,7 +148,6 @@ def plot_command(out: Path | None, old_out: Path | None, db_path: Path | None, g
     from prepkit.tactics.lookup import db_to_read
     from prepkit.tune import report
 
-    out = pick_out(out, old_out)
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         panels = report.plot_panels(tdb, gpu)
     if not panels:

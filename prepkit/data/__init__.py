@@ -1,10 +1,12 @@
-"""Where the files shipped inside the package live: the model recipes and the bundled tactics DB.
+"""Where the files prepkit ships live: the model recipes and the bundled tactics DB.
 
-Found through :mod:`importlib.resources`, so they resolve to the installed package's own files
-(wheel, editable install or source tree on ``PYTHONPATH``) whatever the working folder. SQLite
-and the recipe loader need real paths: a package on disk hands them out as they are, and one
-imported from a zip archive gets them extracted once, for the life of the process.
-Standard library only.
+Their sources of truth are ``recipes/`` and ``tactics.db`` at the repository top; the build copies
+them into the wheel's ``prepkit/data/`` (tools/ship_data.py). One resolver serves both: the
+package's own files through :mod:`importlib.resources` (a wheel, whatever the working folder),
+else the top of the source checkout this package was imported from (an editable install or the
+tree on ``PYTHONPATH``). SQLite and the recipe loader need real paths: a package on disk hands
+them out as they are, and one imported from a zip archive gets them extracted once, for the life
+of the process. Standard library only.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
+# A source checkout: prepkit/data/ -> prepkit/ -> the repository top, recognised by its pyproject.
+_CHECKOUT = Path(__file__).resolve().parent.parent.parent
+
 # Holds the extracted copies of a zip-imported package until the interpreter exits.
 _EXTRACTED = contextlib.ExitStack()
 atexit.register(_EXTRACTED.close)
@@ -40,8 +45,14 @@ def _copy_tree(src: Traversable, dest: Path) -> None:
 
 @cache
 def resource_path(name: str) -> Path:
-    """A real filesystem path for the file or folder ``name`` inside this package."""
+    """A real filesystem path for the shipped file or folder ``name``: the package's copy, else the
+    source checkout's. Where neither has it, the package's path, which does not exist (the callers
+    report a missing recipe or skip a missing bundled DB)."""
     resource = resources.files(__name__).joinpath(name)
+    in_checkout = _CHECKOUT / name
+    packaged = resource.is_file() or resource.is_dir()
+    if not packaged and in_checkout.exists() and (_CHECKOUT / "pyproject.toml").is_file():
+        return in_checkout
     if isinstance(resource, Path):
         return resource
     if resource.is_dir():

@@ -8,7 +8,7 @@ no device probing. The pipeline does the reading and writing.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -172,9 +172,6 @@ class RankPlan:
 
     def layer_nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
-
-    def with_facts(self, **facts: Any) -> RankPlan:
-        return replace(self, facts={**self.facts, **facts})
 
 
 @dataclass(frozen=True)

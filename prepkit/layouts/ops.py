@@ -192,10 +192,3 @@ def trtllm_weight_alignment(weight_alignment: int, scaling_vector_size: int, tp_
     if per_rank % weight_alignment:
         a = weight_alignment * ceil_div(per_rank, weight_alignment) * tp_size
     return a
-
-
-def tp_slice_bounds(width: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
-    """``load_weight_shard``'s contiguous ``ceil(width / tp)`` split, clipped to ``width``."""
-    per = ceil_div(width, tp_size)
-    lo = min(tp_rank * per, width)
-    return lo, min((tp_rank + 1) * per, width)

@@ -13,7 +13,7 @@ the default's and the winner's timing per token count. :func:`write_bundle` keep
 
 Run it after merging new runs into the full DB::
 
-    python -m prepkit.tactics.bundle data/tactics-full.db prepkit/data/tactics.db
+    python -m prepkit.tactics.bundle data/tactics-full.db tactics.db
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         description="Write the tactics DB shipped in the package from the full measurement history.",
     )
     parser.add_argument("src", type=Path, help="the full DB, e.g. data/tactics-full.db")
-    parser.add_argument("dest", type=Path, help="the DB to write, e.g. prepkit/data/tactics.db")
+    parser.add_argument("dest", type=Path, help="the DB to write, e.g. tactics.db (the repository top)")
     args = parser.parse_args(argv)
     try:
         counts = write_bundle(args.src, args.dest)

@@ -18,7 +18,7 @@ Where a table comes from, in order (first that has winners for the problem wins)
 
 1. the user DB (``$PREPKIT_TACTICS_DB``, else ``$XDG_CACHE_HOME/prepkit/tactics.db``), rows
    measured with the same Triton minor version;
-2. the bundled ``tactics.db`` (``prepkit/data/tactics.db``, inside the package), same rule;
+2. the bundled ``tactics.db`` (``prepkit/data/tactics.db`` in a wheel, the repository top in a checkout), same rule;
 3. either DB with rows from another Triton minor version, only if the caller passed a
    ``smoke_check`` and it accepts every tactic of the table. The runtime's resolver
    (:func:`runtime_resolver`) accepts a table whose tactics all decode, warns once per GEMM, and
@@ -174,7 +174,7 @@ def user_db_path() -> Path:
 
 
 def bundled_db_path() -> Path | None:
-    """The DB shipped inside the package (``prepkit/data/tactics.db``), in a wheel install and an
+    """The DB shipped with the package (:func:`prepkit.data.tactics_db`), in a wheel install and an
     editable one alike; ``None`` if it is missing (a broken install: the lookup then skips it)."""
     path = tactics_db()
     return path if path.is_file() else None

@@ -1,6 +1,6 @@
 """The compile check's helpers on literal inputs and small shapes (no compiling: the kernel
 tests' conftest imports triton under TRITON_INTERPRET, which stops ahead-of-time compiles in this
-process; tests/test_cli_tune_compile.py compiles, in fresh processes)."""
+process; tests/tune/test_compile_only.py compiles, in fresh processes)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,23 @@
 """prepkit's permutations, 128x4 swizzle and SM90 scale fold byte-compared with FlashInfer's own
-CPU-usable helpers (docs/layouts.md §5.1). Skipped where FlashInfer is not installed (CI)."""
+CPU-usable helpers (docs/layouts.md §5.1). Skipped where FlashInfer is not installed; CI installs
+the pinned one (``make install-flashinfer``) and sets PREPKIT_REQUIRE_FLASHINFER=1, so there a
+missing FlashInfer fails instead."""
 
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
 
-flashinfer = pytest.importorskip("flashinfer")
+if os.environ.get("PREPKIT_REQUIRE_FLASHINFER") == "1":
+    try:
+        flashinfer = importlib.import_module("flashinfer")
+    except ImportError as err:
+        raise RuntimeError(f"PREPKIT_REQUIRE_FLASHINFER=1 but flashinfer does not import: {err} (see .ci/run)") from err
+else:
+    flashinfer = pytest.importorskip("flashinfer")
 
 from flashinfer.fused_moe import core as fi_core  # noqa: E402
 from flashinfer.fused_moe import interleave_moe_scales_for_sm90_mixed_gemm  # noqa: E402

@@ -1,6 +1,6 @@
-"""The tactics DB shipped in the package: cut from the full history, it serves the same winners.
+"""The tactics DB shipped with the package: cut from the full history, it serves the same winners.
 
-The repository keeps every tuning run in ``data/tactics-full.db``; ``prepkit/data/tactics.db`` is
+The repository keeps every tuning run in ``data/tactics-full.db``; ``tactics.db`` at its top is
 what ``python -m prepkit.tactics.bundle`` writes from it. These tests hold the shipped file to
 the full one: same lookups for every problem and environment, same ``tactics show`` rows, same
 plot curves, same tuner seeds, and the same rows a fresh bundle writes.
@@ -20,16 +20,16 @@ from prepkit.tactics.keys import Environment, ProblemKey
 from prepkit.tactics.lookup import TOKEN_POINTS, TacticTable, bundled_db_path
 from prepkit.tactics.schema import SCHEMA_VERSION, TABLES
 from prepkit.tactics.store import WinnerRow, env_record, open_db
-from tests.test_tactics_db import G1, H100, tac
+from tests.tactics.test_db import G1, H100, tac
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FULL_DB = ROOT / "data" / "tactics-full.db"
 NOWHERE = "/nonexistent/prepkit-user/tactics.db"
 
 
 def shipped() -> Path:
     path = bundled_db_path()
-    assert path is not None, "prepkit/data/tactics.db is missing"
+    assert path is not None, "tactics.db (the repository top) is missing"
     return path
 
 
@@ -109,9 +109,9 @@ def test_every_lookup_of_the_full_db_gives_the_same_table_from_the_shipped_one()
     assert served > 0  # the comparison covered tuned tables, not only misses
 
 
-def test_the_default_lookup_finds_the_shipped_db_inside_the_package() -> None:
+def test_the_default_lookup_finds_the_shipped_db() -> None:
     path = shipped()
-    assert path.parent.parent.name == "prepkit" and path.parent.name == "data"
+    assert path == ROOT / "tactics.db"  # a source checkout reads the top's (a wheel, its prepkit/data/)
     _, problems = envs_and_problems(path)
     h100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", triton_version="3.6.0")
     tables = [TacticTable.load(p, h100, user_db=NOWHERE) for _, p in problems]

@@ -170,9 +170,10 @@ def test_show_export_plot(filled: Path, tmp_path: Path) -> None:
     assert r.exit_code == 0
     exported = json.loads(r.output)
     assert exported["format"] == "prepkit-tactics" and exported["tables"]["measurement"]
-    assert json.loads(invoke("tactics", "export", "--json", "--db", str(filled)).output) == exported  # old spelling
+    r = invoke("tactics", "export", "--json", "--db", str(filled))  # JSON is its only format: no flag for it
+    assert r.exit_code == 2 and "No such option '--json'" in r.output
     png = tmp_path / "p.png"
-    r = invoke("tactics", "plot", str(png), "--db", str(filled))
+    r = invoke("tactics", "plot", "--out", str(png), "--db", str(filled))
     assert r.exit_code == 0, r.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -182,7 +183,7 @@ def test_plot_of_empty_db_fails(tmp_path: Path) -> None:
     from prepkit.tactics.store import open_db
 
     open_db(db).close()
-    r = invoke("tactics", "plot", str(tmp_path / "x.png"), "--db", str(db))
+    r = invoke("tactics", "plot", "--out", str(tmp_path / "x.png"), "--db", str(db))
     assert r.exit_code == 3 and "nothing to plot" in r.output
 
 
@@ -221,7 +222,7 @@ def test_bad_db_files_exit_3_with_a_message(tmp_path: Path, kind: str) -> None:
         "newer": "newer",
         "missing": "no such tactics DB",
     }[kind]
-    for args in (("tactics", "show", "--db", str(db)), ("tactics", "export", "--json", "--db", str(db))):
+    for args in (("tactics", "show", "--db", str(db)), ("tactics", "export", "--db", str(db))):
         r = invoke(*args)
         assert r.exit_code == 3, r.output
         assert expected in r.output
@@ -249,7 +250,7 @@ def test_reading_a_shipped_db_never_changes_it(filled: Path, tmp_path: Path) -> 
     with open_db(filled) as tdb:
         tdb.vacuum_into(shipped)
     before = shipped.read_bytes()
-    for args in (("show",), ("show", "--json"), ("export", "--json"), ("plot", str(tmp_path / "x.png"))):
+    for args in (("show",), ("show", "--json"), ("export",), ("plot", "--out", str(tmp_path / "x.png"))):
         r = invoke("tactics", *args, "--db", str(shipped))
         assert r.exit_code == 0, r.output
     assert shipped.read_bytes() == before

@@ -22,7 +22,7 @@ from prepkit.layer import rank_layer
 
 pytest.importorskip("triton")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # One token and no sample: the two default GEMMs and the routing kernel, a few seconds.
 FAST = ("--compile-only", "--tokens", "1", "--sample", "0")
 

@@ -27,7 +27,7 @@ from prepkit.tune import (
     ranges_from_choices,
     sweep,
 )
-from tests.test_tactics_db import H100
+from tests.tactics.test_db import H100
 
 PROB = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")["gemm2"]
 POINTS = (1, 2, 8, 64, 512, 8192)
