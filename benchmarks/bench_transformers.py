@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -118,14 +119,11 @@ def load_transformers(src: Path) -> torch.nn.Module:
     return model.to("cuda").eval()
 
 
-def load_model(src: Path, prepared: Path, base: torch.nn.Module | None = None) -> torch.nn.Module:
-    """The model with prepkit's MoE: transformers' model (``base``, or loaded from ``src``) with
-    its MoE blocks swapped for the prepared experts. One function, so that a loader reading the
-    prepared set alone can take its place."""
-    from prepkit.integrations.transformers import use_prepkit_moe
+def load_model(prepared: Path) -> torch.nn.Module:
+    """The model with prepkit's MoE, from the prepared set alone (experts stay MXFP4)."""
+    from prepkit.integrations.transformers import from_prepared
 
-    model = base if base is not None else load_transformers(src)
-    return use_prepkit_moe(model, prepared)
+    return from_prepared(prepared, device="cuda")
 
 
 def prefill_ms(model: torch.nn.Module, tokens: int, warmup: int, iters: int) -> float:
@@ -151,11 +149,14 @@ def transformers_decode_ms(model: torch.nn.Module, steps: int, warmup: int, iter
     return cuda_ms(run, warmup, iters, setup) / steps
 
 
-def decoder_step_ms(model: torch.nn.Module, steps: int, cuda_graph: bool, iters: int) -> tuple[float, Any]:
-    """Milliseconds per decode step of PrepkitDecoder (eager or graph-replayed), and the decoder."""
+def decoder_step_ms(
+    model: torch.nn.Module, steps: int, cuda_graph: bool, iters: int, compile: bool = False
+) -> tuple[float, Any]:
+    """Milliseconds per decode step of PrepkitDecoder (eager or graph-replayed, its decode step
+    compiled or not), and the decoder."""
     from prepkit.integrations.static_decode import PrepkitDecoder
 
-    decoder = PrepkitDecoder(model, PROMPT_TOKENS + steps * (iters + 4) + 8, cuda_graph=cuda_graph)
+    decoder = PrepkitDecoder(model, PROMPT_TOKENS + steps * (iters + 4) + 8, cuda_graph=cuda_graph, compile=compile)
     prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
     decoder.generate(prompt, 2)  # prefill, one step (warm-up; captures the graph)
 
@@ -363,38 +364,46 @@ def main(argv: list[str] | None = None) -> int:
         src, prepared, report["prepare_s"] = write_model(root, L, args.vocab)
         report["write_and_prepare_s"] = time.perf_counter() - t
         print(f"  {report['write_and_prepare_s']:.1f} s", flush=True)
-        torch.cuda.reset_peak_memory_stats()
-        t = time.perf_counter()
-        model = load_transformers(src)
-        torch.cuda.synchronize()
-        report["transformers_load_s"] = time.perf_counter() - t
-        report["transformers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        shutil.rmtree(src)  # disk: the source is read once
         with torch.no_grad():
-            fixed = fixed_ms(model)
-            report["fixed_ms"] = fixed
             if not args.skip_transformers_moe:
+                torch.cuda.reset_peak_memory_stats()
+                t = time.perf_counter()
+                model = load_transformers(src)
+                torch.cuda.synchronize()
+                report["transformers_load_s"] = time.perf_counter() - t
+                report["transformers_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 print("transformers' MoE ...", flush=True)
-                rows.append(measure_decode(model, args, fixed, "transformers"))
-            torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            model = load_model(src, prepared, base=model)
-            torch.cuda.synchronize()
-            report["prepkit_swap_s"] = time.perf_counter() - t
+                rows.append(measure_decode(model, args, fixed_ms(model), "transformers"))
+                del model
+            shutil.rmtree(src)  # disk: the source is read once; prepkit's model needs only the prepared set
+            gc.collect()
             torch.cuda.empty_cache()
-            report["prepkit_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            t = time.perf_counter()
+            model = load_model(prepared)
+            torch.cuda.synchronize()
+            report["prepkit_load_s"] = time.perf_counter() - t
+            report["prepkit_loaded_gib"] = (torch.cuda.memory_allocated() - before) / 2**30
+            report["prepkit_load_peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+            report["fixed_ms"] = fixed = fixed_ms(model)
             report["bytes_per_token"] = floor_bytes = bytes_per_token(model)
             report["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
             print("prepkit's MoE ...", flush=True)
             row = measure_decode(model, args, fixed, "prepkit")
-            for cuda_graph in (False, True):
-                key = "prepkit_graph" if cuda_graph else "prepkit_eager"
-                ms, decoder = decoder_step_ms(model, args.decode_tokens, cuda_graph, args.iters)
+            for key, cuda_graph, compile in (
+                ("prepkit_eager", False, False),
+                ("prepkit_graph", True, False),
+                ("prepkit_graph_compiled", True, True),
+            ):
+                torch.cuda.reset_peak_memory_stats()
+                ms, decoder = decoder_step_ms(model, args.decode_tokens, cuda_graph, args.iters, compile)
                 row[f"{key}_ms_per_token"] = ms
                 row[f"{key}_ms_per_layer"] = (ms - fixed) / L
-            row["step_profile"] = step_profile(decoder)
-            report["decoder_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            del decoder
+                row[f"{key}_peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
+                if cuda_graph:
+                    row[f"{key}_step_profile"] = step_profile(decoder)
+                del decoder
             rows.append(row)
             layer0 = model.model.layers[0].mlp.moe_layer
             report["moe_host"] = moe_host_costs(layer0, model.config.hidden_size, model.config.num_local_experts)
@@ -438,7 +447,7 @@ def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     floor, floor36 = report["floor_ms"], report["floor_36_ms"]
     print(f"| bandwidth floor | {floor:.3f} | {1e3 / floor:,.0f} | - | {1e3 / floor36:,.0f} | 100 |")
     for row in rows:
-        for key in ("transformers_loop", "prepkit_eager", "prepkit_graph"):
+        for key in ("transformers_loop", "prepkit_eager", "prepkit_graph", "prepkit_graph_compiled"):
             if f"{key}_ms_per_token" not in row:
                 continue
             ms, per_layer = row[f"{key}_ms_per_token"], row[f"{key}_ms_per_layer"]
