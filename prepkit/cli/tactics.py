@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,12 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
     path = db_to_read(db_path)
     with store.open_db_readonly(path) as tdb:
         counts, winners = tdb.counts(), tdb.winners()
+    tactics = _decoded_tactics(winners)
     if as_json:
-        console.emit_json({"db": str(path), "counts": counts, "winners": winners})
+        rows = [
+            {**{k: v for k, v in w.items() if k != "params_json"}, "tactic": tactics[w["params_json"]]} for w in winners
+        ]
+        console.emit_json({"db": str(path), "counts": counts, "winners": rows})
         return
     from rich.table import Table
 
@@ -68,10 +73,31 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
             hi = "up" if w["extends_up"] else str(w["m_hi"])
             sp = w["speedup_vs_default"]
             t.add_row(
-                f"{w['m_lo']}-{hi}", short_tactic(w["params_json"]),
-                f"{w['median_us']:.1f}" if w["median_us"] else "-", f"{sp:.2f}x" if sp else "-",
+                f"{w['m_lo']}-{hi}", short_tactic(w["params_json"]) if tactics[w["params_json"]] else "(damaged)",
+                _number(w["median_us"], "{:.1f}"), _number(sp, "{:.2f}x"),
             )  # fmt: skip
         console.result(t)
+
+
+def _decoded_tactics(winners: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """Each winner's tactic as an object; one that is no valid tactic (a DB damaged by another
+    tool) is ``None``, with a warning naming its row."""
+    from prepkit.tactics.validate import tactic_problem
+
+    out: dict[str, dict[str, Any] | None] = {}
+    for w in winners:
+        pj = w["params_json"]
+        if pj in out:
+            continue
+        why = tactic_problem(pj)
+        out[pj] = None if why else json.loads(pj)
+        if why:
+            console.warn(f"tactic row {w['tactic_hash']!r} (M {w['m_lo']}-{w['m_hi']}): params_json {why}")
+    return out
+
+
+def _number(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, int | float) and not isinstance(value, bool) and value else "-"
 
 
 @tactics_group.command("export")
@@ -89,7 +115,7 @@ def export_command(db_path: Path | None, as_json: bool) -> None:
     from prepkit.tactics.lookup import db_to_read
 
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
-        console.emit_json(tdb.export())
+        console.emit_json(tdb.export(on_damaged=lambda row: console.warn(f"{row}; exported as text")))
 
 
 @tactics_group.command("merge")
