@@ -12,6 +12,7 @@ with what differs.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -533,9 +534,10 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
                 run.shutdown()
             manifest = _finish(plan, run.files, {name: fut.result() for name, fut in hashes.items()})
     except OSError as err:
+        full = err.errno == errno.ENOSPC
         raise OutputError(
-            f"writing {root} failed: {err}",
-            hint="free disk space or fix permissions, then rerun: finished files are kept",
+            f"writing {err.filename or root} failed: {err.strerror or err}",
+            hint=("free disk space" if full else "make it a writable folder") + ", then rerun: finished files are kept",
         ) from err
     seconds = time.perf_counter() - started
     return PrepareResult(root, run.written, run.skipped, run.bytes_written, run.source_read, seconds, manifest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,8 @@ def plot_command(out: Path | None, old_out: Path | None, db_path: Path | None, g
     from prepkit.tune import report
 
     out = pick_out(out, old_out)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("plotting needs matplotlib, which is not installed: pip install 'prepkit[plot]'")
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         panels = report.plot_panels(tdb, gpu)
     if not panels:
