@@ -27,6 +27,10 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
 # is asked for): ``prepkit --help`` and shell completion then load neither torch nor triton.
 # The one-line help is written here too; a test checks it against the command's docstring.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "env": (
+        "prepkit.cli.env",
+        "Print versions, the GPU, the tactics DBs found and native MX support, for bug reports.",
+    ),
     "fetch": (
         "prepkit.cli.fetch",
         "Download the files `prepare` needs, check each against the hub's sha256, and record them.",

@@ -69,7 +69,8 @@ def default_src(model: str) -> Path:
 @click.option(
     "--out",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>].",
+    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>] (<model> is "
+    "synthetic-<recipe>-<L>l-<E>e for a `prepkit synth` checkpoint).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, shapes, bytes, free disk) and stop.")
 @json_option
@@ -101,12 +102,14 @@ def prepare(
     """
     from prepkit import pipeline
     from prepkit.errors import OutputError
+    from prepkit.synth import checkpoint_label
 
     recipe = load_recipe(model)
     layout = get_layout(layout_name)
     src = src or default_src(model)
     suffix = f"-ep{ep_size}" if ep_size > 1 else ""
-    out = out or Path("prepared") / f"{recipe.name}-{layout.name}-tp{tp_size}{suffix}"
+    label = checkpoint_label(src, recipe.name)  # a synthetic checkpoint is never named as the real model
+    out = out or Path("prepared") / f"{label}-{layout.name}-tp{tp_size}{suffix}"
     plan = pipeline.plan_prepare(
         recipe,
         src,
@@ -118,7 +121,7 @@ def prepare(
         ranks=list(ranks) if ranks else None,
     )
     # A dry run's plan is its result (stdout); before a run it is information (stderr).
-    _show_plan(plan, console.result if dry_run and not as_json else console.info)
+    _show_plan(plan, label, console.result if dry_run and not as_json else console.info)
     if dry_run:
         if as_json:
             console.emit_json({"plan": plan.summary()})
@@ -144,14 +147,14 @@ def prepare(
         click.echo(str(result.out_dir / MANIFEST_NAME))
 
 
-def _show_plan(plan: pipeline.PreparePlan, show: Callable[..., None]) -> None:  # type: ignore[name-defined]  # noqa: F821
+def _show_plan(plan: pipeline.PreparePlan, label: str, show: Callable[..., None]) -> None:  # type: ignore[name-defined]  # noqa: F821
     from rich.table import Table
     from rich.text import Text
 
     s = plan.summary()
     d = s["dims"]
     show(
-        f"{s['model']} from {s['source']}: {d['num_layers']} layers, {d['num_experts']} experts, "
+        f"{label} from {s['source']}: {d['num_layers']} layers, {d['num_experts']} experts, "
         f"H={d['hidden']}, I={d['intermediate']}  ->  {s['layout']} ({s['layout_id']}), "
         f"tp={s['tp_size']} ep={s['ep_size']} into {s['out']}"
     )

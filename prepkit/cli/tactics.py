@@ -47,22 +47,36 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
     with store.open_db_readonly(path) as tdb:
         counts, winners = tdb.counts(), tdb.winners()
     tactics = _decoded_tactics(winners)
+    from prepkit.env import installed_kernel_version
+
+    served = installed_kernel_version()
     if as_json:
         rows = [
             {**{k: v for k, v in w.items() if k != "params_json"}, "tactic": tactics[w["params_json"]]} for w in winners
         ]
-        console.emit_json({"db": str(path), "counts": counts, "winners": rows})
+        console.emit_json({"db": str(path), "counts": counts, "kernel_version_served": served, "winners": rows})
         return
     from rich.table import Table
 
     console.result(f"{path}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    versions = sorted({str(w["kernel_version"]) for w in winners})
+    if len(versions) > 1:
+        console.result(
+            f"kernel versions {', '.join('v' + v for v in versions)}: this install serves "
+            + (
+                f"v{served}; the other rows only seed `prepkit tune`"
+                if served
+                else "none (the kernel cannot be imported)"
+            )
+        )
     for rows in winner_groups(winners):
         w0 = rows[0]
         acts = "" if w0["act_dtype"] in (None, "bf16") else f" act={w0['act_dtype']}"
         t = Table(
             title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {w0['role']} "
             f"N={w0['n']} K={w0['k']} E={w0['num_experts']} top_k={w0['top_k']}{acts} tp={w0['tp_size']}, "
-            f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}",
+            f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}"
+            + (" (served here)" if str(w0["kernel_version"]) == served else ""),
             title_justify="left",
         )
         # Numbers never wrap or shorten; on a narrow screen the tactic column wraps instead.
