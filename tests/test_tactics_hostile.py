@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from prepkit.cli import cli
@@ -83,6 +83,8 @@ def _mutate(export: dict[str, Any], how: str) -> Any:
         tables["tactic"][0]["params_json"] = {"block_m": "big"}
     elif how == "wrong-type":
         tables["winner"][0]["m_lo"] = "one"
+    elif how == "too-big":
+        tables["winner"][0]["m_hi"] = 2**64
     elif how == "missing-required":
         del tables["winner"][0]["run_id"]
     elif how == "array":
@@ -100,6 +102,7 @@ def _mutate(export: dict[str, Any], how: str) -> Any:
         ("garbage-tactic", "params_json is not JSON"),
         ("not-a-tactic", "params_json is not a valid tactic"),
         ("wrong-type", "m_lo is str"),
+        ("too-big", "m_hi is int"),
         ("missing-required", "['run_id'] are missing"),
         ("array", "a JSON array but not a prepkit tactics export"),
     ],
@@ -294,6 +297,7 @@ _values = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(min_value=-(2**62), max_value=2**62),
+    st.integers(min_value=2**63, max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12),
     st.lists(st.integers(), max_size=3),
@@ -324,7 +328,7 @@ def mutated_exports(draw: st.DrawFn) -> str:
             row[draw(st.sampled_from(keys)) + draw(st.sampled_from(["_", "x", ""]))] = row.pop(key, None)
         elif op == "retype":
             row[key] = draw(_values)
-        elif op == "garbage-tactic" and tables["tactic"]:
+        elif op == "garbage-tactic" and tables.get("tactic"):
             tables["tactic"][0]["params_json"] = draw(st.one_of(st.text(max_size=20), _values))
         elif op == "dangle":
             ref = draw(st.sampled_from(["tactic_hash", "env_hash", "problem_hash", "run_id", "kernel_hash"]))
@@ -356,6 +360,7 @@ def test_a_mutated_export_merges_cleanly_or_is_refused_whole(text: str) -> None:
         dest.write_bytes(target_bytes)
         r = invoke("tactics", "merge", str(sent), "--db", str(dest))
         assert r.exit_code in (0, 3), (r.output, r.exception)
+        event("merged" if r.exit_code == 0 else "refused")
         assert "Traceback" not in r.output
         if r.exit_code == 3:
             assert dest.read_bytes() == target_bytes and "sent.json" in r.output

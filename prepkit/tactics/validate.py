@@ -32,9 +32,9 @@ def _type_ok(value: Any, sql_type: str) -> bool:
         return False
     if sql_type == "TEXT":
         return isinstance(value, str)
-    if sql_type == "INTEGER":
-        return isinstance(value, int)
-    return isinstance(value, int | float) and math.isfinite(value)
+    if isinstance(value, int):  # SQLite stores 64-bit integers; a larger one cannot even be bound
+        return -(2**63) <= value < 2**63 and sql_type in ("INTEGER", "REAL")
+    return sql_type == "REAL" and isinstance(value, float) and math.isfinite(value)
 
 
 def tactic_problem(params_json: Any) -> str | None:
