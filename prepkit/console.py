@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -21,6 +21,7 @@ from rich.progress import (
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
+from rich.text import Text
 
 err_console = Console(stderr=True, highlight=False)
 # Results (tables, plans, summaries) go to stdout so they can be piped and grepped.
@@ -63,21 +64,66 @@ def progress(
         yield on_progress
 
 
-def info(message: str) -> None:
-    # soft_wrap: a log line off a terminal stays one line instead of breaking at 80 columns
-    err_console.print(message, soft_wrap=not err_console.is_terminal)
+# ``-q``: no progress and no info lines on stderr; results (stdout), warnings and errors still print.
+_quiet = False
 
 
-def result(renderable: Any) -> None:
+def set_quiet(quiet: bool) -> None:
+    global _quiet
+    _quiet = quiet
+
+
+# Whether the running command was given --json, and whether it printed its JSON already: an
+# error is then printed as a JSON object too, unless stdout holds a document already.
+_json = False
+_json_printed = False
+
+
+def set_json(requested: bool) -> None:
+    global _json, _json_printed
+    _json, _json_printed = requested, False
+
+
+def json_requested() -> bool:
+    """Whether an error should be printed as a JSON object on stdout."""
+    return _json and not _json_printed
+
+
+def _text(message: str | RenderableType, label: str = "", style: str = "") -> RenderableType:
+    """A message as text, never as markup: ``pip install 'prepkit[plot]'`` prints whole."""
+    if not isinstance(message, str):
+        return message
+    return Text.assemble((label, style), " ", message) if label else Text(message)
+
+
+def info(message: str | RenderableType, *, label: str = "", style: str = "") -> None:
+    """A diagnostic line (or table) on stderr; ``label`` is drawn in ``style`` before it."""
+    if not _quiet:
+        # soft_wrap: a log line off a terminal stays one line instead of breaking at 80 columns
+        err_console.print(_text(message, label, style), soft_wrap=not err_console.is_terminal)
+
+
+def result(renderable: str | RenderableType, *, label: str = "", style: str = "") -> None:
     """Print a result (a table or a line) on stdout."""
-    out_console.print(renderable)
+    out_console.print(_text(renderable, label, style))
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]Warning:[/] {message}", soft_wrap=not err_console.is_terminal)
+    err_console.print(_text(message, "Warning:", "yellow"), soft_wrap=not err_console.is_terminal)
+
+
+def error(message: str, hint: str | None = None, *, debug_note: bool = True) -> None:
+    """An error, its hint, and how to see the traceback, on stderr."""
+    err_console.print(_text(message, "Error:", "bold red"), soft_wrap=True)
+    if hint:
+        err_console.print(_text(hint, "Hint:", "dim"), soft_wrap=True)
+    if debug_note:
+        err_console.print(Text("(run with --debug or PREPKIT_DEBUG=1 for the traceback)", style="dim"))
 
 
 def emit_json(payload: Any) -> None:
-    """Results go to stdout, so ``--json | jq`` works."""
+    """Results go to stdout, so ``--json | jq`` works. The one JSON style of every command."""
+    global _json_printed
+    _json_printed = True
     sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
     sys.stdout.flush()

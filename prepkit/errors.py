@@ -1,4 +1,6 @@
-"""One exception hierarchy; the CLI maps each class to an exit code in one place."""
+"""One exception hierarchy. Each class carries its exit code and what that code means; the CLI's
+exit-code table (``--help`` and the README) is generated from them (:mod:`prepkit.exit_codes`), so
+a new class needs no other edit. A subclass inherits both, or sets its own."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ class PrepkitError(Exception):
     """Base of every error prepkit raises on purpose (bad input, not a bug)."""
 
     exit_code = 1
+    # "<what failed>: <the cases>"; classes that share a code share the part before the colon.
+    exit_meaning = "error"
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -17,42 +21,49 @@ class RecipeError(PrepkitError):
     """A recipe, a model config or arguments that do not fit together."""
 
     exit_code = 3
+    exit_meaning = "bad input: recipe, model config or option values"
 
 
 class CheckpointError(PrepkitError):
     """Missing, truncated or malformed source files or tensors."""
 
     exit_code = 3
+    exit_meaning = "bad input: checkpoint files or tensors"
 
 
 class LayoutError(PrepkitError):
     """An unknown layout, or a TP/EP split the layout cannot express."""
 
     exit_code = 3
+    exit_meaning = "bad input: layout or TP/EP split"
 
 
 class OutputError(PrepkitError):
     """The output folder cannot be used (foreign content, no space, not writable)."""
 
     exit_code = 3
+    exit_meaning = "bad input: output folder (foreign, full, read-only, or held by another run)"
 
 
 class FetchError(PrepkitError):
     """Hub, network or download-disk problems."""
 
     exit_code = 4
+    exit_meaning = "fetch failed: hub, network or download disk (or folder held by another fetch)"
 
 
 class DeviceError(PrepkitError):
     """No GPU, or a GPU of the wrong compute capability."""
 
     exit_code = 5
+    exit_meaning = "device problem: no GPU, or a GPU of another compute capability"
 
 
 class VerifyError(PrepkitError):
     """Hash, round-trip or manifest mismatch."""
 
     exit_code = 6
+    exit_meaning = "verification failed: hash, round trip or manifest mismatch"
 
 
 class CompileCheckError(PrepkitError):
@@ -73,3 +84,4 @@ class TacticsError(PrepkitError):
     """A tactic database that is corrupt, foreign or of a newer schema."""
 
     exit_code = 3
+    exit_meaning = "bad input: tactics DB or export (or held by another merge)"

@@ -264,6 +264,11 @@ def write_synthetic_checkpoint(
     record = {
         "format": SYNTH_RECORD_FORMAT,
         "generator": "prepkit synth",
+        # Random weights of the recipe's format, at this size: what prepare names its output after.
+        "synthetic": True,
+        "recipe": recipe.name,
+        "num_layers": num_layers,
+        "num_experts": num_experts,
         "seed": seed,
         "files": [
             {"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)}
@@ -288,6 +293,14 @@ class SynthRecord:
 
     seed: int | None
     files: tuple[SynthFile, ...]
+    recipe: str | None = None  # None in records written before the size was recorded
+    num_layers: int | None = None
+    num_experts: int | None = None
+
+    def label(self, recipe_name: str) -> str:
+        """``synthetic-gpt-oss-120b-2l-4e``: a name that says it is no real checkpoint, and its size."""
+        size = f"-{self.num_layers}l-{self.num_experts}e" if self.num_layers and self.num_experts else ""
+        return f"synthetic-{self.recipe or recipe_name}{size}"
 
 
 def read_synth_record(model_dir: str | Path) -> SynthRecord | None:
@@ -307,7 +320,8 @@ def read_synth_record(model_dir: str | Path) -> SynthRecord | None:
         if raw.get("format") != SYNTH_RECORD_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {SYNTH_RECORD_FORMAT!r}")
         files = tuple(SynthFile(f["path"], int(f["size"]), f["sha256"]) for f in raw["files"])
-        return SynthRecord(seed=raw.get("seed"), files=files)
+        size = {k: int(raw[k]) if raw.get(k) is not None else None for k in ("num_layers", "num_experts")}
+        return SynthRecord(seed=raw.get("seed"), files=files, recipe=raw.get("recipe"), **size)
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(
             f"{path} is not a prepkit synth record: {err}", hint="write the model again: prepkit synth"
@@ -324,3 +338,14 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 def _write_json(path: Path, payload: Any) -> None:
     # Keys in the order they are built (config.json follows the hub's order, which is not sorted).
     write_json_atomic(path, payload, sort_keys=False)
+
+
+def checkpoint_label(model_dir: str | Path, recipe_name: str) -> str:
+    """What ``prepare`` calls the checkpoint in ``model_dir``: the recipe's name, or for a folder
+    ``prepkit synth`` wrote, a name that says it is synthetic and how big (see :meth:`SynthRecord.label`).
+
+    Raises:
+        CheckpointError: the folder has a synth record this version cannot read.
+    """
+    record = read_synth_record(model_dir)
+    return recipe_name if record is None else record.label(recipe_name)

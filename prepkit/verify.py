@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
-from prepkit.errors import LayoutError, VerifyError
+from prepkit.errors import LayoutError, OutputError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
 from prepkit.manifest import Manifest, experts_file
@@ -51,6 +51,8 @@ def verify(
 ) -> VerifyReport:
     """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor)."""
     root = Path(out_dir)
+    if not root.is_dir():
+        raise OutputError(f"{root}: no such folder", hint="pass the folder `prepkit prepare` wrote (its --out)")
     manifest = Manifest.read(root)
     report = VerifyReport(root)
     progress = on_progress or (lambda label, done, total: None)

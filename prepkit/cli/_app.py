@@ -10,20 +10,10 @@ from typing import Any
 
 import click
 
-from prepkit import __version__
+from prepkit import __version__, exit_codes
 from prepkit.errors import PrepkitError
 
-EPILOG = """\b
-Exit codes:
-  0  success
-  1  internal error (a bug: the traceback is shown)
-  2  usage error
-  3  bad input (recipe, checkpoint, layout, output folder, tactics DB)
-  4  fetch failed (hub, network, download disk)
-  5  device problem (no GPU, wrong compute capability)
-  6  verification failed
-  130 interrupted
-"""
+EPILOG = exit_codes.epilog()
 
 
 def _debug_enabled(ctx: click.Context | None) -> bool:
@@ -37,6 +27,10 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
 # is asked for): ``prepkit --help`` and shell completion then load neither torch nor triton.
 # The one-line help is written here too; a test checks it against the command's docstring.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "env": (
+        "prepkit.cli.env",
+        "Print versions, the GPU, the tactics DBs found and native MX support, for bug reports.",
+    ),
     "fetch": (
         "prepkit.cli.fetch",
         "Download the files `prepare` needs, check each against the hub's sha256, and record them.",
@@ -79,18 +73,22 @@ class PrepkitGroup(click.Group):
         return [CompletionItem(n, help=COMMANDS[n][1]) for n in names]
 
     def invoke(self, ctx: click.Context) -> Any:
+        from prepkit import console
+
+        console.set_quiet(False)  # until the command's -q / --json say otherwise
+        console.set_json(False)
         try:
             return super().invoke(ctx)
         except PrepkitError as err:
             if _debug_enabled(ctx):
                 traceback.print_exc()
-            from prepkit.console import err_console
-
-            err_console.print(f"[bold red]Error:[/] {err}", soft_wrap=True)
-            if err.hint:
-                err_console.print(f"[dim]Hint:[/] {err.hint}", soft_wrap=True)
-            if not _debug_enabled(ctx):
-                err_console.print("[dim](run with --debug or PREPKIT_DEBUG=1 for the traceback)[/]")
+            if console.json_requested():
+                # --json: the error is a result too, so a script reading stdout sees what failed
+                console.emit_json(
+                    {"error": {"type": type(err).__name__, "message": str(err), "hint": err.hint,
+                               "exit_code": err.exit_code}}
+                )  # fmt: skip
+            console.error(str(err), err.hint, debug_note=not _debug_enabled(ctx))
             ctx.exit(err.exit_code)
 
 

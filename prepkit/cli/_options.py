@@ -21,14 +21,32 @@ def model_option(f: F) -> F:
     )(f)
 
 
+def _tell_console(setter: str) -> Callable[[click.Context, click.Parameter, bool], bool]:
+    def callback(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+        from prepkit import console
+
+        getattr(console, setter)(value)
+        return value
+
+    return callback
+
+
 def json_option(f: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Print a JSON summary on stdout.")(f)
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        callback=_tell_console("set_json"),
+        help="Print a JSON summary on stdout (on failure, a JSON error object).",
+    )(f)
+
+
+# The one meaning of -q in every command.
+QUIET_HELP = "No progress and no info lines on stderr; results on stdout, warnings and errors still print."
 
 
 def quiet_option(f: F) -> F:
-    return click.option(
-        "--quiet", "-q", is_flag=True, help="No progress bars (results, warnings and errors still print)."
-    )(f)
+    return click.option("--quiet", "-q", is_flag=True, callback=_tell_console("set_quiet"), help=QUIET_HELP)(f)
 
 
 def out_option(help: str, *, file: bool = False) -> Callable[[F], F]:

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 from rich.table import Table
+from rich.text import Text
 
 from prepkit import console
 from prepkit import fetch as fetching
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option, model_option
+from prepkit.cli._options import json_option, model_option, quiet_option
 from prepkit.fsutil import format_bytes
 
 _STATUS = {
-    "verified": "[green]verified[/]",
+    "verified": Text("verified", style="green"),
     "unverified": "present, to verify",
     "cached": "in the cache, to link and verify",
-    "wrong-size": "[yellow]wrong size, to replace[/]",
+    "wrong-size": Text("wrong size, to replace", style="yellow"),
     "missing": "to download",
 }
 
@@ -57,12 +59,7 @@ _STATUS = {
     help="Files downloaded at the same time.",
 )
 @json_option
-@click.option(
-    "--quiet",
-    "-q",
-    is_flag=True,
-    help="As for `hf download`: no progress bars, no plan or summary; only the folder on stdout (errors still show).",
-)
+@quiet_option
 def fetch_command(
     model: str,
     revision: str | None,
@@ -104,8 +101,8 @@ def fetch_command(
         endpoint=endpoint,
         token=token,
     )
-    if not quiet:
-        _show_plan(plan)
+    # A dry run's plan is its result (stdout); before a download it is information (stderr).
+    _show_plan(plan, console.result if dry_run and not as_json else console.info)
     if dry_run:
         if as_json:
             console.emit_json({"dry_run": True, **plan.to_json()})
@@ -113,31 +110,30 @@ def fetch_command(
     # Bars only on a terminal: in a log, a final frame of one bar per file is noise.
     with console.progress(enabled=not quiet and console.err_console.is_terminal) as on_progress:
         result = fetching.fetch(plan, token=token, max_workers=max_workers, on_progress=on_progress)
-    if not quiet:
-        _show_result(result)
+    _show_result(result)
     if as_json:
         console.emit_json({"dry_run": False, **result.to_json()})
     else:
         click.echo(str(result.plan.dest))
 
 
-def _show_plan(plan: fetching.FetchPlan) -> None:
+def _show_plan(plan: fetching.FetchPlan, show: Callable[..., None]) -> None:
     pinned = " (pinned by the recipe)" if plan.source.recipe and plan.commit == plan.source.revision else ""
-    console.info(f"[bold]{plan.source.repo_id}[/] @ {plan.commit}{pinned}")
-    console.info(f"into {plan.dest}" + (" (offline)" if plan.offline else f" from {plan.endpoint}"))
+    show(f"{plan.source.repo_id} @ {plan.commit}{pinned}")
+    show(f"into {plan.dest}" + (" (offline)" if plan.offline else f" from {plan.endpoint}"))
     table = Table(box=None, pad_edge=False)
     table.add_column("file")
     table.add_column("size", justify="right")
     table.add_column("status")
     for f in plan.files:
-        table.add_row(f.path, format_bytes(f.remote.size), _STATUS.get(f.status, f.status))
-    console.err_console.print(table)
-    console.info(
+        table.add_row(Text(f.path), format_bytes(f.remote.size), _STATUS.get(f.status, f.status))
+    show(table)
+    show(
         f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {plan.count('verified')} verified, "
         f"{plan.count('unverified') + plan.count('cached')} to verify, {format_bytes(plan.download_bytes)} to download"
     )
     orphans = f" + {format_bytes(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
-    console.info(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")
+    show(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")
     if not plan.fits:
         needed = f"{format_bytes(plan.need_bytes)} + {format_bytes(plan.margin_bytes)} margin"
         console.warn(f"not enough disk space: {needed} needed; the download would be refused")
@@ -150,5 +146,5 @@ def _show_result(result: fetching.FetchResult) -> None:
         parts.append(f"{len(result.retried)} fetched twice after a hash mismatch: {names}")
     if result.orphans_removed:
         parts.append(f"{result.orphans_removed} partial file(s) of an interrupted run removed")
-    console.info(f"[green]Done:[/] {'; '.join(parts)}.")
+    console.info(f"{'; '.join(parts)}.", label="Done:", style="green")
     console.info(f"record: {result.record.path}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -68,7 +69,8 @@ def default_src(model: str) -> Path:
 @click.option(
     "--out",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>].",
+    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>] (<model> is "
+    "synthetic-<recipe>-<L>l-<E>e for a `prepkit synth` checkpoint).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, shapes, bytes, free disk) and stop.")
 @json_option
@@ -100,12 +102,14 @@ def prepare(
     """
     from prepkit import prepare as preparing
     from prepkit.errors import OutputError
+    from prepkit.synth import checkpoint_label
 
     recipe = load_recipe(model)
     layout = get_layout(layout_name)
     src = src or default_src(model)
     suffix = f"-ep{ep_size}" if ep_size > 1 else ""
-    out = out or Path("prepared") / f"{recipe.name}-{layout.name}-tp{tp_size}{suffix}"
+    label = checkpoint_label(src, recipe.name)  # a synthetic checkpoint is never named as the real model
+    out = out or Path("prepared") / f"{label}-{layout.name}-tp{tp_size}{suffix}"
     plan = preparing.plan_prepare(
         recipe,
         src,
@@ -116,7 +120,8 @@ def prepare(
         options=LayoutOptions(trtllm_version=trtllm_version),
         ranks=list(ranks) if ranks else None,
     )
-    _show_plan(plan)
+    # A dry run's plan is its result (stdout); before a run it is information (stderr).
+    _show_plan(plan, label, console.result if dry_run and not as_json else console.info)
     if dry_run:
         if as_json:
             console.emit_json({"plan": plan.summary()})
@@ -133,21 +138,24 @@ def prepare(
         console.emit_json(summary)
     else:
         console.info(
-            f"[green]done:[/] {summary['files_written']} files written, {summary['files_skipped']} "
+            f"{summary['files_written']} files written, {summary['files_skipped']} "
             f"already complete, {format_bytes(summary['bytes_written'])} in {summary['seconds']:.1f} s "
-            f"({summary['source_gb_per_s']:.2f} GB/s of source)"
+            f"({summary['source_gb_per_s']:.2f} GB/s of source)",
+            label="done:",
+            style="green",
         )
         click.echo(str(result.out_dir / MANIFEST_NAME))
 
 
-def _show_plan(plan: preparing.PreparePlan) -> None:  # type: ignore[name-defined]  # noqa: F821
+def _show_plan(plan: preparing.PreparePlan, label: str, show: Callable[..., None]) -> None:  # type: ignore[name-defined]  # noqa: F821
     from rich.table import Table
+    from rich.text import Text
 
     s = plan.summary()
     d = s["dims"]
-    console.info(
-        f"[bold]{s['model']}[/] from {s['source']}: {d['num_layers']} layers, {d['num_experts']} experts, "
-        f"H={d['hidden']}, I={d['intermediate']}  ->  [bold]{s['layout']}[/] ({s['layout_id']}), "
+    show(
+        f"{label} from {s['source']}: {d['num_layers']} layers, {d['num_experts']} experts, "
+        f"H={d['hidden']}, I={d['intermediate']}  ->  {s['layout']} ({s['layout_id']}), "
         f"tp={s['tp_size']} ep={s['ep_size']} into {s['out']}"
     )
     table = Table(title=None, show_edge=False, header_style="bold")
@@ -158,16 +166,16 @@ def _show_plan(plan: preparing.PreparePlan) -> None:  # type: ignore[name-define
         table.add_row(
             str(r["rank"]),
             f"{r['experts'][0]}..{r['experts'][1] - 1}",
-            f"[{lo}, {hi})",
+            Text(f"[{lo}, {hi})"),
             str(r["valid_intermediate"]),
             str(r["padded_intermediate"]),
             r["sharding_rule"],
             format_bytes(r["bytes"]),
         )
-    console.err_console.print(table)
+    show(table)
     shapes = ", ".join(f"{n} {v}" for n, v in s["ranks"][0]["tensors_per_layer"].items())
-    console.info(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
-    console.info(
+    show(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
+    show(
         f"to write: {format_bytes(s['bytes_to_write'])} (shared non-expert tensors {format_bytes(s['shared_bytes'])}, "
         f"written once); free: {format_bytes(s['free_bytes'])}"
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +46,37 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
     path = db_to_read(db_path)
     with store.open_db_readonly(path) as tdb:
         counts, winners = tdb.counts(), tdb.winners()
+    tactics = _decoded_tactics(winners)
+    from prepkit.env import installed_kernel_version
+
+    served = installed_kernel_version()
     if as_json:
-        console.emit_json({"db": str(path), "counts": counts, "winners": winners})
+        rows = [
+            {**{k: v for k, v in w.items() if k != "params_json"}, "tactic": tactics[w["params_json"]]} for w in winners
+        ]
+        console.emit_json({"db": str(path), "counts": counts, "kernel_version_served": served, "winners": rows})
         return
     from rich.table import Table
 
     console.result(f"{path}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    versions = sorted({str(w["kernel_version"]) for w in winners})
+    if len(versions) > 1:
+        console.result(
+            f"kernel versions {', '.join('v' + v for v in versions)}: this install serves "
+            + (
+                f"v{served}; the other rows only seed `prepkit tune`"
+                if served
+                else "none (the kernel cannot be imported)"
+            )
+        )
     for rows in winner_groups(winners):
         w0 = rows[0]
         acts = "" if w0["act_dtype"] in (None, "bf16") else f" act={w0['act_dtype']}"
         t = Table(
             title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {w0['role']} "
             f"N={w0['n']} K={w0['k']} E={w0['num_experts']} top_k={w0['top_k']}{acts} tp={w0['tp_size']}, "
-            f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}",
+            f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}"
+            + (" (served here)" if str(w0["kernel_version"]) == served else ""),
             title_justify="left",
         )
         # Numbers never wrap or shorten; on a narrow screen the tactic column wraps instead.
@@ -68,10 +88,31 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
             hi = "up" if w["extends_up"] else str(w["m_hi"])
             sp = w["speedup_vs_default"]
             t.add_row(
-                f"{w['m_lo']}-{hi}", short_tactic(w["params_json"]),
-                f"{w['median_us']:.1f}" if w["median_us"] else "-", f"{sp:.2f}x" if sp else "-",
+                f"{w['m_lo']}-{hi}", short_tactic(w["params_json"]) if tactics[w["params_json"]] else "(damaged)",
+                _number(w["median_us"], "{:.1f}"), _number(sp, "{:.2f}x"),
             )  # fmt: skip
         console.result(t)
+
+
+def _decoded_tactics(winners: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
+    """Each winner's tactic as an object; one that is no valid tactic (a DB damaged by another
+    tool) is ``None``, with a warning naming its row."""
+    from prepkit.tactics.validate import tactic_problem
+
+    out: dict[str, dict[str, Any] | None] = {}
+    for w in winners:
+        pj = w["params_json"]
+        if pj in out:
+            continue
+        why = tactic_problem(pj)
+        out[pj] = None if why else json.loads(pj)
+        if why:
+            console.warn(f"tactic row {w['tactic_hash']!r} (M {w['m_lo']}-{w['m_hi']}): params_json {why}")
+    return out
+
+
+def _number(value: Any, fmt: str) -> str:
+    return fmt.format(value) if isinstance(value, int | float) and not isinstance(value, bool) and value else "-"
 
 
 @tactics_group.command("export")
@@ -87,7 +128,7 @@ def export_command(db_path: Path | None) -> None:
     from prepkit.tactics.lookup import db_to_read
 
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
-        console.emit_json(tdb.export())
+        console.emit_json(tdb.export(on_damaged=lambda row: console.warn(f"{row}; exported as text")))
 
 
 @tactics_group.command("merge")
@@ -148,6 +189,8 @@ def plot_command(out: Path, db_path: Path | None, gpu: str | None) -> None:
     from prepkit.tactics.lookup import db_to_read
     from prepkit.tune import report
 
+    if importlib.util.find_spec("matplotlib") is None:
+        raise click.UsageError("plotting needs matplotlib, which is not installed: pip install 'prepkit[plot]'")
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         panels = report.plot_panels(tdb, gpu)
     if not panels:

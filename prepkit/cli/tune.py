@@ -183,14 +183,17 @@ def tune_command(
 
 def _print(summary: dict[str, Any]) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     for p in summary["problems"]:
         gm = p["geomean_speedup"]
         console.result(
-            f"[bold]{p['problem']}[/]: {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
-            f"{p['ranges']} ranges, {p['elapsed_s']} s"
-            + (f", geomean {gm:.3f}x vs default" if gm else "")
-            + ("" if p["complete"] else " [yellow](partial: budget reached; rerun to resume)[/]")
+            Text.assemble(
+                (p["problem"], "bold"),
+                f": {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
+                f"{p['ranges']} ranges, {p['elapsed_s']} s" + (f", geomean {gm:.3f}x vs default" if gm else ""),
+                ("" if p["complete"] else " (partial: budget reached; rerun to resume)", "yellow"),
+            )
         )
     if summary["layer"]:
         t = Table(title=f"whole layer on {summary['device']}: default vs tuned (median us)")
@@ -237,7 +240,7 @@ def _compile_only(
     from rich.text import Text
 
     from prepkit.errors import CompileCheckError
-    from prepkit.kernels.compile_check import format_reports, leave_interpreter, reports_to_json
+    from prepkit.kernels.compile_check import format_reports, leave_interpreter
     from prepkit.layer import resolve_layer
     from prepkit.tune import compile_only as co
 
@@ -248,7 +251,7 @@ def _compile_only(
         arch, activations, target, per_family=sample, points=points, on_line=None if quiet else console.info
     )
     if as_json:
-        click.echo(reports_to_json(res.reports))
+        console.emit_json([r.to_dict() for r in res.reports])
     else:
         # soft_wrap: the table's lines stay whole off a terminal
         console.out_console.print(Text(format_reports(res.reports)), soft_wrap=True)

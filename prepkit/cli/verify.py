@@ -42,12 +42,14 @@ def verify(out: Path, src: Path | None, sample: int | None, seed: int, as_json: 
     if as_json:
         console.emit_json(report.summary())
     else:
-        console.info(
-            f"[green]ok:[/] {report.files_checked} files match the manifest"
+        console.result(
+            f"{report.files_checked} files match the manifest"
             + (
                 f", {report.experts_checked} experts and {report.shared_tensors_checked} shared tensors "
                 "match the source"
                 if src
                 else ""
-            )
+            ),
+            label="ok:",
+            style="green",
         )

@@ -95,9 +95,19 @@ class GemmTactic:
     @classmethod
     def from_json(cls, text: str) -> GemmTactic:
         raw = json.loads(text)
-        unknown = set(raw) - set(KNOB_NAMES)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a tactic is a JSON object, not {type(raw).__name__}")
+        kinds = {k.name: type(k.default) for k in KNOBS}
+        unknown = set(raw) - set(kinds)
         if unknown:
             raise ValueError(f"unknown tactic fields {sorted(unknown)}")
+        for name, value in raw.items():
+            # bool is an int to Python; no knob is a flag, so true/false is a wrong type here too
+            if type(value) is not kinds[name] or (kinds[name] is int and value < 1):
+                raise ValueError(
+                    f"tactic field {name}={value!r}: expected a {kinds[name].__name__}"
+                    + (" >= 1" if kinds[name] is int else "")
+                )
         return cls(**raw)
 
     def key(self) -> str:

@@ -3,6 +3,7 @@ the indexes and the manifest."""
 
 from __future__ import annotations
 
+import errno
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,9 +89,10 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
             provenance = source_provenance(plan.checkpoint, record, vouched | taken)
             manifest = write_indexes_and_manifest(plan, run.files, provenance)
     except OSError as err:
+        full = err.errno == errno.ENOSPC
         raise OutputError(
-            f"writing {root} failed: {err}",
-            hint="free disk space or fix permissions, then rerun: finished files are kept",
+            f"writing {err.filename or root} failed: {err.strerror or err}",
+            hint=("free disk space" if full else "make it a writable folder") + ", then rerun: finished files are kept",
         ) from err
     seconds = time.perf_counter() - started
     return PrepareResult(root, run.written, run.skipped, run.bytes_written, run.source_read, seconds, manifest)

@@ -3,8 +3,9 @@
 - :mod:`~prepkit.tactics.schema`: the one definition of ``tactics.db`` (tables, ids, version);
 - :mod:`~prepkit.tactics.keys`: problem, environment and tactic keys and their hashes;
 - :mod:`~prepkit.tactics.lookup`: token ranges, where tables come from, the resolver;
-- :mod:`~prepkit.tactics.store`: the writer (sqlite-utils): migrations, merge, export.
+- :mod:`~prepkit.tactics.store`: the writer (sqlite-utils): migrations, merge, export;
+- :mod:`~prepkit.tactics.validate`: what a merge accepts, and the damage a reader names.
 
-``schema``, ``keys`` and ``lookup`` use the standard library only, so the runtime stays cheap to
+``schema``, ``keys``, ``lookup`` and ``validate`` use the standard library only, so the runtime stays cheap to
 import; ``store`` needs sqlite-utils and is imported only by the tuner and the CLI.
 """

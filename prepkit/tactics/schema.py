@@ -185,6 +185,42 @@ MIN_READABLE_SCHEMA = 1
 
 TABLES: tuple[str, ...] = tuple(t.name for t in _V1)
 
+# TEXT columns that hold JSON: an export writes them as JSON values, never as JSON inside strings.
+JSON_COLUMNS: dict[str, tuple[str, ...]] = {
+    "tactic": ("params_json",),
+    "tuning_run": ("timing_method", "search_space", "token_points"),
+    "measurement": ("samples_json",),
+    "correctness": ("m_values",),
+}
+# A reference that is not a declared foreign key (SQLite cannot declare a nullable one usefully).
+EXTRA_REFERENCES: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "winner": (("runner_up_tactic_hash", "tactic", "tactic_hash"),),
+}
+
+
+def table(name: str) -> Table:
+    """The table ``name`` as the first step creates it."""
+    for step in STEPS:
+        if isinstance(step, CreateTables):
+            for t in step.tables:
+                if t.name == name:
+                    return t
+    raise KeyError(f"no table {name!r} in the tactics schema")
+
+
+def column_types(name: str) -> dict[str, str]:
+    """Column -> SQL type of ``name`` once every step has run."""
+    out = dict(table(name).columns)
+    for step in STEPS:
+        if isinstance(step, AddColumn) and step.table == name:
+            out[step.column] = step.sql_type
+    return out
+
+
+def references(name: str) -> tuple[tuple[str, str, str], ...]:
+    """Every ``(column, other table, other column)`` that a row of ``name`` points through."""
+    return table(name).foreign_keys + EXTRA_REFERENCES.get(name, ())
+
 
 def step_name(step: Step) -> str:
     return step.name if isinstance(step, CreateTables) else step.step_name
@@ -239,8 +275,22 @@ def check_header(conn: sqlite3.Connection, path: str) -> int:
     return int(version)
 
 
+def folder_writable(folder: Path) -> bool:
+    """Whether files can be created in ``folder`` (where SQLite puts -journal, -wal and -shm)."""
+    return os.access(folder, os.W_OK)
+
+
+def readonly_uri(path: Path) -> str:
+    """The URI that opens ``path`` without writing. Where the folder cannot be written, no one can
+    change the DB either, so it is opened ``immutable``: SQLite then wants no -shm or -wal file
+    beside it, which a DB left in WAL mode would otherwise need."""
+    path = path.resolve()
+    uri = f"{path.as_uri()}?mode=ro"
+    return uri if folder_writable(path.parent) else f"{uri}&immutable=1"
+
+
 def open_readonly(path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> tuple[sqlite3.Connection, int]:
-    """Open a tactics DB without writing to it (``mode=ro``); returns the connection and its
+    """Open a tactics DB without writing to it (:func:`readonly_uri`); returns the connection and its
     schema version (0 for an empty file). The one read-only opener of the package.
 
     Raises:
@@ -250,7 +300,7 @@ def open_readonly(path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> tu
     if not p.is_file():
         raise TacticsError(f"{p}: no such tactics DB", hint="run `prepkit tune` first, or pass another --db")
     try:
-        conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=timeout_s)
+        conn = sqlite3.connect(readonly_uri(p), uri=True, timeout=timeout_s)
     except sqlite3.Error as err:
         raise TacticsError(f"{p}: cannot open ({err})") from err
     try:

@@ -3,7 +3,9 @@
 Rows are content-addressed: environments, kernels, problems and tactics are keyed by a hash of
 their canonical JSON (:mod:`prepkit.tactics.keys`), so two DBs filled on two machines merge
 without renumbering. Writers use WAL mode, a busy timeout and ``BEGIN IMMEDIATE`` transactions, so
-two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows.
+two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows. The
+last writer to close switches the file back to a rollback journal, so that a read-only open (a DB
+baked into a container image) can read it.
 The tables themselves are defined once, in :mod:`prepkit.tactics.schema`; the runtime reads them
 with the standard library only (:mod:`prepkit.tactics.lookup`).
 """
@@ -11,13 +13,14 @@ with the standard library only (:mod:`prepkit.tactics.lookup`).
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import json
 import os
 import sqlite3
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +30,7 @@ from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
 
 from prepkit.errors import TacticsError
-from prepkit.tactics import schema
+from prepkit.tactics import schema, validate
 from prepkit.tactics.keys import Environment, ProblemKey, canonical_json, tactic_hash
 from prepkit.tactics.lookup import Range, RangeTable
 from prepkit.tactics.schema import (
@@ -121,9 +124,10 @@ def env_record(device: Environment, *, package_version: str, mem_bw_gbps: float 
 class TacticsDB:
     """A migrated, writable tactics DB. Use :func:`open_db`; close it (or use ``with``)."""
 
-    def __init__(self, db: Database, path: str) -> None:
+    def __init__(self, db: Database, path: str, *, rollback_on_close: bool = False) -> None:
         self.db = db
         self.path = path
+        self.rollback_on_close = rollback_on_close
 
     def __enter__(self) -> TacticsDB:
         return self
@@ -132,6 +136,15 @@ class TacticsDB:
         self.close()
 
     def close(self) -> None:
+        if self.rollback_on_close:
+            # Back to a rollback journal: a WAL file cannot be read where -shm cannot be created. Only
+            # the last connection may switch; while another tuner has the file open it stays WAL
+            # (busy at once, no waiting), and that tuner switches it when it closes.
+            try:
+                self.conn.execute("PRAGMA busy_timeout = 0")
+                self.conn.execute("PRAGMA journal_mode=DELETE")
+            except sqlite3.Error:
+                pass
         self.db.close()
 
     @property
@@ -376,7 +389,7 @@ class TacticsDB:
                 """
                 SELECT e.arch, e.gpu_name, e.triton_version, k.name AS kernel, k.kernel_version,
                        k.weight_layout, k.role, p.num_experts, p.top_k, p.n, p.k, p.tp_size, p.ep_size,
-                       p.act_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.median_us,
+                       p.act_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.tactic_hash, w.median_us,
                        w.default_median_us, w.speedup_vs_default, w.env_hash, w.problem_hash, w.run_id,
                        w.source, e.mem_bw_gbps
                 FROM winner w
@@ -429,13 +442,19 @@ class TacticsDB:
             scope = None
         return "gemm" if scope == "gemm" else "layer"
 
-    def export(self) -> dict[str, Any]:
-        """Every row of every table, for ``prepkit tactics export --json`` (sharing, review)."""
-        return {
-            "format": "prepkit-tactics",
-            "schema_version": schema.SCHEMA_VERSION,
-            "tables": {t: list(self.db[t].rows) for t in TABLES},
-        }
+    def export(self, on_damaged: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Every row of every table, for ``prepkit tactics export`` (sharing, review). JSON columns
+        are JSON values; one that does not decode stays text, and ``on_damaged`` is told the row."""
+        tables: dict[str, list[dict[str, Any]]] = {}
+        for t in TABLES:
+            rows = tables[t] = []
+            key = schema.table(t).pk
+            for row in self.db[t].rows:
+                decoded, bad = validate.decode_json_columns(t, row)
+                if bad and on_damaged:
+                    on_damaged(f"{t} row ({', '.join(repr(row[k]) for k in key)}): {', '.join(bad)} is not JSON")
+                rows.append(decoded)
+        return {"format": validate.EXPORT_FORMAT, "schema_version": schema.SCHEMA_VERSION, "tables": tables}
 
     # -- merge -------------------------------------------------------------------------------
 
@@ -444,35 +463,32 @@ class TacticsDB:
 
         Identity rows, runs, measurements and the blocklist are unions (content hashes make equal
         rows collide). Winner range sets are per (env, problem): the set from the newer run wins,
-        whole, so ranges of two runs never interleave.
+        whole, so ranges of two runs never interleave. ``other`` is checked whole first
+        (:mod:`prepkit.tactics.validate`); a bad one is refused before this DB is written.
 
         Raises:
-            TacticsError: ``other`` is missing, corrupt, foreign or of a newer schema.
+            TacticsError: ``other`` is missing, corrupt, foreign, of a newer schema, or fails a check.
         """
-        src_path = Path(other)
-        if src_path.resolve() == Path(self.path).resolve():
-            raise TacticsError(f"cannot merge {src_path} into itself")
-        # Migrate a private copy so the source file is never written.
+        if Path(other).resolve() == Path(self.path).resolve():
+            raise TacticsError(f"cannot merge {other} into itself")
         with tempfile.TemporaryDirectory() as tmp:
-            copy = Path(tmp) / "src.db"
-            if _is_json_export(src_path):
-                _db_from_export(src_path, copy)
-            else:
-                _snapshot(src_path, copy)
-            open_db(copy).close()
-            before = self.counts()
-            # ATTACH cannot run inside a transaction; the merge itself is one transaction.
-            self.conn.execute("ATTACH DATABASE ? AS src", (str(copy),))
-            try:
-                with self.write() as db:
-                    for t in TABLES:
-                        if t == "winner":
-                            continue
-                        cols = ", ".join(columns(t))
-                        db.conn.execute(f"INSERT OR IGNORE INTO main.{t} ({cols}) SELECT {cols} FROM src.{t}")
-                    self._merge_winners()
-            finally:
-                self.conn.execute("DETACH DATABASE src")
+            return self.merge_checked(checked_copy(Path(other), Path(tmp)))
+
+    def merge_checked(self, copy: Path) -> dict[str, int]:
+        """Merge a copy that :func:`checked_copy` made and checked."""
+        before = self.counts()
+        # ATTACH cannot run inside a transaction; the merge itself is one transaction.
+        self.conn.execute("ATTACH DATABASE ? AS src", (str(copy),))
+        try:
+            with self.write() as db:
+                for t in TABLES:
+                    if t == "winner":
+                        continue
+                    cols = ", ".join(columns(t))
+                    db.conn.execute(f"INSERT OR IGNORE INTO main.{t} ({cols}) SELECT {cols} FROM src.{t}")
+                self._merge_winners()
+        finally:
+            self.conn.execute("DETACH DATABASE src")
         after = self.counts()
         return {t: after[t] - before[t] for t in TABLES}
 
@@ -520,30 +536,88 @@ class TacticsDB:
 
 def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> dict[str, int]:
     """Merge ``src`` into ``dest`` (created if missing) while holding ``DEST.merge-lock``: a second
-    merge into the same DB is refused at once, naming the holder's pid.
+    merge into the same DB is refused at once, naming the holder's pid. ``src`` is checked whole
+    before ``dest`` is opened, so a refused import leaves ``dest`` as it was (or absent).
 
     Raises:
-        TacticsError: another merge holds ``dest``, or either DB cannot be read or written.
+        TacticsError: another merge holds ``dest``, ``src`` fails a check, or either DB cannot be
+            read or written.
     """
     from prepkit.locks import busy_error, exclusive
 
-    dest = Path(dest)
+    dest, src = Path(dest), Path(src)
+    if dest.exists() and src.exists() and src.resolve() == dest.resolve():
+        raise TacticsError(f"cannot merge {src} into itself")
 
     def busy(pid: int | None) -> TacticsError:
         hint = "wait for it to finish, then merge again"
         return busy_error(TacticsError, pid, command="`prepkit tactics merge`", target=dest, hint=hint)
 
-    with exclusive(dest.with_name(dest.name + ".merge-lock"), busy=busy), open_db(dest) as tdb:
-        return tdb.merge_from(src)
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = checked_copy(src, Path(tmp))
+        try:
+            with exclusive(dest.with_name(dest.name + ".merge-lock"), busy=busy), open_db(dest) as tdb:
+                return tdb.merge_checked(copy)
+        except sqlite3.OperationalError as err:
+            raise write_failure(dest, err) from err
+        except OSError as err:
+            raise write_failure(dest, err) from err
 
 
-def _is_json_export(path: Path) -> bool:
-    """Whether ``path`` holds ``prepkit tactics export`` JSON rather than a SQLite DB."""
+def write_failure(path: Path | str, err: OSError | sqlite3.Error) -> TacticsError:
+    """The error for a tactics DB that cannot be written, by cause: read-only, full, or a path
+    that cannot be a file; each names ``path``."""
+    text = str(err).lower()
+    code = getattr(err, "errno", None)
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM) or "readonly" in text or "read-only" in text:
+        return TacticsError(
+            f"{path}: cannot be written, it is read-only ({err})",
+            hint="pass --db a writable path; `tactics show` and `export` read it as it is",
+        )
+    if code == errno.ENOSPC or "disk is full" in text:
+        return TacticsError(
+            f"{path}: no space left on the device while writing it",
+            hint="free disk space and run it again: an interrupted write leaves the DB as it was",
+        )
+    if code in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR):
+        return TacticsError(
+            f"{path}: cannot be created there: a part of the path is a file, not a folder ({err})",
+            hint="pass --db a path inside a folder",
+        )
+    return TacticsError(f"{path}: cannot be written ({err})", hint="check the path and its permissions")
+
+
+def _is_json(path: Path) -> bool:
+    """Whether ``path`` holds JSON (an export, or something else JSON) rather than a SQLite DB."""
     try:
         with path.open("rb") as f:
-            return f.read(64).lstrip()[:1] == b"{"
+            return f.read(64).lstrip()[:1] in (b"{", b"[")
     except OSError:
         return False
+
+
+def checked_copy(src: Path, tmp: Path) -> Path:
+    """A private, migrated copy in ``tmp`` of the DB or export ``src``, checked whole
+    (:mod:`prepkit.tactics.validate`); ``src`` is only read.
+
+    Raises:
+        TacticsError: ``src`` is missing, unreadable, or fails a check (the first problem named).
+    """
+    copy = tmp / "src.db"
+    try:
+        if _is_json(src):
+            _db_from_export(src, copy)
+        else:
+            _snapshot(src, copy)
+            open_db(copy, wal=False).close()
+        conn = sqlite3.connect(str(copy))
+        try:
+            validate.check_db(conn, str(src))
+        finally:
+            conn.close()
+    except OSError as err:
+        raise TacticsError(f"{src}: cannot be read or copied ({err})") from err
+    return copy
 
 
 def _db_from_export(src: Path, dest: Path) -> None:
@@ -551,38 +625,34 @@ def _db_from_export(src: Path, dest: Path) -> None:
     shared export merges like a DB file."""
     try:
         data = json.loads(src.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (OSError, UnicodeDecodeError, ValueError) as err:
         raise TacticsError(f"{src}: not a readable tactics export ({err})") from err
-    tables = data.get("tables") if isinstance(data, dict) else None
-    if not isinstance(tables, dict) or data.get("format") != "prepkit-tactics":
-        raise TacticsError(f"{src}: not a prepkit tactics export (no 'format': 'prepkit-tactics' with 'tables')")
-    version = data.get("schema_version")
-    if not isinstance(version, int) or version > schema.SCHEMA_VERSION:
-        raise TacticsError(
-            f"{src}: export of tactics schema {version!r}; this prepkit reads up to {schema.SCHEMA_VERSION}",
-            hint="upgrade prepkit",
-        )
-    with open_db(dest, wal=False) as tdb, tdb.write() as db:
-        for table in TABLES:
-            rows = tables.get(table) or []
-            known = list(columns(table))
-            for i, row in enumerate(rows):
-                if not isinstance(row, dict):
-                    raise TacticsError(f"{src}: tables.{table}[{i}] is not an object")
-            if rows:
-                cols = [c for c in known if any(c in r for r in rows)]
-                marks = ", ".join("?" for _ in cols)
-                db.conn.executemany(
-                    f"INSERT OR IGNORE INTO {table} ({', '.join(cols)}) VALUES ({marks})",
-                    [tuple(r.get(c) for c in cols) for r in rows],
-                )
+    except RecursionError as err:
+        raise TacticsError(f"{src}: not a readable tactics export (nested too deep)") from err
+    tables = validate.export_rows(data, str(src))
+    try:
+        with open_db(dest, wal=False) as tdb:
+            # References are checked after the load, all at once, naming the row that dangles.
+            tdb.conn.execute("PRAGMA foreign_keys = OFF")
+            with tdb.write() as db:
+                for table in TABLES:
+                    rows = tables[table]
+                    if rows:
+                        cols = [c for c in columns(table) if any(c in r for r in rows)]
+                        marks = ", ".join("?" for _ in cols)
+                        db.conn.executemany(
+                            f"INSERT OR IGNORE INTO {table} ({', '.join(cols)}) VALUES ({marks})",
+                            [tuple(r.get(c) for c in cols) for r in rows],
+                        )
+    except sqlite3.Error as err:
+        raise TacticsError(f"{src}: rows that cannot be stored ({err}); nothing was merged") from err
 
 
 def _snapshot(src: Path, dest: Path) -> None:
     """Consistent copy of a possibly-live DB (WAL included) via the backup API."""
     if not src.is_file():
         raise TacticsError(f"{src}: no such tactics DB", hint="check the path")
-    s = sqlite3.connect(f"{src.resolve().as_uri()}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_S)
+    s = sqlite3.connect(schema.readonly_uri(src), uri=True, timeout=BUSY_TIMEOUT_S)
     try:
         check_header(s, str(src))
         d = sqlite3.connect(str(dest))
@@ -612,11 +682,16 @@ def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = Tr
             raise TacticsError(f"{p}: no such tactics DB", hint="run `prepkit tune --db` to create it")
         if p.is_dir():
             raise TacticsError(f"{p}: is a directory, expected a tactics DB file")
-        p.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise write_failure(p, err) from err
     try:
         conn = sqlite3.connect(spath, timeout=BUSY_TIMEOUT_S)
     except sqlite3.Error as err:
-        raise TacticsError(f"{spath}: cannot open ({err})") from err
+        raise TacticsError(
+            f"{spath}: cannot open or create it ({err})", hint="check the folder and its permissions"
+        ) from err
     try:
         db = _prepare(conn, spath, wal=wal and not memory)
     except sqlite3.OperationalError as err:
@@ -626,6 +701,8 @@ def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = Tr
                 f"{spath}: locked by another process for more than {BUSY_TIMEOUT_S:.0f} s ({err})",
                 hint="wait for the other tune to finish, or use another --db and merge later",
             ) from err
+        if "readonly" in str(err) or "unable to open" in str(err) or "disk is full" in str(err):
+            raise write_failure(spath, err) from err
         raise TacticsError(f"{spath}: not a readable SQLite database ({err})") from err
     except sqlite3.DatabaseError as err:
         conn.close()
@@ -636,7 +713,7 @@ def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = Tr
     except BaseException:
         conn.close()
         raise
-    return TacticsDB(db, spath)
+    return TacticsDB(db, spath, rollback_on_close=not memory)
 
 
 @contextmanager
@@ -654,6 +731,7 @@ def open_db_readonly(path: str | os.PathLike[str]) -> Iterator[TacticsDB]:
     if version == schema.SCHEMA_VERSION:
         tdb = TacticsDB(Database(conn), str(p))
         try:
+            _require_tables(tdb, p)
             yield tdb
         finally:
             tdb.close()
@@ -663,7 +741,17 @@ def open_db_readonly(path: str | os.PathLike[str]) -> Iterator[TacticsDB]:
         copy = Path(tmp) / p.name
         _snapshot(p, copy)
         with open_db(copy, wal=False) as tdb:
+            _require_tables(tdb, p)
             yield tdb
+
+
+def _require_tables(tdb: TacticsDB, path: Path) -> None:
+    missing = validate.missing_tables(tdb.conn)
+    if missing:
+        raise TacticsError(
+            f"{path}: tables {missing} are missing, so it is not a whole tactics DB",
+            hint="another tool changed it; re-create it with `prepkit tune`, or pass another --db",
+        )
 
 
 def _is_busy(err: sqlite3.OperationalError) -> bool:
