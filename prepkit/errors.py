@@ -71,6 +71,7 @@ class CompileCheckError(PrepkitError):
     failed, as for verify: the same exit code)."""
 
     exit_code = 6
+    exit_meaning = "verification failed: a default kernel failed the compile-only check"
 
 
 class DependencyError(PrepkitError):
@@ -78,6 +79,7 @@ class DependencyError(PrepkitError):
     (bad input to fix by installing, as for a recipe: the same exit code)."""
 
     exit_code = 3
+    exit_meaning = "bad input: an optional package missing or of an unsupported version"
 
 
 class TacticsError(PrepkitError):

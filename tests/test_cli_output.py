@@ -92,7 +92,7 @@ def test_verify_json_prints_an_error_object_on_failure(tmp_path: Path) -> None:
 
 
 def test_json_outputs_hold_objects_not_json_strings(tmp_path: Path) -> None:
-    from tests.test_tactics_db import fill
+    from tests.tactics.test_db import fill
 
     db = tmp_path / "t.db"
     fill(db)
@@ -174,12 +174,12 @@ def test_prepare_under_a_file_does_not_ask_to_free_disk_space(ep_ckpt: Path, tmp
     r = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(blocker / "out"), "-q")
     assert r.exit_code == 3 and "free disk space" not in r.stderr and "Not a directory" in r.stderr, r.stderr
 
-    from prepkit import pipeline
+    from prepkit.prepare import run as prepare_run
 
     def full(path: Path) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pipeline, "make_dirs", full)
+    monkeypatch.setattr(prepare_run, "make_dirs", full)
     out = tmp_path / "full"
     r = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")
     assert r.exit_code == 3 and f"writing {out} failed" in r.stderr and "free disk space" in r.stderr, r.stderr

@@ -61,7 +61,7 @@ def test_a_real_checkpoint_keeps_the_recipe_name(ep_ckpt: Path, tmp_path: Path, 
 def test_env_reports_versions_gpu_dbs_and_native_mx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from prepkit import env
     from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
-    from tests.test_tactics_db import fill
+    from tests.tactics.test_db import fill
 
     user_db = tmp_path / "user.db"
     fill(user_db)  # rows of kernel version "1" on an H100

@@ -22,7 +22,7 @@ from prepkit.cli import cli
 from prepkit.tactics import schema
 from prepkit.tactics.lookup import TacticsDBWarning, TacticTable
 from prepkit.tactics.store import WinnerRow, open_db
-from tests.test_tactics_db import G1, H100, fill, tac
+from tests.tactics.test_db import G1, H100, fill, tac
 
 ROLLBACK = b"\x01\x01"  # bytes 18-19 of a SQLite header: file format versions, 1 = rollback journal
 
@@ -281,7 +281,7 @@ def _real_export_and_target() -> tuple[dict[str, Any], bytes]:
     if not _EXPORT:
         from dataclasses import replace
 
-        from tests.test_tactics_db import G2
+        from tests.tactics.test_db import G2
 
         with tempfile.TemporaryDirectory() as tmp:
             src, dest = Path(tmp) / "s.db", Path(tmp) / "d.db"
