@@ -53,3 +53,14 @@ def test_recording_collects_launches_and_zeroings_in_order():
     assert counts.eq(0).all()
     _record.zero(torch.ones(2))  # outside a recording nothing is kept
     assert len(steps) == 1
+
+
+def test_a_profilers_launch_hook_stops_planning(monkeypatch):
+    import triton
+
+    runtime = triton.knobs.runtime
+    assert not plan._hooked(runtime.launch_enter_hook)  # nobody listens by default
+    chain = type(runtime.launch_enter_hook)()
+    chain.add(lambda *_: None)
+    assert plan._hooked(chain)
+    assert plan._hooked(lambda *_: None) and not plan._hooked(None)

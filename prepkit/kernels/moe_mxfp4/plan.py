@@ -189,7 +189,12 @@ def plannable(hidden_states: torch.Tensor, router_logits: torch.Tensor) -> bool:
     import triton
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
-    return runtime is None or (runtime.launch_enter_hook is None and runtime.launch_exit_hook is None)
+    return runtime is None or not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
+
+
+def _hooked(hook: Any) -> bool:
+    # Newer Triton keeps a chain of hooks that is empty when nobody listens; older, a callable or None.
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 def _replayable(launch: Launch, per_call: dict[int, int]) -> _Step | None:
