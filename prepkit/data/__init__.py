@@ -50,7 +50,8 @@ def resource_path(name: str) -> Path:
     report a missing recipe or skip a missing bundled DB)."""
     resource = resources.files(__name__).joinpath(name)
     in_checkout = _CHECKOUT / name
-    packaged = resource.is_file() or resource.is_dir()
+    # An empty folder is no copy: one left behind by an older checkout's layout must not hide the top's.
+    packaged = resource.is_file() or (resource.is_dir() and any(True for _ in resource.iterdir()))
     if not packaged and in_checkout.exists() and (_CHECKOUT / "pyproject.toml").is_file():
         return in_checkout
     if isinstance(resource, Path):
