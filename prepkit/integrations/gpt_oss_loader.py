@@ -210,7 +210,7 @@ def load_experts(
     decoder's MoE block becomes a :class:`PrepkitMoeBlock` around its (loaded) router."""
     from prepkit.tactics.lookup import make_tactic_lookup
 
-    lookup = make_tactic_lookup(tp_size=manifest.parallel.tp_size, activations=activations)
+    lookup = make_tactic_lookup(activations=activations)
     for index, decoder in enumerate(model.model.layers):
         try:
             layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)

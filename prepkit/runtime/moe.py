@@ -84,8 +84,9 @@ class MoeLayer:
     _tuned: set[int] = field(default_factory=set, repr=False)  # token counts served by the lookup
     # The id torch.ops.prepkit.moe finds this layer by (prepkit.runtime.op), assigned at construction.
     op_id: int = field(init=False, default=-1, repr=False, compare=False)
-    # Recorded launches per (tokens, logits dtype, stream) for cheap eager calls (moe_mxfp4.plan).
-    _plans: dict[tuple[int, torch.dtype, int], Any] = field(default_factory=dict, repr=False)
+    # Recorded launches per (tokens, policy, logits dtype, stream) for cheap eager calls
+    # (moe_mxfp4.plan); never copied by dataclasses.replace, whose copy may change the policy.
+    _plans: dict[tuple[int, str, torch.dtype, int], Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
@@ -327,7 +328,7 @@ def moe(
         target = hidden_states.dtype if out_dtype is None else out_dtype
         return torch.ops.prepkit.moe(hidden_states, router_logits, layer.op_id, target)
     if tactics is None and layer._plans:
-        plan = layer._plans.get(_plan_key(hidden_states, router_logits))
+        plan = layer._plans.get(_plan_key(layer, hidden_states, router_logits))
         if plan is not None and plan.accepts(hidden_states, router_logits):
             out = plan(hidden_states, router_logits)
             target = hidden_states.dtype if out_dtype is None else out_dtype
@@ -349,7 +350,8 @@ def moe(
     x, logits = x.contiguous(), router_logits.contiguous()
     pair = tactics if tactics is not None else layer.tactics(num_tokens)
     # Calls whose tensors are the kernel's as given can be recorded for cheap replays.
-    plan_key = _plan_key(x, logits) if tactics is None and x is hidden_states and logits is router_logits else None
+    planned = tactics is None and x is hidden_states and logits is router_logits
+    plan_key = _plan_key(layer, x, logits) if planned else None
     try:
         out = _launch(layer, x, logits, pair, plan_key)
     except _compile_errors() as err:
@@ -362,12 +364,15 @@ def moe(
     return out if target == torch.float32 else out.to(target)
 
 
-def _plan_key(hidden_states: torch.Tensor, router_logits: torch.Tensor) -> tuple[int, torch.dtype, int] | None:
+def _plan_key(
+    layer: MoeLayer, hidden_states: torch.Tensor, router_logits: torch.Tensor
+) -> tuple[int, str, torch.dtype, int] | None:
     if hidden_states.device.type != "cuda":
         return None
     from prepkit.kernels.moe_mxfp4.plan import current_stream
 
-    return (hidden_states.shape[0], router_logits.dtype, current_stream(hidden_states.device))
+    stream = current_stream(hidden_states.device)
+    return (hidden_states.shape[0], layer.activations, router_logits.dtype, stream)
 
 
 def _launch(
@@ -375,7 +380,7 @@ def _launch(
     x: torch.Tensor,
     logits: torch.Tensor,
     pair: tuple[GemmTactic, GemmTactic],
-    plan_key: tuple[int, torch.dtype, int] | None = None,
+    plan_key: tuple[int, str, torch.dtype, int] | None = None,
 ) -> torch.Tensor:
     """The kernel on ``x``; with a ``plan_key`` its launches are recorded for the next calls of
     that key, where they can be (:func:`prepkit.kernels.moe_mxfp4.plan.plannable`)."""
