@@ -7,9 +7,10 @@ products fuses into a handful of kernels. The functions take every weight as a t
 the layer's modules, so one compiled graph serves every layer (sliding-window and full layers differ
 only in the mask tensor) and nothing recompiles per layer.
 
-Between the two halves the caller writes the new key and value into its cache (in-place writes
-into a cache are kept out of the compiled graphs), and after the second it runs the MoE, whose
-Triton launches the graph capture records as they are. The operations follow transformers' eager
+The first half writes the new key and value into the caller's cache; the second builds the
+causal (and sliding-window) mask from the device-side position inside the graph, so the mask fuses
+into the softmax. After the second half the caller runs the MoE, whose Triton launches a graph
+capture records as they are. The operations follow transformers' eager
 gpt-oss modules one for one (RMS norm in fp32, rotary on halves, bf16 scores plus an additive mask
 and a sink column), so a compiled step differs from the eager one only in the order of floating
 point reductions.
@@ -26,15 +27,13 @@ from torch.nn import functional as F
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """The tensors of one decoder layer that the decode step reads, besides the MoE's experts."""
+    """The tensors of one decoder layer that the decode step reads, besides the MoE's experts.
+    q, k and v are one matrix (``qkv_weight`` ``[q + k + v rows, H]``): one pass over the
+    activations and one launch instead of three small ones."""
 
     input_norm: torch.Tensor
-    q_weight: torch.Tensor
-    q_bias: torch.Tensor | None
-    k_weight: torch.Tensor
-    k_bias: torch.Tensor | None
-    v_weight: torch.Tensor
-    v_bias: torch.Tensor | None
+    qkv_weight: torch.Tensor
+    qkv_bias: torch.Tensor | None
     o_weight: torch.Tensor
     o_bias: torch.Tensor | None
     sinks: torch.Tensor
@@ -44,14 +43,33 @@ class LayerWeights:
 
     @classmethod
     def of(cls, layer: nn.Module) -> LayerWeights:
+        """The layer's tensors, its q/k/v projections packed into one matrix first (the modules'
+        weights become views of it, so the model keeps one copy and computes as before)."""
         attn, router = layer.self_attn, layer.mlp.router
+        qkv_weight = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
+        qkv_bias = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
         tensors = (
-            layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
-            attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+            layer.input_layernorm.weight, qkv_weight, qkv_bias, attn.o_proj.weight, attn.o_proj.bias,
             attn.sinks, layer.post_attention_layernorm.weight, router.weight, router.bias,
         )  # fmt: skip
         # Plain tensors (detached views of the parameters), so compiled code treats them as inputs.
         return cls(*(None if t is None else t.detach() for t in tensors))
+
+
+def pack_projections(q: nn.Linear, k: nn.Linear, v: nn.Linear, name: str) -> torch.Tensor | None:
+    """``q``, ``k`` and ``v``'s parameter ``name`` concatenated along the output rows; each module's
+    parameter becomes a view of the packed tensor, so the model holds one copy and computes as
+    before (packing again makes a fresh copy and frees the last)."""
+    parts = [getattr(m, name) for m in (q, k, v)]
+    if any(p is None for p in parts):
+        return None
+    packed = torch.cat([p.detach() for p in parts])
+    start = 0
+    for module, part in zip((q, k, v), parts, strict=True):
+        view = packed[start : start + part.shape[0]]
+        setattr(module, name, nn.Parameter(view, requires_grad=part.requires_grad))
+        start += part.shape[0]
+    return packed
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,25 +87,43 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
+def embed(
+    ids: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The input rows of ``ids`` and gpt-oss's rotary ``cos``/``sin`` at ``positions``."""
+    hidden = F.embedding(ids, table)
+    freqs = positions[None, :, None].float() * inv_freq.float()
+    return hidden, (freqs.cos() * scaling).to(hidden.dtype), (freqs.sin() * scaling).to(hidden.dtype)
+
+
 def attention_in(
     hidden: torch.Tensor,
     mlp_out: torch.Tensor | None,
     w: LayerWeights,
     cos: torch.Tensor,
     sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
     eps: float,
     head_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream after the previous layer's MoE (``mlp_out`` added, unless this is the
-    first layer), and this layer's rotated query, key and value ``[B, heads, T, D]``."""
+    first layer) and this layer's rotated query ``[B, heads, T, D]``; the rotated key and the
+    value are written into the cache (``keys``/``values`` ``[B, kv_heads, max_len, D]``) at
+    ``positions``."""
     if mlp_out is not None:
         hidden = hidden + mlp_out
     batch, tokens, _ = hidden.shape
-    x = rms_norm(hidden, w.input_norm, eps)
-    query = F.linear(x, w.q_weight, w.q_bias).view(batch, tokens, -1, head_dim).transpose(1, 2)
-    key = F.linear(x, w.k_weight, w.k_bias).view(batch, tokens, -1, head_dim).transpose(1, 2)
-    value = F.linear(x, w.v_weight, w.v_bias).view(batch, tokens, -1, head_dim).transpose(1, 2)
-    return hidden, rotate(query, cos, sin), rotate(key, cos, sin), value
+    kv_rows = keys.shape[1] * head_dim
+    qkv = F.linear(rms_norm(hidden, w.input_norm, eps), w.qkv_weight, w.qkv_bias)
+    query, key, value = qkv.split([qkv.shape[-1] - 2 * kv_rows, kv_rows, kv_rows], dim=-1)
+    query = query.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+    key = key.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+    value = value.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+    keys.index_copy_(2, positions, rotate(key, cos, sin))
+    values.index_copy_(2, positions, value)
+    return hidden, rotate(query, cos, sin)
 
 
 def attention_out(
@@ -95,17 +131,24 @@ def attention_out(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
     w: LayerWeights,
     scaling: float,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` over the cache (``keys``/``values`` ``[B, kv_heads, max_len, D]``,
-    additive ``mask`` ``[T, max_len]``) with the learned sinks, the output projection and the
-    residual; then the MoE's input (the post-attention norm, ``[B*T, H]``) and router logits."""
+    """Attention of ``query`` over the cache (causal, and within ``window`` positions for a
+    sliding-window layer) with the learned sinks, the output projection and the residual; then
+    the MoE's input (the post-attention norm, ``[B*T, H]``) and router logits."""
     batch, heads, tokens, head_dim = query.shape
-    kv_heads = keys.shape[1]
+    kv_heads, max_len = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
+    key_index = torch.arange(max_len, device=keys.device)
+    allowed = key_index[None, :] <= positions[:, None]
+    if window is not None:
+        allowed = allowed & (key_index[None, :] > positions[:, None] - window)
+    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
     # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows.
     query = query.reshape(batch, kv_heads, group * tokens, head_dim)
     scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + mask.repeat(group, 1)

@@ -85,6 +85,7 @@ class PrepkitDecoder:
         if self.compiled:
             self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
             self._eps = float(base.norm.variance_epsilon)
+            self._embed = torch.compile(decode_step.embed, fullgraph=True, dynamic=False)
             self._attention_in = torch.compile(decode_step.attention_in, fullgraph=True, dynamic=False)
             self._attention_out = torch.compile(decode_step.attention_out, fullgraph=True, dynamic=False)
             self._head = torch.compile(decode_step.head, fullgraph=True, dynamic=False)
@@ -165,21 +166,21 @@ class PrepkitDecoder:
         from prepkit.runtime.moe import moe
 
         base = self.model.model
-        hidden = base.embed_tokens(self.next_ids)
-        cos, sin = base.rotary_emb(hidden, positions.unsqueeze(0))
-        masks = {
-            "full_attention": self._mask(positions, None),
-            "sliding_attention": self._mask(positions, self.config.sliding_window),
-        }
+        rotary = base.rotary_emb
+        hidden, cos, sin = self._embed(
+            self.next_ids, base.embed_tokens.weight, positions, rotary.inv_freq, float(rotary.attention_scaling)
+        )
+        windows = {"full_attention": None, "sliding_attention": self.config.sliding_window}
         mlp_out = None
         for index, (layer, weights) in enumerate(zip(self.layers, self._weights, strict=True)):
             attn = layer.self_attn
-            hidden, query, key, value = self._attention_in(hidden, mlp_out, weights, cos, sin, self._eps, attn.head_dim)
-            self.keys[index].index_copy_(2, positions, key)
-            self.values[index].index_copy_(2, positions, value)
-            mask = masks[self.config.layer_types[index]]
+            keys, values = self.keys[index], self.values[index]
+            hidden, query = self._attention_in(
+                hidden, mlp_out, weights, cos, sin, keys, values, positions, self._eps, attn.head_dim
+            )
+            window = windows[self.config.layer_types[index]]
             hidden, x, logits = self._attention_out(
-                hidden, query, self.keys[index], self.values[index], mask, weights, attn.scaling, self._eps
+                hidden, query, keys, values, positions, window, weights, attn.scaling, self._eps
             )
             mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
         return self._head(hidden, mlp_out, base.norm.weight, self.model.lm_head.weight, self._eps)
