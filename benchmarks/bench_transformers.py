@@ -150,13 +150,19 @@ def transformers_decode_ms(model: torch.nn.Module, steps: int, warmup: int, iter
 
 
 def decoder_step_ms(
-    model: torch.nn.Module, steps: int, cuda_graph: bool, iters: int, compile: bool = False
+    model: torch.nn.Module,
+    steps: int,
+    cuda_graph: bool,
+    iters: int,
+    compile: bool = False,
+    projections: str = "reduction",
 ) -> tuple[float, Any]:
     """Milliseconds per decode step of PrepkitDecoder (eager or graph-replayed, its decode step
     compiled or not), and the decoder."""
     from prepkit.integrations.static_decode import PrepkitDecoder
 
-    decoder = PrepkitDecoder(model, PROMPT_TOKENS + steps * (iters + 4) + 8, cuda_graph=cuda_graph, compile=compile)
+    length = PROMPT_TOKENS + steps * (iters + 4) + 8
+    decoder = PrepkitDecoder(model, length, cuda_graph=cuda_graph, compile=compile, projections=projections)
     prompt = torch.randint(0, 1000, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(1))
     decoder.generate(prompt, 2)  # prefill, one step (warm-up; captures the graph)
 
@@ -391,13 +397,14 @@ def main(argv: list[str] | None = None) -> int:
             report["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
             print("prepkit's MoE ...", flush=True)
             row = measure_decode(model, args, fixed, "prepkit")
-            for key, cuda_graph, compile in (
-                ("prepkit_eager", False, False),
-                ("prepkit_graph", True, False),
-                ("prepkit_graph_compiled", True, True),
+            for key, cuda_graph, compile, projections in (
+                ("prepkit_eager", False, False, "linear"),
+                ("prepkit_graph", True, False, "linear"),
+                ("prepkit_graph_compiled_linear", True, True, "linear"),
+                ("prepkit_graph_compiled", True, True, "reduction"),
             ):
                 torch.cuda.reset_peak_memory_stats()
-                ms, decoder = decoder_step_ms(model, args.decode_tokens, cuda_graph, args.iters, compile)
+                ms, decoder = decoder_step_ms(model, args.decode_tokens, cuda_graph, args.iters, compile, projections)
                 row[f"{key}_ms_per_token"] = ms
                 row[f"{key}_ms_per_layer"] = (ms - fixed) / L
                 row[f"{key}_peak_gib"] = (torch.cuda.max_memory_allocated() - before) / 2**30
@@ -447,7 +454,10 @@ def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     floor, floor36 = report["floor_ms"], report["floor_36_ms"]
     print(f"| bandwidth floor | {floor:.3f} | {1e3 / floor:,.0f} | - | {1e3 / floor36:,.0f} | 100 |")
     for row in rows:
-        for key in ("transformers_loop", "prepkit_eager", "prepkit_graph", "prepkit_graph_compiled"):
+        for key in (
+            "transformers_loop", "prepkit_eager", "prepkit_graph", "prepkit_graph_compiled_linear",
+            "prepkit_graph_compiled",
+        ):  # fmt: skip
             if f"{key}_ms_per_token" not in row:
                 continue
             ms, per_layer = row[f"{key}_ms_per_token"], row[f"{key}_ms_per_layer"]

@@ -72,6 +72,18 @@ def pack_projections(q: nn.Linear, k: nn.Linear, v: nn.Linear, name: str) -> tor
     return packed
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, as_reduction: bool) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``; with ``as_reduction`` written as a multiply and a sum over
+    K (fp32), which the compiler turns into one kernel that streams the weight rows: at one token
+    a library GEMM of a few thousand rows leaves most of the bandwidth unused."""
+    if not as_reduction:
+        return F.linear(x, weight, bias)
+    out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """gpt-oss's RMS norm: in fp32, the weight applied before the cast back."""
     dtype = x.dtype
@@ -107,16 +119,17 @@ def attention_in(
     positions: torch.Tensor,
     eps: float,
     head_dim: int,
+    as_reduction: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual stream after the previous layer's MoE (``mlp_out`` added, unless this is the
     first layer) and this layer's rotated query ``[B, heads, T, D]``; the rotated key and the
     value are written into the cache (``keys``/``values`` ``[B, kv_heads, max_len, D]``) at
-    ``positions``."""
+    ``positions``. ``as_reduction``: see :func:`project`."""
     if mlp_out is not None:
         hidden = hidden + mlp_out
     batch, tokens, _ = hidden.shape
     kv_rows = keys.shape[1] * head_dim
-    qkv = F.linear(rms_norm(hidden, w.input_norm, eps), w.qkv_weight, w.qkv_bias)
+    qkv = project(rms_norm(hidden, w.input_norm, eps), w.qkv_weight, w.qkv_bias, as_reduction)
     query, key, value = qkv.split([qkv.shape[-1] - 2 * kv_rows, kv_rows, kv_rows], dim=-1)
     query = query.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
     key = key.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
@@ -136,6 +149,7 @@ def attention_out(
     w: LayerWeights,
     scaling: float,
     eps: float,
+    as_reduction: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``query`` over the cache (causal, and within ``window`` positions for a
     sliding-window layer) with the learned sinks, the output projection and the residual; then
@@ -157,9 +171,9 @@ def attention_out(
     scores = scores - scores.max(dim=-1, keepdim=True).values
     probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype)
     out = torch.matmul(probs, values).reshape(batch, heads, tokens, head_dim).transpose(1, 2)
-    hidden = hidden + F.linear(out.reshape(batch, tokens, heads * head_dim), w.o_weight, w.o_bias)
+    hidden = hidden + project(out.reshape(batch, tokens, heads * head_dim), w.o_weight, w.o_bias, as_reduction)
     x = rms_norm(hidden, w.post_norm, eps).reshape(batch * tokens, -1)
-    return hidden, x, F.linear(x, w.router_weight, w.router_bias)
+    return hidden, x, project(x, w.router_weight, w.router_bias, as_reduction)
 
 
 def head(hidden: torch.Tensor, mlp_out: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float):

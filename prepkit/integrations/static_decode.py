@@ -52,6 +52,7 @@ class PrepkitDecoder:
         batch_size: int = 1,
         cuda_graph: bool = True,
         compile: bool | None = None,
+        projections: str = "reduction",
     ) -> None:
         config = model.config
         base = model.model
@@ -82,6 +83,9 @@ class PrepkitDecoder:
         if compile and not prepkit_moe:
             raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
         self.compiled = self.device.type == "cuda" and prepkit_moe if compile is None else compile
+        if projections not in ("reduction", "linear"):
+            raise ValueError(f"projections must be 'reduction' or 'linear', got {projections!r}")
+        self._as_reduction = projections == "reduction"
         if self.compiled:
             self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
             self._eps = float(base.norm.variance_epsilon)
@@ -176,11 +180,30 @@ class PrepkitDecoder:
             attn = layer.self_attn
             keys, values = self.keys[index], self.values[index]
             hidden, query = self._attention_in(
-                hidden, mlp_out, weights, cos, sin, keys, values, positions, self._eps, attn.head_dim
+                hidden,
+                mlp_out,
+                weights,
+                cos,
+                sin,
+                keys,
+                values,
+                positions,
+                self._eps,
+                attn.head_dim,
+                self._as_reduction,
             )
             window = windows[self.config.layer_types[index]]
             hidden, x, logits = self._attention_out(
-                hidden, query, keys, values, positions, window, weights, attn.scaling, self._eps
+                hidden,
+                query,
+                keys,
+                values,
+                positions,
+                window,
+                weights,
+                attn.scaling,
+                self._eps,
+                self._as_reduction,
             )
             mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
         return self._head(hidden, mlp_out, base.norm.weight, self.model.lm_head.weight, self._eps)
