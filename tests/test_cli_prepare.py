@@ -339,3 +339,48 @@ def test_a_resume_after_a_full_disk_needs_only_the_space_still_to_write(
     clean = tmp_path / "clean"
     assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(clean), "-q")[0] == 0
     assert hashes(out) == hashes(clean)
+
+
+# Runs one huge --tp or --ep dry run under an address-space cap (so code that builds every rank
+# fails fast instead of swapping), timing it and measuring its peak memory from inside.
+_HUGE_SPLIT_PROBE = """
+import json, resource, sys, time
+from click.testing import CliRunner
+from prepkit.cli import cli
+
+option, src, out = sys.argv[1:]
+# a sane dry run first: the lazy imports of the command are not what is timed
+assert CliRunner().invoke(cli, ["prepare", "--src", src, "--out", out, "--dry-run", "-q"]).exit_code == 0
+vm = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 2 * 1024**3, resource.RLIM_INFINITY))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+result = CliRunner().invoke(cli, ["prepare", "--src", src, option, "100000000", "--out", out, "--dry-run"])
+seconds = time.perf_counter() - start
+grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"code": result.exit_code, "stderr": result.stderr, "seconds": seconds, "grown_kib": grown_kib}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and caps the address space")
+@pytest.mark.parametrize(
+    "option, reason", [("--tp", "groups of 32 rows"), ("--ep", "cannot be split evenly")], ids=["tp", "ep"]
+)
+def test_a_huge_split_is_refused_at_once_with_bounded_memory(
+    ep_ckpt: Path, tmp_path: Path, option: str, reason: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HUGE_SPLIT_PROBE, option, str(ep_ckpt), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout.splitlines()[-1])
+    # a split the model cannot take is bad input (exit 3), as every layout's split refusal is
+    assert probe["code"] == 3, probe["stderr"]
+    assert reason in probe["stderr"] and "100000000" in probe["stderr"]
+    assert "Traceback" not in probe["stderr"]
+    assert probe["seconds"] < 1.0
+    assert probe["grown_kib"] < 64 * 1024
+    assert not (tmp_path / "o").exists()

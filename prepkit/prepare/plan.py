@@ -12,6 +12,7 @@ from prepkit.constants import PREPARE_LOCK
 from prepkit.errors import OutputError
 from prepkit.fsutil import free_bytes
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
+from prepkit.layouts.base import check_split
 from prepkit.locks import holder_pid, is_held
 from prepkit.manifest import experts_file, shared_file
 from prepkit.prepare.guard import busy_error_for, check_output_dir, fingerprint_of, finished_files, plan_identity
@@ -126,14 +127,17 @@ def plan_prepare(
     checkpoint = Checkpoint(src, recipe)
     checkpoint.validate()
     dims = checkpoint.dims
-    specs = RankSpec.all_ranks(tp_size, ep_size)
+    check_split(dims, tp_size, ep_size)  # before any rank is built: a huge --tp costs nothing
+    world_size = tp_size * ep_size
     if ranks is not None:
-        bad = [r for r in ranks if not 0 <= r < len(specs)]
+        bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
             raise OutputError(
                 f"--rank {bad[0]} is out of range for tp={tp_size} x ep={ep_size}",
-                hint=f"ranks are 0..{len(specs) - 1}",
+                hint=f"ranks are 0..{world_size - 1}",
             )
+    specs = RankSpec.all_ranks(tp_size, ep_size)
+    if ranks is not None:
         specs = [specs[r] for r in sorted(set(ranks))]
     rank_plans = [layout.plan_rank(dims, spec, options) for spec in specs]
 
