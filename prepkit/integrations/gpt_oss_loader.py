@@ -212,12 +212,8 @@ def load_experts(
 
     lookup = make_tactic_lookup(activations=activations)
     for index, decoder in enumerate(model.model.layers):
-        try:
-            layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)
-        except SafetensorError as err:
-            raise VerifyError(
-                f"{root / experts_file(rank, index)} cannot be read: {err}", hint=f"run: prepkit verify {root}"
-            ) from err
+        # load_moe_layers names an unreadable expert file itself (VerifyError)
+        layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)
         decoder.mlp = PrepkitMoeBlock(decoder.mlp.router, layers[index], index)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from prepkit.errors import LayoutError, VerifyError
@@ -145,12 +146,20 @@ def load_shards(
     for layer in wanted:
         rel = experts_file(rank, layer)
         path = root / rel
+        hint = f"run: prepkit verify {root}"
         if not path.is_file():
-            raise VerifyError(f"{path} is missing", hint=f"run: prepkit verify {root}")
+            raise VerifyError(f"{path} is missing", hint=hint)
+        recorded = manifest.files.get(rel)
+        # A truncated file is named here, not by safetensors' reader (which names no file).
+        if recorded is not None and path.stat().st_size != recorded.bytes:
+            raise VerifyError(f"{path} is {path.stat().st_size} bytes, the manifest says {recorded.bytes}", hint=hint)
         if check_hashes and sha256_file(path) != manifest.files[rel].sha256:
-            raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=f"run: prepkit verify {root}")
+            raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=hint)
         prefix = manifest.expert_tensor_prefix.format(layer=layer)
-        raw = load_file(str(path), device=str(shards.device))
+        try:
+            raw = load_file(str(path), device=str(shards.device))
+        except SafetensorError as err:
+            raise VerifyError(f"{path} cannot be read: {err}", hint=hint) from err
         tensors: dict[str, torch.Tensor] = {}
         for name, spec in entry.tensors.items():
             t = raw.get(prefix + name)

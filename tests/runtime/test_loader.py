@@ -72,3 +72,19 @@ def test_importing_the_runtime_is_cheap() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_truncated_or_unreadable_shard_is_named(prepared: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(prepared, tmp_path / "copy"))
+    victim = copy / "rank1" / "experts-00001.safetensors"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100])  # shorter than its own header
+    with pytest.raises(VerifyError, match=f"{victim} is 100 bytes, the manifest says {len(data)}"):
+        load_shards(copy, rank=1)
+    garbled = bytearray(data)
+    garbled[8:16] = b"\xff" * 8  # the header is no longer JSON; the size is unchanged
+    victim.write_bytes(bytes(garbled))
+    with pytest.raises(VerifyError, match=f"{victim} cannot be read"):
+        load_shards(copy, rank=1)
