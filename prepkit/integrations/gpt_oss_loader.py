@@ -32,6 +32,7 @@ from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest, experts_file
 from prepkit.model_files import GENERATION_CONFIG
 from prepkit.recipes import check_config, load_recipe
+from prepkit.runtime.arguments import parse_device
 from prepkit.runtime.moe import load_moe_layers
 
 if TYPE_CHECKING:
@@ -63,14 +64,15 @@ def from_prepared(
         RecipeError: transformers outside the supported range, or a manifest config field that is
             missing or invalid (named).
         LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
-        DeviceError: ``device`` is the CPU without the Triton interpreter.
+        DeviceError: ``device`` is not a device this machine has (CUDA without a GPU), or is the
+            CPU without the Triton interpreter.
         VerifyError: a missing, truncated or unreadable file, a tensor whose shape differs, or a
             model tensor the shard set does not hold (each named).
         PrepkitError: ``activations`` is not a policy.
     """
     check_transformers_version()
     check_policy(activations)
-    target = torch.device(device)
+    target = parse_device(device)
     require_kernel_device(target)
     root = Path(prepared_dir)
     manifest = Manifest.read(root)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.manifest import Manifest, RankRecord, experts_file
+from prepkit.runtime.arguments import parse_device
 
 _DTYPES = {
     "uint8": torch.uint8,
@@ -126,7 +127,13 @@ def load_shards(
     ``expect_layout`` (a layout id like ``trtllm_gen_v1`` or a CLI name) is checked against the
     manifest; a mismatch raises ``LayoutError`` naming both. ``check_hashes`` re-hashes the files
     first (slow on big models; ``prepkit verify`` does the same offline).
+
+    Raises:
+        DeviceError: ``device`` is not a device this machine has (checked before any file is read).
+        LayoutError: the layout is not ``expect_layout``, or the set lacks ``rank``.
+        VerifyError: a file is missing, truncated or unreadable, or disagrees with the manifest.
     """
+    target = parse_device(device)
     root = Path(out_dir)
     manifest = Manifest.read(root)
     layout = manifest.layout
@@ -142,7 +149,7 @@ def load_shards(
             hint="pass one of those ranks or prepare the missing one with --rank",
         )
     wanted = list(range(manifest.model.dims.num_layers)) if layers is None else layers
-    shards = LoadedShards(root, rank, torch.device(device), manifest, entry)
+    shards = LoadedShards(root, rank, target, manifest, entry)
     for layer in wanted:
         rel = experts_file(rank, layer)
         path = root / rel

@@ -297,6 +297,12 @@ def test_the_cpu_needs_the_interpreter(prepared: Path, monkeypatch: pytest.Monke
         load(prepared, device="cpu")
 
 
+def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="'cuda' was asked, but torch sees no CUDA device"):
+        load(prepared, device="cuda")
+
+
 def test_an_unknown_activation_policy_is_refused(prepared: Path) -> None:
     with pytest.raises(PrepkitError, match="fp8"):
         load(prepared, activations="fp8")

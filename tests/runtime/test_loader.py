@@ -88,3 +88,19 @@ def test_a_truncated_or_unreadable_shard_is_named(prepared: Path, tmp_path: Path
     victim.write_bytes(bytes(garbled))
     with pytest.raises(VerifyError, match=f"{victim} cannot be read"):
         load_shards(copy, rank=1)
+
+
+def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prepkit.errors import DeviceError
+    from prepkit.runtime import load_moe_layers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", torch.device("cuda", 0)):
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            load_shards(prepared, rank=0, device=device)
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            load_moe_layers(prepared, rank=0, device=device, use_tactics_db=False)
+    with pytest.raises(DeviceError, match="'gpu' is not a torch device"):
+        load_shards(prepared, rank=0, device="gpu")
+    with pytest.raises(DeviceError, match="expected a str or torch.device"):
+        load_shards(prepared, rank=0, device=0.5)
