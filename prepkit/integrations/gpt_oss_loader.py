@@ -32,7 +32,7 @@ from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest, experts_file
 from prepkit.model_files import GENERATION_CONFIG
 from prepkit.recipes import check_config, load_recipe
-from prepkit.runtime.arguments import parse_device
+from prepkit.runtime.arguments import check_rank, parse_device
 from prepkit.runtime.moe import load_moe_layers
 
 if TYPE_CHECKING:
@@ -61,8 +61,8 @@ def from_prepared(
     presence, size and readable headers, and every tensor for its shape.
 
     Raises:
-        RecipeError: transformers outside the supported range, or a manifest config field that is
-            missing or invalid (named).
+        RecipeError: transformers outside the supported range, ``rank`` not an int, or a manifest
+            config field that is missing or invalid (named).
         LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
         DeviceError: ``device`` is not a device this machine has (CUDA without a GPU), or is the
             CPU without the Triton interpreter.
@@ -73,6 +73,7 @@ def from_prepared(
     check_transformers_version()
     check_policy(activations)
     target = parse_device(device)
+    rank = check_rank(rank)
     require_kernel_device(target)
     root = Path(prepared_dir)
     manifest = Manifest.read(root)

@@ -3,11 +3,70 @@ argument and what it may be: a wrong value then reads as a wrong value, not as a
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from prepkit.errors import DeviceError
+from prepkit.errors import DeviceError, LayoutError, RecipeError
+
+
+def _index(value: Any) -> int | None:
+    """``value`` as an int when it is one (numpy and 0-d torch ints too), else None: a bool, a
+    float such as ``1.0`` or a string is not an index."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_rank(rank: Any) -> int:
+    """``rank`` as an int. Whether the shard set holds it is the manifest's to say.
+
+    Raises:
+        RecipeError: not an int (a bool or a float such as ``1.0`` is refused, not rounded).
+    """
+    index = _index(rank)
+    if index is None:
+        raise RecipeError(f"rank: expected an int, got {rank!r} ({type(rank).__name__})")
+    return index
+
+
+def check_layer_list(layers: Any) -> list[int] | None:
+    """``layers`` as a list of ints (None: every layer). Whether they exist is :func:`check_layers_in`'s.
+
+    Raises:
+        RecipeError: not a list (or tuple, range) of ints.
+    """
+    if layers is None:
+        return None
+    if isinstance(layers, str | bytes) or not isinstance(layers, Sequence):
+        raise RecipeError(
+            f"layers: expected a list of layer indexes such as [0, 1], got {layers!r} ({type(layers).__name__})"
+        )
+    out = []
+    for item in layers:
+        index = _index(item)
+        if index is None:
+            raise RecipeError(f"layers: expected ints, got {item!r} ({type(item).__name__}) in {list(layers)!r}")
+        out.append(index)
+    return out
+
+
+def check_layers_in(layers: list[int], num_layers: int, where: str) -> None:
+    """Refuse a layer index the shard set at ``where`` does not have.
+
+    Raises:
+        LayoutError: naming the first such layer and the valid range.
+    """
+    for index in layers:
+        if not 0 <= index < num_layers:
+            raise LayoutError(
+                f"layers: layer {index} does not exist: {where} holds {num_layers} layers (0..{num_layers - 1})"
+            )
 
 
 def parse_device(device: Any) -> torch.device:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.manifest import Manifest, RankRecord, experts_file
-from prepkit.runtime.arguments import parse_device
+from prepkit.runtime.arguments import check_layer_list, check_layers_in, check_rank, parse_device
 
 _DTYPES = {
     "uint8": torch.uint8,
@@ -130,10 +130,14 @@ def load_shards(
 
     Raises:
         DeviceError: ``device`` is not a device this machine has (checked before any file is read).
-        LayoutError: the layout is not ``expect_layout``, or the set lacks ``rank``.
+        RecipeError: ``rank`` is not an int, or ``layers`` not a list of ints (checked first too).
+        LayoutError: the layout is not ``expect_layout``, the set lacks ``rank`` or a layer of
+            ``layers`` (checked against the manifest before any shard file is opened).
         VerifyError: a file is missing, truncated or unreadable, or disagrees with the manifest.
     """
     target = parse_device(device)
+    rank = check_rank(rank)
+    layers = check_layer_list(layers)
     root = Path(out_dir)
     manifest = Manifest.read(root)
     layout = manifest.layout
@@ -148,7 +152,10 @@ def load_shards(
             f"{root} holds ranks {sorted(r.rank for r in manifest.ranks)}, not rank {rank}",
             hint="pass one of those ranks or prepare the missing one with --rank",
         )
-    wanted = list(range(manifest.model.dims.num_layers)) if layers is None else layers
+    num_layers = manifest.model.dims.num_layers
+    if layers is not None:
+        check_layers_in(layers, num_layers, str(root))
+    wanted = list(range(num_layers)) if layers is None else sorted(set(layers))
     shards = LoadedShards(root, rank, target, manifest, entry)
     for layer in wanted:
         rel = experts_file(rank, layer)

@@ -303,6 +303,11 @@ def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytes
         load(prepared, device="cuda")
 
 
+def test_a_rank_that_is_not_an_int_is_named(prepared: Path) -> None:
+    with pytest.raises(RecipeError, match=r"rank: expected an int, got 0\.0 \(float\)"):
+        load(prepared, rank=0.0)
+
+
 def test_an_unknown_activation_policy_is_refused(prepared: Path) -> None:
     with pytest.raises(PrepkitError, match="fp8"):
         load(prepared, activations="fp8")

@@ -104,3 +104,32 @@ def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytes
         load_shards(prepared, rank=0, device="gpu")
     with pytest.raises(DeviceError, match="expected a str or torch.device"):
         load_shards(prepared, rank=0, device=0.5)
+
+
+def test_bad_ranks_and_layers_are_named_before_any_shard_is_opened(
+    prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prepkit.errors import RecipeError
+    from prepkit.runtime import loader
+
+    def no_shard_may_be_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a shard file was opened")
+
+    monkeypatch.setattr(loader, "load_file", no_shard_may_be_read)
+    with pytest.raises(LayoutError, match=r"layers: layer 5 does not exist: .* holds 2 layers \(0\.\.1\)"):
+        load_shards(prepared, rank=0, layers=[5])
+    with pytest.raises(LayoutError, match=r"layer -1 does not exist"):
+        load_shards(prepared, rank=0, layers=[0, -1])
+    for rank in (1.0, True, "1"):
+        with pytest.raises(RecipeError, match=f"rank: expected an int, got {rank!r}"):
+            load_shards(prepared, rank=rank)  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match="layers: expected a list of layer indexes"):
+        load_shards(prepared, rank=0, layers=1)  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match=r"layers: expected ints, got 0\.0"):
+        load_shards(prepared, rank=0, layers=[0.0])  # type: ignore[list-item]
+    monkeypatch.undo()
+    # an int of another kind is an int: numpy's, and a 0-d torch tensor
+    import numpy as np
+
+    shards = load_shards(prepared, rank=np.int64(1), layers=(torch.tensor(1),))
+    assert shards.rank == 1 and sorted(shards.layers) == [1]
