@@ -4,8 +4,11 @@ adapter; only the CLI imports this module."""
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Callable, Iterator
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -23,6 +26,8 @@ from rich.progress import (
 )
 from rich.text import Text
 
+from prepkit.fsutil import format_bytes
+
 err_console = Console(stderr=True, highlight=False)
 # Results (tables, plans, summaries) go to stdout so they can be piped and grepped.
 out_console = Console(highlight=False)
@@ -30,17 +35,40 @@ out_console = Console(highlight=False)
 ProgressFn = Callable[[str, int, int], None]
 
 
+# Seconds between progress lines when stderr is not a terminal (nohup, CI, ssh | tee).
+PROGRESS_INTERVAL_ENV = "PREPKIT_PROGRESS_INTERVAL"
+DEFAULT_PROGRESS_INTERVAL = 10.0
+
+
+def progress_interval() -> float:
+    """$PREPKIT_PROGRESS_INTERVAL in seconds (0: every update), else the default of 10 s."""
+    try:
+        value = float(os.environ.get(PROGRESS_INTERVAL_ENV, ""))
+    except ValueError:
+        return DEFAULT_PROGRESS_INTERVAL
+    return value if value >= 0 else DEFAULT_PROGRESS_INTERVAL
+
+
 @contextmanager
 def progress(
-    enabled: bool = True, *, transient: bool = False, unit: Literal["bytes", "count"] = "bytes"
+    enabled: bool = True,
+    *,
+    transient: bool = False,
+    unit: Literal["bytes", "count"] = "bytes",
+    log_labels: Collection[str] | None = None,
 ) -> Iterator[ProgressFn]:
     """Yield an ``on_progress(label, done, total)`` callback drawn as rich bars: bytes with their
     speed, or (``unit="count"``) done/total counts with an ETA.
 
-    One bar per label; rich draws nothing live when stderr is not a terminal.
+    One bar per label on a terminal. Elsewhere (where rich draws nothing live) plain lines, one
+    per label that moved, every :func:`progress_interval` seconds; ``log_labels`` limits those
+    lines to the labels named (e.g. a total, not every file).
     """
     if not enabled:
         yield lambda label, done, total: None
+        return
+    if not err_console.is_terminal:
+        yield _ProgressLines(unit, progress_interval(), log_labels).update
         return
     if unit == "bytes":
         columns = (DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(), TimeRemainingColumn())
@@ -62,6 +90,43 @@ def progress(
 
     with bars:
         yield on_progress
+
+
+class _ProgressLines:
+    """Progress off a terminal: at most one batch of plain lines on stderr per interval, one line
+    per label that moved since the last batch, so a log shows a long run is alive."""
+
+    def __init__(self, unit: str, interval: float, labels: Collection[str] | None) -> None:
+        self.unit = unit
+        self.interval = interval
+        self.labels = labels
+        self.started = self.printed = time.monotonic()
+        self.latest: dict[str, tuple[int, int]] = {}
+        self.moved: dict[str, None] = {}  # an ordered set: the labels in the order they moved
+        self.lock = threading.Lock()  # fetch reports from many threads
+
+    def update(self, label: str, done: int, total: int) -> None:
+        if self.labels is not None and label not in self.labels:
+            return
+        with self.lock:
+            self.latest[label] = (done, total)
+            self.moved[label] = None
+            now = time.monotonic()
+            if now - self.printed < self.interval:
+                return
+            self.printed = now
+            for moved in self.moved:
+                err_console.print(Text(self.line(moved, now - self.started)), soft_wrap=True)
+            self.moved.clear()
+
+    def line(self, label: str, elapsed: float) -> str:
+        """``source: 1.2 GiB / 4.0 GiB (30%), 120.5 MiB/s, 10 s elapsed``"""
+        done, total = self.latest[label]
+        share = f" ({100 * done // total}%)" if total > 0 else ""
+        if self.unit == "bytes":
+            rate = f", {format_bytes(done / elapsed)}/s" if elapsed > 0 else ""
+            return f"{label}: {format_bytes(done)} / {format_bytes(total)}{share}{rate}, {elapsed:.0f} s elapsed"
+        return f"{label}: {done}/{total}{share}, {elapsed:.0f} s elapsed"
 
 
 # ``-q``: no progress and no info lines on stderr; results (stdout), warnings and errors still print.

@@ -183,3 +183,43 @@ def test_prepare_under_a_file_does_not_ask_to_free_disk_space(ep_ckpt: Path, tmp
     out = tmp_path / "full"
     r = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")
     assert r.exit_code == 3 and f"writing {out} failed" in r.stderr and "free disk space" in r.stderr, r.stderr
+
+
+# --------------------------------------------------------------------------- 12: progress in logs
+
+_PROGRESS_LINE = re.compile(r"^(source|rank \d+|hashes|experts): .*\(\d+%\).*elapsed$", re.M)
+
+
+def test_progress_goes_to_a_log_as_plain_lines(ep_ckpt: Path, tmp_path: Path) -> None:
+    # CliRunner's stderr is not a terminal, as under nohup, CI or ssh | tee: rich draws no bars
+    out = tmp_path / "out"
+    prepare = ["prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out)]
+    every_update = {console.PROGRESS_INTERVAL_ENV: "0"}
+    r = CliRunner().invoke(cli, prepare, env=every_update)
+    assert r.exit_code == 0, r.stderr
+    lines = _PROGRESS_LINE.findall(r.stderr)
+    assert {"source", "rank 0", "rank 1"} <= set(lines)
+    assert re.search(r"^source: (\S+ \S+) / \1 \(100%\)", r.stderr, re.M)  # the last update, whole
+    assert not _PROGRESS_LINE.search(r.stdout)  # still diagnostics: never on stdout
+    r = CliRunner().invoke(cli, ["verify", str(out), "--src", str(ep_ckpt)], env=every_update)
+    assert r.exit_code == 0, r.stderr
+    assert {"hashes", "experts"} <= set(_PROGRESS_LINE.findall(r.stderr))
+    # -q silences them; a steady pace means none before the first interval has passed
+    r = CliRunner().invoke(cli, ["verify", str(out), "-q"], env=every_update)
+    assert r.exit_code == 0 and not _PROGRESS_LINE.search(r.stderr)
+    r = CliRunner().invoke(cli, ["verify", str(out)], env={console.PROGRESS_INTERVAL_ENV: "3600"})
+    assert r.exit_code == 0 and not _PROGRESS_LINE.search(r.stderr)
+
+
+def test_progress_lines_keep_a_steady_pace(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: clock[0])
+    monkeypatch.setenv(console.PROGRESS_INTERVAL_ENV, "10")
+    with console.progress() as on_progress:
+        for second in range(1, 36):  # an update every second for 35 s
+            clock[0] = 100.0 + second
+            on_progress("source", second * 1024**2, 35 * 1024**2)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"source: {mib}.0 MiB / 35.0 MiB ({100 * mib // 35}%), 1.0 MiB/s, {mib} s elapsed" for mib in (10, 20, 30)
+    ]

@@ -292,3 +292,95 @@ def test_the_source_record_is_read_once_per_run(ep_ckpt: Path, tmp_path: Path, m
     record = {f["path"]: f["sha256"] for f in json.loads((ep_ckpt / SYNTH_RECORD).read_text())["files"]}
     cited = json.loads((out / MANIFEST_NAME).read_text())["model"]["source_files"]
     assert cited and {name: f["sha256"] for name, f in cited.items()} == {name: record[name] for name in cited}
+
+
+def test_a_resume_after_a_full_disk_needs_only_the_space_still_to_write(
+    ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prepkit.prepare import plan as prepare_plan
+    from prepkit.prepare import write
+
+    # The disk fills while layer 1 is written, after the shared file is finished and recorded.
+    real_write_chunk = write._RankFile.write_chunk
+
+    def full_at_layer_1(self: write._RankFile, *args: object) -> None:
+        if self.rel.endswith("experts-00001.safetensors"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write_chunk(self, *args)
+
+    monkeypatch.setattr(write._RankFile, "write_chunk", full_at_layer_1)
+    out = tmp_path / "out"
+    args = ("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(out), "-q")
+    code, _, stderr = run(*args)
+    assert code == 3 and "no space" in stderr.lower()
+    monkeypatch.setattr(write._RankFile, "write_chunk", real_write_chunk)
+
+    code, stdout, stderr = run(*args[:-1], "--dry-run", "--json")
+    assert code == 0, stderr
+    plan = json.loads(stdout)["plan"]
+    experts = sum(r["bytes"] for r in plan["ranks"])
+    assert plan["bytes_left"] == experts == plan["bytes_to_write"] - plan["shared_bytes"]
+    assert 0 < plan["bytes_left"] < plan["bytes_to_write"]
+    code, stdout, _ = run(*args[:-1], "--dry-run")
+    assert "still to write" in stdout
+
+    # Free space between what is left and the whole output: a fresh run is refused, the resume runs.
+    free = (plan["bytes_left"] + plan["bytes_to_write"]) // 2
+    monkeypatch.setattr(prepare_plan, "free_bytes", lambda path: free)
+    code, _, stderr = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(tmp_path / "fresh"), "-q")
+    assert code == 3 and "free" in stderr
+    code, _, stderr = run(*args)
+    assert code == 0, stderr
+    # and a rerun on the finished folder needs nothing, even on a full disk
+    monkeypatch.setattr(prepare_plan, "free_bytes", lambda path: 0)
+    code, _, stderr = run(*args)
+    assert code == 0, stderr
+    monkeypatch.undo()
+    clean = tmp_path / "clean"
+    assert run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(clean), "-q")[0] == 0
+    assert hashes(out) == hashes(clean)
+
+
+# Runs one huge --tp or --ep dry run under an address-space cap (so code that builds every rank
+# fails fast instead of swapping), timing it and measuring its peak memory from inside.
+_HUGE_SPLIT_PROBE = """
+import json, resource, sys, time
+from click.testing import CliRunner
+from prepkit.cli import cli
+
+option, src, out = sys.argv[1:]
+# a sane dry run first: the lazy imports of the command are not what is timed
+assert CliRunner().invoke(cli, ["prepare", "--src", src, "--out", out, "--dry-run", "-q"]).exit_code == 0
+vm = int(next(l.split()[1] for l in open("/proc/self/status") if l.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 2 * 1024**3, resource.RLIM_INFINITY))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+start = time.perf_counter()
+result = CliRunner().invoke(cli, ["prepare", "--src", src, option, "100000000", "--out", out, "--dry-run"])
+seconds = time.perf_counter() - start
+grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+print(json.dumps({"code": result.exit_code, "stderr": result.stderr, "seconds": seconds, "grown_kib": grown_kib}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and caps the address space")
+@pytest.mark.parametrize(
+    "option, reason", [("--tp", "groups of 32 rows"), ("--ep", "cannot be split evenly")], ids=["tp", "ep"]
+)
+def test_a_huge_split_is_refused_at_once_with_bounded_memory(
+    ep_ckpt: Path, tmp_path: Path, option: str, reason: str
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _HUGE_SPLIT_PROBE, option, str(ep_ckpt), str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    probe = json.loads(proc.stdout.splitlines()[-1])
+    # a split the model cannot take is bad input (exit 3), as every layout's split refusal is
+    assert probe["code"] == 3, probe["stderr"]
+    assert reason in probe["stderr"] and "100000000" in probe["stderr"]
+    assert "Traceback" not in probe["stderr"]
+    assert probe["seconds"] < 1.0
+    assert probe["grown_kib"] < 64 * 1024
+    assert not (tmp_path / "o").exists()

@@ -240,7 +240,7 @@ def test_index_naming_a_shard_the_repo_lacks_is_refused(fake_hub: FakeHub, src: 
     assert fetching.read_fetch_record(tmp_path / "m") is None
 
 
-def fetch_cli(dest: Path, *extra: str) -> Result:
+def fetch_cli(dest: Path, *extra: str, env: dict[str, str] | None = None) -> Result:
     return run_cli(
         "fetch",
         "--model",
@@ -252,6 +252,7 @@ def fetch_cli(dest: Path, *extra: str) -> Result:
         "--endpoint",
         DEAD_ENDPOINT,
         *extra,
+        env=env,
     )
 
 
@@ -438,3 +439,16 @@ def test_listing_errors_are_one_clear_message(
     assert hint in result.stderr
     assert "Traceback" not in result.stderr
     assert not dest.exists()
+
+
+def test_progress_reaches_a_log_as_lines_for_the_total(fake_hub: FakeHub, tmp_path: Path) -> None:
+    from prepkit.console import PROGRESS_INTERVAL_ENV
+
+    # CliRunner's stderr is not a terminal: lines, not bars; the total only, not one per file
+    result = fetch_cli(tmp_path / "m", "--max-workers", "1", env={PROGRESS_INTERVAL_ENV: "0"})
+    assert result.exit_code == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "elapsed" in line]
+    assert lines and all(line.startswith(f"{fetching.TOTAL_LABEL}: ") for line in lines)
+    assert "(100%)" in lines[-1]
+    quiet = fetch_cli(tmp_path / "q", "-q", env={PROGRESS_INTERVAL_ENV: "0"})
+    assert quiet.exit_code == 0 and "elapsed" not in quiet.stderr

@@ -107,8 +107,8 @@ def fetch_command(
         if as_json:
             console.emit_json({"dry_run": True, **plan.to_json()})
         return
-    # Bars only on a terminal: in a log, a final frame of one bar per file is noise.
-    with console.progress(enabled=not quiet and console.err_console.is_terminal) as on_progress:
+    # In a log, lines for the total only: one per file would be noise.
+    with console.progress(enabled=not quiet, log_labels=(fetching.TOTAL_LABEL,)) as on_progress:
         result = fetching.fetch(plan, token=token, max_workers=max_workers, on_progress=on_progress)
     _show_result(result)
     if as_json:

@@ -126,9 +126,11 @@ def prepare(
         if as_json:
             console.emit_json({"plan": plan.summary()})
         return
-    if plan.bytes_to_write > plan.free_bytes:
+    # A resume needs room for the files it has left, not for the whole output again.
+    if plan.bytes_left > plan.free_bytes:
+        resumed = " more" if plan.finished else ""
         raise OutputError(
-            f"{out} needs {format_bytes(plan.bytes_to_write)} but only {format_bytes(plan.free_bytes)} is free",
+            f"{out} needs {format_bytes(plan.bytes_left)}{resumed} but only {format_bytes(plan.free_bytes)} is free",
             hint="free disk space or choose --out on another disk",
         )
     with console.progress(enabled=not quiet) as on_progress:
@@ -177,7 +179,7 @@ def _show_plan(plan: preparing.PreparePlan, label: str, show: Callable[..., None
     show(f"per layer, rank {s['ranks'][0]['rank']}: {shapes}")
     show(
         f"to write: {format_bytes(s['bytes_to_write'])} (shared non-expert tensors {format_bytes(s['shared_bytes'])}, "
-        f"written once); free: {format_bytes(s['free_bytes'])}"
+        f"written once), {format_bytes(s['bytes_left'])} of it still to write; free: {format_bytes(s['free_bytes'])}"
     )
     for w in s["warnings"]:
         console.warn(w)

@@ -32,6 +32,7 @@ from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest, experts_file
 from prepkit.model_files import GENERATION_CONFIG
 from prepkit.recipes import check_config, load_recipe
+from prepkit.runtime.arguments import check_rank, parse_device
 from prepkit.runtime.moe import load_moe_layers
 
 if TYPE_CHECKING:
@@ -60,17 +61,19 @@ def from_prepared(
     presence, size and readable headers, and every tensor for its shape.
 
     Raises:
-        RecipeError: transformers outside the supported range, or a manifest config field that is
-            missing or invalid (named).
+        RecipeError: transformers outside the supported range, ``rank`` not an int, or a manifest
+            config field that is missing or invalid (named).
         LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
-        DeviceError: ``device`` is the CPU without the Triton interpreter.
+        DeviceError: ``device`` is not a device this machine has (CUDA without a GPU), or is the
+            CPU without the Triton interpreter.
         VerifyError: a missing, truncated or unreadable file, a tensor whose shape differs, or a
             model tensor the shard set does not hold (each named).
         PrepkitError: ``activations`` is not a policy.
     """
     check_transformers_version()
     check_policy(activations)
-    target = torch.device(device)
+    target = parse_device(device)
+    rank = check_rank(rank)
     require_kernel_device(target)
     root = Path(prepared_dir)
     manifest = Manifest.read(root)
@@ -212,12 +215,8 @@ def load_experts(
 
     lookup = make_tactic_lookup(activations=activations)
     for index, decoder in enumerate(model.model.layers):
-        try:
-            layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)
-        except SafetensorError as err:
-            raise VerifyError(
-                f"{root / experts_file(rank, index)} cannot be read: {err}", hint=f"run: prepkit verify {root}"
-            ) from err
+        # load_moe_layers names an unreadable expert file itself (VerifyError)
+        layers = load_moe_layers(root, rank, device, layers=[index], tactic_lookup=lookup, activations=activations)
         decoder.mlp = PrepkitMoeBlock(decoder.mlp.router, layers[index], index)
 
 

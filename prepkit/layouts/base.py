@@ -216,6 +216,36 @@ class Layout(Protocol):
         ...
 
 
+def check_split(dims: ModelDims, tp_size: int, ep_size: int) -> None:
+    """Refuse a TP/EP size no layout can split ``dims`` into, from the sizes alone (before any rank
+    is planned, so a huge size costs nothing). Every layout gives each EP rank whole experts and
+    each TP rank whole 32-row groups of the intermediate axis (one E8M0 scale block stays on one
+    rank); a layout may refuse more (its ``plan_rank`` says why).
+
+    Raises:
+        LayoutError: ``ep_size`` exceeds the experts or does not divide them, or ``tp_size``
+            exceeds the intermediate axis's 32-row groups; the message names the bound.
+    """
+    experts = dims.num_experts
+    if ep_size > experts or experts % ep_size:
+        raise LayoutError(
+            f"{experts} experts cannot be split evenly over ep={ep_size} "
+            "(every EP rank holds the same number of whole experts)",
+            hint=f"choose --ep dividing {experts}: {', '.join(map(str, _divisors(experts)))}",
+        )
+    groups = dims.intermediate // BLOCK_ELEMS
+    if tp_size > groups:
+        raise LayoutError(
+            f"tp={tp_size}: the intermediate size {dims.intermediate} holds {groups} groups of {BLOCK_ELEMS} "
+            f"rows, and every TP rank needs at least one (an MXFP4 scale block is never split)",
+            hint=f"use --tp {groups} or less",
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def expert_range(num_experts: int, spec: RankSpec) -> tuple[int, int]:
     """Contiguous expert slice of an EP rank (every engine here uses contiguous slices)."""
     if num_experts % spec.ep_size:

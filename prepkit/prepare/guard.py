@@ -211,6 +211,25 @@ def remove_leftovers(root: Path) -> None:
             fsync_dir(leftover.parent)
 
 
+def finished_files(out_dir: Path, fingerprint: str) -> set[str]:
+    """The output files an earlier run of this plan finished (per its manifest, else its journal)
+    that still have their recorded size: what a resume will not write again. Sizes only, no
+    hashes: this sizes the free-space check, and the run checks each hash before trusting a file."""
+    manifest = _finished_manifest(out_dir)
+    if manifest is not None and manifest.fingerprint == fingerprint:
+        recorded = {rel: h.bytes for rel, h in manifest.files.items()}
+    else:
+        recorded = {rel: f.bytes for rel, f in Journal.load(out_dir, fingerprint).files.items()}
+    return {rel for rel, size in recorded.items() if _has_size(out_dir / rel, size)}
+
+
+def _has_size(path: Path, size: int) -> bool:
+    try:
+        return path.is_file() and path.stat().st_size == size
+    except OSError:
+        return False
+
+
 def resume_journal(plan: PreparePlan) -> Journal:
     """The files an earlier run of this plan finished: from its journal, or, when it got as far as
     the manifest, from that."""

@@ -12,8 +12,10 @@ from prepkit.constants import PREPARE_LOCK
 from prepkit.errors import OutputError
 from prepkit.fsutil import free_bytes
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
+from prepkit.layouts.base import check_split
 from prepkit.locks import holder_pid, is_held
-from prepkit.prepare.guard import busy_error_for, check_output_dir, fingerprint_of, plan_identity
+from prepkit.manifest import experts_file, shared_file
+from prepkit.prepare.guard import busy_error_for, check_output_dir, fingerprint_of, finished_files, plan_identity
 from prepkit.recipes import Recipe
 
 CHUNK_BYTES = 256 * 1024 * 1024  # source bytes read per step; bounds memory, keeps torch ops large
@@ -39,10 +41,29 @@ class PreparePlan:
     warnings: list[str] = field(default_factory=list)
     chunk_bytes: int = CHUNK_BYTES
     identity: dict[str, Any] = field(default_factory=dict)  # what the fingerprint hashes, spelled out
+    # Output files an earlier run of this plan finished (resumed, not written again).
+    finished: frozenset[str] = frozenset()
 
     @property
     def bytes_to_write(self) -> int:
+        """The whole output's tensor bytes, finished files included."""
         return sum(self.output_bytes_per_rank) + self.shared_bytes
+
+    @property
+    def bytes_left(self) -> int:
+        """Tensor bytes of the files not finished yet: what a (resumed) run still needs on disk."""
+        return sum(size for rel, size in self.planned_files().items() if rel not in self.finished)
+
+    def planned_files(self) -> dict[str, int]:
+        """Every tensor file the run writes, by path under the output folder, with its tensor bytes."""
+        files = {
+            shared_file(i): sum(self.checkpoint.entries[n].nbytes for n in names)
+            for i, names in enumerate(self.shared_groups)
+        }
+        for p in self.ranks:
+            for layer in range(self.checkpoint.dims.num_layers):
+                files[experts_file(p.spec.rank, layer)] = p.layer_nbytes()
+        return files
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -74,6 +95,7 @@ class PreparePlan:
             "expert_source_bytes": self.expert_source_bytes,
             "shared_bytes": self.shared_bytes,
             "bytes_to_write": self.bytes_to_write,
+            "bytes_left": self.bytes_left,
             "free_bytes": self.free_bytes,
             "warnings": self.warnings,
         }
@@ -105,14 +127,17 @@ def plan_prepare(
     checkpoint = Checkpoint(src, recipe)
     checkpoint.validate()
     dims = checkpoint.dims
-    specs = RankSpec.all_ranks(tp_size, ep_size)
+    check_split(dims, tp_size, ep_size)  # before any rank is built: a huge --tp costs nothing
+    world_size = tp_size * ep_size
     if ranks is not None:
-        bad = [r for r in ranks if not 0 <= r < len(specs)]
+        bad = [r for r in ranks if not 0 <= r < world_size]
         if bad:
             raise OutputError(
                 f"--rank {bad[0]} is out of range for tp={tp_size} x ep={ep_size}",
-                hint=f"ranks are 0..{len(specs) - 1}",
+                hint=f"ranks are 0..{world_size - 1}",
             )
+    specs = RankSpec.all_ranks(tp_size, ep_size)
+    if ranks is not None:
         specs = [specs[r] for r in sorted(set(ranks))]
     rank_plans = [layout.plan_rank(dims, spec, options) for spec in specs]
 
@@ -158,5 +183,6 @@ def plan_prepare(
         fingerprint=fingerprint,
         warnings=warnings,
         identity=identity,
+        finished=frozenset(finished_files(out_dir, fingerprint)),
     )
     return plan

@@ -11,11 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from prepkit.errors import LayoutError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.manifest import Manifest, RankRecord, experts_file
+from prepkit.runtime.arguments import check_layer_list, check_layers_in, check_rank, parse_device
 
 _DTYPES = {
     "uint8": torch.uint8,
@@ -125,7 +127,17 @@ def load_shards(
     ``expect_layout`` (a layout id like ``trtllm_gen_v1`` or a CLI name) is checked against the
     manifest; a mismatch raises ``LayoutError`` naming both. ``check_hashes`` re-hashes the files
     first (slow on big models; ``prepkit verify`` does the same offline).
+
+    Raises:
+        DeviceError: ``device`` is not a device this machine has (checked before any file is read).
+        RecipeError: ``rank`` is not an int, or ``layers`` not a list of ints (checked first too).
+        LayoutError: the layout is not ``expect_layout``, the set lacks ``rank`` or a layer of
+            ``layers`` (checked against the manifest before any shard file is opened).
+        VerifyError: a file is missing, truncated or unreadable, or disagrees with the manifest.
     """
+    target = parse_device(device)
+    rank = check_rank(rank)
+    layers = check_layer_list(layers)
     root = Path(out_dir)
     manifest = Manifest.read(root)
     layout = manifest.layout
@@ -140,17 +152,28 @@ def load_shards(
             f"{root} holds ranks {sorted(r.rank for r in manifest.ranks)}, not rank {rank}",
             hint="pass one of those ranks or prepare the missing one with --rank",
         )
-    wanted = list(range(manifest.model.dims.num_layers)) if layers is None else layers
-    shards = LoadedShards(root, rank, torch.device(device), manifest, entry)
+    num_layers = manifest.model.dims.num_layers
+    if layers is not None:
+        check_layers_in(layers, num_layers, str(root))
+    wanted = list(range(num_layers)) if layers is None else sorted(set(layers))
+    shards = LoadedShards(root, rank, target, manifest, entry)
     for layer in wanted:
         rel = experts_file(rank, layer)
         path = root / rel
+        hint = f"run: prepkit verify {root}"
         if not path.is_file():
-            raise VerifyError(f"{path} is missing", hint=f"run: prepkit verify {root}")
+            raise VerifyError(f"{path} is missing", hint=hint)
+        recorded = manifest.files.get(rel)
+        # A truncated file is named here, not by safetensors' reader (which names no file).
+        if recorded is not None and path.stat().st_size != recorded.bytes:
+            raise VerifyError(f"{path} is {path.stat().st_size} bytes, the manifest says {recorded.bytes}", hint=hint)
         if check_hashes and sha256_file(path) != manifest.files[rel].sha256:
-            raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=f"run: prepkit verify {root}")
+            raise VerifyError(f"{rel}: sha256 differs from the manifest", hint=hint)
         prefix = manifest.expert_tensor_prefix.format(layer=layer)
-        raw = load_file(str(path), device=str(shards.device))
+        try:
+            raw = load_file(str(path), device=str(shards.device))
+        except SafetensorError as err:
+            raise VerifyError(f"{path} cannot be read: {err}", hint=hint) from err
         tensors: dict[str, torch.Tensor] = {}
         for name, spec in entry.tensors.items():
             t = raw.get(prefix + name)

@@ -439,6 +439,7 @@ def load_moe_layers(
 
     Raises:
         PrepkitError: ``activations`` is not a policy (checked before anything loads).
+        DeviceError: ``device`` is not a device this machine has (checked before any file is read).
         LayoutError: the shard set is not in the kernel's layout (both ids are named) or lacks ``rank``.
         VerifyError: a file is missing or disagrees with the manifest.
     """

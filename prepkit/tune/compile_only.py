@@ -94,11 +94,13 @@ def run_compile_only(
     ``per_family`` variants of each family of the variant spaces at the fewest and most tokens,
     for ``arch``'s reference device; ``on_line`` hears one line per kernel as it is done."""
     from prepkit.kernels import compile_check as cc
+    from prepkit.kernels import require_triton
     from prepkit.kernels.activations import check_policy
     from prepkit.tactics.lookup import TOKEN_POINTS
 
     check_arch_name(arch)
     policy = check_policy(activations)
+    require_triton("tune --compile-only")  # before any work: triton is the compiler it runs
     pts = tuple(points or TOKEN_POINTS)
     candidates = cc.check_candidates(
         arch, target.layer, policy, per_family, pts, sample_tokens=sorted({min(pts), max(pts)})

@@ -29,7 +29,14 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from prepkit.constants import MANIFEST_NAME  # noqa: E402
-from prepkit.errors import DeviceError, LayoutError, PrepkitError, RecipeError, VerifyError  # noqa: E402
+from prepkit.errors import (  # noqa: E402
+    DependencyError,
+    DeviceError,
+    LayoutError,
+    PrepkitError,
+    RecipeError,
+    VerifyError,
+)
 from prepkit.fsutil import sha256_file  # noqa: E402
 from prepkit.integrations.transformers import PrepkitMoeBlock, from_prepared  # noqa: E402
 from prepkit.kernels.reference import relative_error  # noqa: E402
@@ -287,7 +294,7 @@ def test_a_tensor_the_set_lacks_is_named(damaged: Path, interpreter: None) -> No
 def test_unsupported_transformers_is_refused(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The module check_transformers_version imports (transformers may have put a new one in sys.modules).
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.55.0")
-    with pytest.raises(RecipeError, match="transformers 4.55.0 is not supported"):
+    with pytest.raises(DependencyError, match="transformers 4.55.0 is not supported"):
         load(prepared)
 
 
@@ -295,6 +302,17 @@ def test_the_cpu_needs_the_interpreter(prepared: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(DeviceError, match="Triton interpreter"):
         load(prepared, device="cpu")
+
+
+def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="'cuda' was asked, but torch sees no CUDA device"):
+        load(prepared, device="cuda")
+
+
+def test_a_rank_that_is_not_an_int_is_named(prepared: Path) -> None:
+    with pytest.raises(RecipeError, match=r"rank: expected an int, got 0\.0 \(float\)"):
+        load(prepared, rank=0.0)
 
 
 def test_an_unknown_activation_policy_is_refused(prepared: Path) -> None:

@@ -72,3 +72,64 @@ def test_importing_the_runtime_is_cheap() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_truncated_or_unreadable_shard_is_named(prepared: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = Path(shutil.copytree(prepared, tmp_path / "copy"))
+    victim = copy / "rank1" / "experts-00001.safetensors"
+    data = victim.read_bytes()
+    victim.write_bytes(data[:100])  # shorter than its own header
+    with pytest.raises(VerifyError, match=f"{victim} is 100 bytes, the manifest says {len(data)}"):
+        load_shards(copy, rank=1)
+    garbled = bytearray(data)
+    garbled[8:16] = b"\xff" * 8  # the header is no longer JSON; the size is unchanged
+    victim.write_bytes(bytes(garbled))
+    with pytest.raises(VerifyError, match=f"{victim} cannot be read"):
+        load_shards(copy, rank=1)
+
+
+def test_cuda_without_a_gpu_is_a_device_error(prepared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from prepkit.errors import DeviceError
+    from prepkit.runtime import load_moe_layers
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", torch.device("cuda", 0)):
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            load_shards(prepared, rank=0, device=device)
+        with pytest.raises(DeviceError, match="no CUDA device"):
+            load_moe_layers(prepared, rank=0, device=device, use_tactics_db=False)
+    with pytest.raises(DeviceError, match="'gpu' is not a torch device"):
+        load_shards(prepared, rank=0, device="gpu")
+    with pytest.raises(DeviceError, match="expected a str or torch.device"):
+        load_shards(prepared, rank=0, device=0.5)
+
+
+def test_bad_ranks_and_layers_are_named_before_any_shard_is_opened(
+    prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from prepkit.errors import RecipeError
+    from prepkit.runtime import loader
+
+    def no_shard_may_be_read(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a shard file was opened")
+
+    monkeypatch.setattr(loader, "load_file", no_shard_may_be_read)
+    with pytest.raises(LayoutError, match=r"layers: layer 5 does not exist: .* holds 2 layers \(0\.\.1\)"):
+        load_shards(prepared, rank=0, layers=[5])
+    with pytest.raises(LayoutError, match=r"layer -1 does not exist"):
+        load_shards(prepared, rank=0, layers=[0, -1])
+    for rank in (1.0, True, "1"):
+        with pytest.raises(RecipeError, match=f"rank: expected an int, got {rank!r}"):
+            load_shards(prepared, rank=rank)  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match="layers: expected a list of layer indexes"):
+        load_shards(prepared, rank=0, layers=1)  # type: ignore[arg-type]
+    with pytest.raises(RecipeError, match=r"layers: expected ints, got 0\.0"):
+        load_shards(prepared, rank=0, layers=[0.0])  # type: ignore[list-item]
+    monkeypatch.undo()
+    # an int of another kind is an int: numpy's, and a 0-d torch tensor
+    import numpy as np
+
+    shards = load_shards(prepared, rank=np.int64(1), layers=(torch.tensor(1),))
+    assert shards.rank == 1 and sorted(shards.layers) == [1]
