@@ -48,9 +48,11 @@ test: $(STAMP)
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu tests
 
+# mypy checks the packages that [tool.mypy] in pyproject.toml lists.
 lint: $(STAMP)
 	$(BIN)/ruff check prepkit tests benchmarks
 	$(BIN)/ruff format --check prepkit tests benchmarks
+	$(BIN)/mypy
 
 # The built wheel in a fresh venv with its declared dependencies only, run from another folder.
 wheel-check:
@@ -78,7 +80,7 @@ bench-prepare: $(STAMP)
 	$(BIN)/python benchmarks/bench_prepare.py
 
 clean:
-	rm -rf $(VENV) $(DEMO) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO) .pytest_cache .ruff_cache .mypy_cache
 
 # On a GPU machine (uses the python that has torch + triton there).
 bench-kernel:

@@ -169,7 +169,7 @@ def stream_tensors(model: nn.Module, root: Path, rel: str, device: torch.device,
                 owner, _, attr = name.rpartition(".")
                 module = _submodule(model, owner)
                 param = module._parameters.get(attr) if module is not None else None
-                if param is None:
+                if module is None or param is None:
                     raise VerifyError(f"{rel}: tensor {name} has no place in {type(model).__name__}")
                 if param.device.type != "meta":
                     raise VerifyError(f"{rel}: tensor {name} is stored twice")

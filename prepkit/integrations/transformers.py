@@ -175,11 +175,11 @@ def use_prepkit_moe(
     config = model.config
     manifest = Manifest.read(prepared_dir)
     check_manifest_against_config(manifest, config, rank=rank)
-    for device in {_router_of(layer, i).weight.device for i, layer in enumerate(decoder_layers)}:
+    for device in {_router_device(_router_of(layer, i)) for i, layer in enumerate(decoder_layers)}:
         require_kernel_device(device)
     for index, decoder in enumerate(decoder_layers):
         router = _router_of(decoder, index)
-        loaded = load_moe_layers(prepared_dir, rank, router.weight.device, layers=[index], activations=activations)
+        loaded = load_moe_layers(prepared_dir, rank, _router_device(router), layers=[index], activations=activations)
         # Assigning the new block drops the last reference to the old experts' parameters.
         decoder.mlp = PrepkitMoeBlock(router, loaded[index], index)
     return model
@@ -225,6 +225,12 @@ def _router_of(decoder: nn.Module, index: int) -> nn.Module:
     if router is None or not isinstance(getattr(router, "weight", None), torch.Tensor):
         raise RecipeError(f"layer {index}: {type(mlp).__name__} has no router with a weight (not gpt-oss's MoE block)")
     return router
+
+
+def _router_device(router: nn.Module) -> torch.device:
+    weight = router.weight
+    assert isinstance(weight, torch.Tensor)  # _router_of checked it
+    return weight.device
 
 
 # Graph-captured greedy decoding has its own module; it is part of this integration's surface.

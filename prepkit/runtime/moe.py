@@ -16,9 +16,9 @@ Triton's decomposition, and says so once per process.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,14 +34,21 @@ from prepkit.layouts.triton_moe import LAYOUT, tensor_specs
 from prepkit.runtime.op import register as register_layer
 from prepkit.warn_once import new_owner, owned_by, warn_once
 
+if TYPE_CHECKING:
+    from prepkit.kernels.moe_mxfp4.plan import LaunchPlan
+
 # The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
 # through the constants so that checking a manifest does not import triton.
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
 
-# A lookup returns the pair for a call, or None after saying why, if it wants to (the tactics DB's
-# does, once per layer: the layer runs it as the warning owner). Without a lookup the layer warns.
-TacticLookup = Callable[[MoeProblem, DeviceInfo], "tuple[GemmTactic, GemmTactic] | None"]
+
+class TacticLookup(Protocol):
+    """Where a layer gets the (GEMM1, GEMM2) variants of a call: the pair, or ``None`` after saying
+    why, if it wants to (the tactics DB's does, once per layer: the layer runs it as the warning
+    owner). Without a lookup, or on ``None``, the layer's default serves and the layer warns."""
+
+    def __call__(self, problem: MoeProblem, device: DeviceInfo, /) -> tuple[GemmTactic, GemmTactic] | None: ...
 
 
 def default_tactics_for(
@@ -86,7 +93,7 @@ class MoeLayer:
     op_id: int = field(init=False, default=-1, repr=False, compare=False)
     # Recorded launches per (tokens, policy, logits dtype, stream) for cheap eager calls
     # (moe_mxfp4.plan); never copied by dataclasses.replace, whose copy may change the policy.
-    _plans: dict[tuple[int, str, torch.dtype, int], Any] = field(default_factory=dict, init=False, repr=False)
+    _plans: dict[tuple[int, str, torch.dtype, int], LaunchPlan] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_policy(self.activations)
@@ -164,7 +171,12 @@ class MoeLayer:
         if num_experts is None or expert_range is None or valid_intermediate is None:
             raise TypeError("from_tensors needs rank_layer, or num_experts, expert_range and valid_intermediate")
         layer = cls(
-            **{k: v.contiguous() for k, v in found.items()},
+            w13_blocks=found["w13_blocks"].contiguous(),
+            w13_scales=found["w13_scales"].contiguous(),
+            w13_bias=found["w13_bias"].contiguous(),
+            w2_blocks=found["w2_blocks"].contiguous(),
+            w2_scales=found["w2_scales"].contiguous(),
+            w2_bias=found["w2_bias"].contiguous(),
             num_experts=num_experts,
             expert_range=(int(expert_range[0]), int(expert_range[1])),
             valid_intermediate=valid_intermediate,
@@ -328,7 +340,8 @@ def moe(
         target = hidden_states.dtype if out_dtype is None else out_dtype
         return torch.ops.prepkit.moe(hidden_states, router_logits, layer.op_id, target)
     if tactics is None and layer._plans:
-        plan = layer._plans.get(_plan_key(layer, hidden_states, router_logits))
+        key = _plan_key(layer, hidden_states, router_logits)
+        plan = layer._plans.get(key) if key is not None else None
         if plan is not None and plan.accepts(hidden_states, router_logits):
             out = plan(hidden_states, router_logits)
             target = hidden_states.dtype if out_dtype is None else out_dtype

@@ -27,7 +27,11 @@ _NEXT_ID = itertools.count()
 def register(layer: MoeLayer) -> int:
     """A new id under which the op finds ``layer`` (held weakly; the id is dropped with it)."""
     layer_id = next(_NEXT_ID)
-    _LAYERS[layer_id] = weakref.ref(layer, lambda _ref, key=layer_id: _LAYERS.pop(key, None))
+
+    def forget(_ref: weakref.ref[MoeLayer]) -> None:
+        _LAYERS.pop(layer_id, None)
+
+    _LAYERS[layer_id] = weakref.ref(layer, forget)
     return layer_id
 
 

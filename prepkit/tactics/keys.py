@@ -10,14 +10,16 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    from prepkit.kernels.activations import ActivationPolicy
     from prepkit.layer import RankLayer
 
 # The kernel whose variants the DB holds, by name (prepkit.kernels.moe_mxfp4).
 KERNEL_NAME = "moe_mxfp4"
-ROLES = ("gemm1", "gemm2")
+Role = Literal["gemm1", "gemm2"]  # gate/up + SwiGLU, or down + routed sum
+ROLES: tuple[Role, Role] = ("gemm1", "gemm2")
 
 
 def canonical_json(obj: Any) -> str:
@@ -29,7 +31,13 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:32]
 
 
-def canon(tactic: str | Mapping[str, Any] | Any) -> str:
+class JsonTactic(Protocol):
+    """A tactic object that writes its own JSON (the kernels' ``GemmTactic``)."""
+
+    def to_json(self) -> str: ...
+
+
+def canon(tactic: str | Mapping[str, Any] | JsonTactic) -> str:
     """Canonical JSON of a tactic given as JSON text, a mapping, or an object with ``to_json``."""
     if isinstance(tactic, str):
         return canonical_json(json.loads(tactic))
@@ -72,12 +80,12 @@ class ProblemKey:
     kernel: str
     kernel_version: str
     weight_layout: str
-    role: str  # 'gemm1' (gate/up + SwiGLU) or 'gemm2' (down + routed sum)
+    role: Role
     num_experts: int  # local experts on this rank
     top_k: int
     n: int
     k: int
-    act_dtype: str = "bf16"
+    act_dtype: ActivationPolicy = "bf16"
     w_dtype: str = "mxfp4_e2m1"
     out_dtype: str = "bf16"
     activation: str = "none"
@@ -133,23 +141,27 @@ def gpt_oss_problems(
     top_k: int = 4,
     tp_size: int = 1,
     ep_size: int = 1,
-    act_dtype: str = "bf16",
+    act_dtype: ActivationPolicy = "bf16",
 ) -> dict[str, ProblemKey]:
     """The two GEMM problems of one gpt-oss MoE layer on one rank, keyed by role. The dims are the
     rank's own: ``num_experts`` its local experts, ``intermediate`` its valid intermediate rows
     (``tp_size``/``ep_size`` are recorded only)."""
-    common = dict(
-        kernel=kernel, kernel_version=str(kernel_version), weight_layout=weight_layout,
-        num_experts=num_experts, top_k=top_k, act_dtype=act_dtype, tp_size=tp_size, ep_size=ep_size,
-    )  # fmt: skip
+
+    def key(role: Role, n: int, k: int, activation: str) -> ProblemKey:
+        return ProblemKey(
+            kernel=kernel, kernel_version=str(kernel_version), weight_layout=weight_layout, role=role,
+            num_experts=num_experts, top_k=top_k, n=n, k=k, act_dtype=act_dtype, activation=activation,
+            tp_size=tp_size, ep_size=ep_size,
+        )  # fmt: skip
+
     return {
-        "gemm1": ProblemKey(role="gemm1", n=2 * intermediate, k=hidden, activation="swiglu_oai", **common),
-        "gemm2": ProblemKey(role="gemm2", n=hidden, k=intermediate, activation="routed_sum", **common),
+        "gemm1": key("gemm1", 2 * intermediate, hidden, "swiglu_oai"),
+        "gemm2": key("gemm2", hidden, intermediate, "routed_sum"),
     }
 
 
 def layer_problems(
-    layer: RankLayer, *, kernel: str, kernel_version: str, weight_layout: str, act_dtype: str = "bf16"
+    layer: RankLayer, *, kernel: str, kernel_version: str, weight_layout: str, act_dtype: ActivationPolicy = "bf16"
 ) -> dict[str, ProblemKey]:
     """:func:`gpt_oss_problems` of a rank's layer record."""
     return gpt_oss_problems(
@@ -157,6 +169,18 @@ def layer_problems(
         num_experts=layer.num_local_experts, hidden=layer.hidden, intermediate=layer.valid_intermediate,
         top_k=layer.top_k, tp_size=layer.tp_size, ep_size=layer.ep_size, act_dtype=act_dtype,
     )  # fmt: skip
+
+
+class DeviceFacts(Protocol):
+    """What :meth:`Environment.of` needs of a device description (the kernels' ``DeviceInfo``):
+    its compute capability and name; ``sm_count``, ``l2_bytes``, ``max_shared_mem``,
+    ``mem_bytes`` and the software versions are read when present."""
+
+    @property
+    def capability(self) -> tuple[int, int]: ...
+
+    @property
+    def name(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -201,7 +225,7 @@ class Environment:
         }  # fmt: skip
 
     @classmethod
-    def of(cls, device: Any) -> Environment:
+    def of(cls, device: Environment | DeviceFacts) -> Environment:
         """Accept an :class:`Environment` or anything with ``capability``/``name``/``sm_count``
         (the kernels' ``DeviceInfo``); versions come from the installed distributions."""
         if isinstance(device, Environment):

@@ -51,14 +51,21 @@ from bisect import bisect_left
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from prepkit.constants import TACTICS_DB_NAME
 from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
-from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems, triton_minor
+from prepkit.tactics.keys import KERNEL_NAME, DeviceFacts, Environment, ProblemKey, layer_problems, triton_minor
 from prepkit.tactics.schema import MIN_READABLE_SCHEMA, open_readonly
 from prepkit.warn_once import new_owner, warn_once
+
+if TYPE_CHECKING:
+    from prepkit.kernels.activations import ActivationPolicy
+    from prepkit.kernels.device import DeviceInfo
+    from prepkit.kernels.tactic import GemmTactic
+    from prepkit.layer import MoeProblem, RankLayer
+    from prepkit.runtime.moe import TacticLookup
 
 log = logging.getLogger(__name__)
 
@@ -270,7 +277,7 @@ class TacticTable:
     def load(
         cls,
         problem: ProblemKey,
-        device: Environment | Any,
+        device: Environment | DeviceFacts,
         *,
         user_db: str | os.PathLike[str] | None = None,
         bundled_db: str | os.PathLike[str] | None | bool = True,
@@ -390,7 +397,7 @@ def _read_rows(path: Path, problem: ProblemKey, device: Environment) -> list[_En
     return [e for e in ordered if e.ranges]
 
 
-def _gemm_tactic_decoder() -> Callable[[str], Any]:
+def _gemm_tactic_decoder() -> Callable[[str], GemmTactic]:
     from prepkit.kernels.tactic import GemmTactic
 
     return GemmTactic.from_json
@@ -417,7 +424,7 @@ class TacticResolver:
         self._warn_owner = new_owner()  # each resolver warns about its own misses
         self._lock = threading.Lock()
 
-    def table(self, problem: ProblemKey, device: Environment | Any) -> TacticTable:
+    def table(self, problem: ProblemKey, device: Environment | DeviceFacts) -> TacticTable:
         device = Environment.of(device)
         key = (problem, device)
         with self._lock:
@@ -431,7 +438,7 @@ class TacticResolver:
         return table
 
     def lookup(
-        self, problem: ProblemKey, num_tokens: int, device: Environment | Any, *, warn: bool = True
+        self, problem: ProblemKey, num_tokens: int, device: Environment | DeviceFacts, *, warn: bool = True
     ) -> str | None:
         """Tactic JSON for the call, or ``None`` (the caller's default serves it; with ``warn``,
         warned once by :meth:`warn_miss`)."""
@@ -442,7 +449,7 @@ class TacticResolver:
             self.warn_miss(problem, num_tokens, device)
         return tj
 
-    def warn_miss(self, problem: ProblemKey, num_tokens: int, device: Environment | Any) -> None:
+    def warn_miss(self, problem: ProblemKey, num_tokens: int, device: Environment | DeviceFacts) -> None:
         """Say once per problem, device and kind of miss that the default serves ``num_tokens``,
         naming the command that would tune it."""
         device = Environment.of(device)
@@ -495,10 +502,10 @@ def default_resolver() -> TacticResolver:
 def lookup_tactic(
     problem: ProblemKey,
     num_tokens: int,
-    device: Environment | Any,
+    device: Environment | DeviceFacts,
     *,
     resolver: TacticResolver | None = None,
-) -> Any | None:
+) -> GemmTactic | None:
     """The :class:`~prepkit.kernels.tactic.GemmTactic` for ``num_tokens``, or ``None`` on a miss
     (the caller then uses its built-in default; a warning was issued once)."""
     res = resolver or default_resolver()
@@ -535,8 +542,8 @@ def make_tactic_lookup(
     kernel: str = KERNEL_NAME,
     kernel_version: str | int | None = None,
     weight_layout: str | None = None,
-    activations: str = "bf16",
-) -> Callable[[Any, Any], tuple[Any, Any] | None]:
+    activations: ActivationPolicy = "bf16",
+) -> TacticLookup:
     """A ``prepkit.runtime.moe.TacticLookup`` backed by the tactic DBs.
 
     Called with a ``prepkit.layer.MoeProblem`` (a rank's layer record and a token count) and the
@@ -553,7 +560,7 @@ def make_tactic_lookup(
     res = resolver or runtime_resolver()
     owner = new_owner()
 
-    def note_other_triton(key: ProblemKey, device: Any) -> None:
+    def note_other_triton(key: ProblemKey, device: DeviceInfo) -> None:
         table = res.table(key, device)
         if table.tier != "triton_minor":
             return
@@ -569,9 +576,9 @@ def make_tactic_lookup(
 
     version: list[str] = [] if kernel_version is None else [str(kernel_version)]
     layout = weight_layout or _kernel_layout()
-    problems: dict[Any, dict[str, ProblemKey]] = {}
+    problems: dict[RankLayer, dict[str, ProblemKey]] = {}
 
-    def lookup(problem: Any, device: Any) -> tuple[Any, Any] | None:
+    def lookup(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic] | None:
         if not version:
             from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
 
@@ -604,7 +611,7 @@ def make_tactic_lookup(
     return lookup
 
 
-def _decode_or_none(tj: str | None) -> Any | None:
+def _decode_or_none(tj: str | None) -> GemmTactic | None:
     if tj is None:
         return None
     try:

@@ -20,11 +20,11 @@ import sqlite3
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sqlite_utils import Database
 from sqlite_utils.migrations import Migrations
@@ -61,18 +61,18 @@ def _now() -> str:
 def _apply_step(db: Database, step: Step) -> None:
     if isinstance(step, CreateTables):
         for t in step.tables:
-            db[t.name].create(
+            db.table(t.name).create(
                 {name: _PY_TYPES[sql_type] for name, sql_type in t.columns},
                 pk=t.pk[0] if len(t.pk) == 1 else t.pk,
                 not_null=list(t.not_null) or None,
                 foreign_keys=list(t.foreign_keys) or None,
             )
             for columns in t.indexes:
-                db[t.name].create_index(list(columns))
+                db.table(t.name).create_index(list(columns))
         if step is schema.STEPS[0]:
             db.conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
     elif isinstance(step, AddColumn):
-        db[step.table].add_column(step.column, _PY_TYPES[step.sql_type])
+        db.table(step.table).add_column(step.column, _PY_TYPES[step.sql_type])
 
 
 def make_migrations(steps: tuple[Step, ...]) -> Migrations:
@@ -172,16 +172,16 @@ class TacticsDB:
 
     def put_env(self, env: Mapping[str, Any]) -> str:
         with self.write() as db:
-            db["env"].insert(dict(env), ignore=True)
+            db.table("env").insert(dict(env), ignore=True)
             if env.get("mem_bw_gbps") is not None:
-                db["env"].update(env["env_hash"], {"mem_bw_gbps": env["mem_bw_gbps"]})
+                db.table("env").update(env["env_hash"], {"mem_bw_gbps": env["mem_bw_gbps"]})
         return str(env["env_hash"])
 
     def put_problem(self, problem: ProblemKey) -> str:
         kh, ph = problem.kernel_hash(), problem.problem_hash()
         with self.write() as db:
-            db["kernel"].insert({"kernel_hash": kh, **problem.kernel_fields()}, ignore=True)
-            db["problem"].insert({"problem_hash": ph, "kernel_hash": kh, **problem.shape_fields()}, ignore=True)
+            db.table("kernel").insert({"kernel_hash": kh, **problem.kernel_fields()}, ignore=True)
+            db.table("problem").insert({"problem_hash": ph, "kernel_hash": kh, **problem.shape_fields()}, ignore=True)
         return ph
 
     def put_tactics(self, params_jsons: Iterable[str]) -> dict[str, str]:
@@ -194,7 +194,7 @@ class TacticsDB:
             rows.append({"tactic_hash": th, "params_json": canonical_json(json.loads(pj))})
         if rows:
             with self.write() as db:
-                db["tactic"].insert_all(rows, ignore=True)
+                db.table("tactic").insert_all(rows, ignore=True)
         return out
 
     # -- runs ------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class TacticsDB:
     ) -> str:
         run_id = uuid.uuid4().hex
         with self.write() as db:
-            db["tuning_run"].insert(
+            db.table("tuning_run").insert(
                 {
                     "run_id": run_id, "env_hash": env_hash, "started_at": _now(), "finished_at": None,
                     "status": "running", "timing_method": canonical_json(dict(timing_method)),
@@ -222,7 +222,7 @@ class TacticsDB:
 
     def finish_run(self, run_id: str, status: str, notes: str | None = None) -> None:
         with self.write() as db:
-            db["tuning_run"].update(run_id, {"status": status, "finished_at": _now(), "notes": notes})
+            db.table("tuning_run").update(run_id, {"status": status, "finished_at": _now(), "notes": notes})
 
     def add_measurements(self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]) -> int:
         """Rows: ``m, params_json, status, is_default`` and optional timing fields."""
@@ -243,7 +243,7 @@ class TacticsDB:
                 }
             )  # fmt: skip
         with self.write() as db:
-            db["measurement"].insert_all(recs, replace=True)
+            db.table("measurement").insert_all(recs, replace=True)
         return len(recs)
 
     def add_correctness(self, run_id: str, env_hash: str, problem_hash: str, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -261,7 +261,7 @@ class TacticsDB:
             for r in rows
         ]  # fmt: skip
         with self.write() as db:
-            db["correctness"].insert_all(recs, replace=True)
+            db.table("correctness").insert_all(recs, replace=True)
 
     def add_blocklist(self, device: Environment, problem: ProblemKey, rows: Iterable[tuple[str, str]]) -> None:
         """``rows``: ``(params_json, reason)``. The first reason seen is kept."""
@@ -278,7 +278,7 @@ class TacticsDB:
             for pj, reason in rows
         ]  # fmt: skip
         with self.write() as db:
-            db["blocklist"].insert_all(recs, ignore=True)
+            db.table("blocklist").insert_all(recs, ignore=True)
 
     def replace_winners(
         self,
@@ -296,7 +296,7 @@ class TacticsDB:
         )
         with self.write() as db:
             db.execute("DELETE FROM winner WHERE env_hash = ? AND problem_hash = ?", [env_hash, problem_hash])
-            db["winner"].insert_all(
+            db.table("winner").insert_all(
                 [
                     {
                         "env_hash": env_hash, "problem_hash": problem_hash, "m_lo": w.m_lo, "m_hi": w.m_hi,
@@ -808,6 +808,66 @@ def _migrate(db: Database, path: str) -> None:
         raise
 
 
+class RowRecord(Protocol):
+    """A sweep record that is one DB row (a measurement or a correctness check)."""
+
+    def row(self) -> Mapping[str, Any]: ...
+
+
+class BatchRecord(Protocol):
+    """What :meth:`RunRecorder.batch` stores of a sweep's batch (``prepkit.tune.sweep.Batch``)."""
+
+    @property
+    def measurements(self) -> Sequence[RowRecord]: ...
+
+    @property
+    def correctness(self) -> Sequence[RowRecord]: ...
+
+    @property
+    def blocked(self) -> Sequence[tuple[str, str]]: ...  # (tactic JSON, reason)
+
+
+class WinnerRecord(Protocol):
+    """One winner range of a sweep result (``prepkit.tune.records.WinnerRange``)."""
+
+    @property
+    def m_lo(self) -> int: ...
+
+    @property
+    def m_hi(self) -> int: ...
+
+    @property
+    def tactic(self) -> str: ...
+
+    @property
+    def extends_up(self) -> bool: ...
+
+    @property
+    def median_us(self) -> float | None: ...
+
+    @property
+    def default_median_us(self) -> float | None: ...
+
+    @property
+    def speedup_vs_default(self) -> float | None: ...
+
+    @property
+    def runner_up(self) -> str | None: ...
+
+    @property
+    def runner_up_gap(self) -> float | None: ...
+
+
+class ResultRecord(Protocol):
+    """What :meth:`RunRecorder.result` stores of a sweep result (``prepkit.tune.records.SweepResult``)."""
+
+    @property
+    def problem(self) -> ProblemKey: ...
+
+    @property
+    def winners(self) -> Sequence[WinnerRecord]: ...
+
+
 class RunRecorder:
     """Stores what a sweep reports, one transaction per batch (a killed tune keeps whole points).
 
@@ -821,7 +881,7 @@ class RunRecorder:
         self.env_hash = env_hash
         self.device = device
 
-    def batch(self, problem: ProblemKey, batch: Any) -> None:
+    def batch(self, problem: ProblemKey, batch: BatchRecord) -> None:
         ph = self.tdb.put_problem(problem)
         with self.tdb.write():
             if batch.correctness:
@@ -831,7 +891,7 @@ class RunRecorder:
             if batch.blocked:
                 self.tdb.add_blocklist(self.device, problem, batch.blocked)
 
-    def result(self, result: Any, *, source: str = "user") -> int:
+    def result(self, result: ResultRecord, *, source: str = "user") -> int:
         """Replace the winner ranges of the result's problem (only if it produced any)."""
         if not result.winners:
             return 0
@@ -847,7 +907,9 @@ class RunRecorder:
         ]  # fmt: skip
         return self.tdb.replace_winners(self.env_hash, ph, self.run_id, rows, source=source)
 
-    def previous(self, problem: ProblemKey) -> tuple[dict[Any, Any], dict[str, Any], set[str]]:
+    def previous(
+        self, problem: ProblemKey
+    ) -> tuple[dict[tuple[int, str], dict[str, Any]], dict[str, dict[str, Any]], set[str]]:
         """What a rerun skips: measurements and checks of this environment, and the blocklist."""
         ph = problem.problem_hash()
         return (

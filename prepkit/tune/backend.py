@@ -15,11 +15,14 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prepkit.errors import DeviceError
 from prepkit.tactics.keys import Environment, ProblemKey
 from prepkit.tune.records import CandidateError, CheckResult, Timing
+
+if TYPE_CHECKING:
+    from prepkit.kernels.device import DeviceInfo
 
 
 class Backend(Protocol):
@@ -207,9 +210,9 @@ def _pk(problem: ProblemKey) -> dict[str, Any]:
 class Worker:
     """One GPU the sweep can use: its backend, what it is (for the DB), and the kernels' facts."""
 
-    backend: Any
+    backend: Backend
     env: Environment
-    device: Any  # prepkit.kernels.device.DeviceInfo
+    device: DeviceInfo
 
 
 def open_gpu_workers(gpus: Sequence[int] | None) -> list[Worker]:

@@ -11,6 +11,7 @@ from prepkit.tactics.keys import ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS
 
 if TYPE_CHECKING:
+    from prepkit.kernels.device import DeviceInfo
     from prepkit.layer import MoeProblem, RankLayer
 
 
@@ -79,7 +80,7 @@ def prune_candidates(
     out = near[: max_count // 2]
     chosen = set(out)
     rest = [(d, t) for d, t in kept if t not in chosen]
-    groups: dict[tuple[Any, Any], list[str]] = {}
+    groups: dict[tuple[object, object, object], list[str]] = {}
     for d, t in rest:
         groups.setdefault((d.get("block_m"), d.get("upcast"), d.get("weight_load")), []).append(t)
     # Round robin over the groups, each walked in an evenly spreading order, until the budget is
@@ -120,7 +121,7 @@ def _without_upcast(d: Mapping[str, Any]) -> str:
     return json.dumps({k: v for k, v in d.items() if k != "upcast"}, sort_keys=True)
 
 
-def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
+def kernel_defaults(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], str]:
     """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role and activation policy."""
     from prepkit.kernels.variants import default_tactics
 
@@ -133,7 +134,7 @@ def kernel_defaults(problem: ProblemKey, device: Any) -> Callable[[int], str]:
 
 
 def kernel_candidates(
-    problem: ProblemKey, device: Any, *, max_count: int | None = None, past_winners: Sequence[str] = ()
+    problem: ProblemKey, device: DeviceInfo, *, max_count: int | None = None, past_winners: Sequence[str] = ()
 ) -> list[str]:
     """The bundled kernel's valid variants for ``problem`` on ``device`` under its activation policy,
     pruned for sweeping.
@@ -144,10 +145,7 @@ def kernel_candidates(
     space = [
         canon(t)
         for t in enumerate_tactics(
-            problem.role,  # type: ignore[arg-type]
-            device,
-            moe_problem(problem, MAX_TOKEN_POINT),
-            activations=problem.act_dtype,  # type: ignore[arg-type]
+            problem.role, device, moe_problem(problem, MAX_TOKEN_POINT), activations=problem.act_dtype
         )
     ]
     default_for = kernel_defaults(problem, device)

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prepkit import __version__
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
@@ -27,6 +27,10 @@ from prepkit.tune.records import LayerReport
 from prepkit.tune.sweep import ProgressFn, SweepConfig, tune_layer
 from prepkit.tune.worker import kernel_timing_scope
 
+if TYPE_CHECKING:
+    from prepkit.kernels.activations import ActivationPolicy
+    from prepkit.tune.backend import Backend
+
 
 @dataclass(frozen=True)
 class TuneOptions:
@@ -36,7 +40,7 @@ class TuneOptions:
     model: str | None = None
     shards: Path | None = None
     tp: int | None = None
-    activations: str = "bf16"
+    activations: ActivationPolicy = "bf16"
     points: tuple[int, ...] = TOKEN_POINTS
     db_path: Path | None = None
     budget_minutes: float = 15.0
@@ -63,7 +67,7 @@ def tune_problems(
     shards: Path | None,
     tp: int | None,
     kernel_version: str,
-    activations: str = "bf16",
+    activations: ActivationPolicy = "bf16",
 ) -> list[ProblemKey]:
     """GEMM1 and GEMM2 problem keys of TP rank 0's layer (:func:`prepkit.layer.resolve_layer`)
     of a recipe or a prepared shard set.
@@ -107,7 +111,7 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         TacticsError: the DB cannot be opened or written.
     """
     workers = open_gpu_workers(opts.gpus)
-    checkers: list[Any] = []
+    checkers: list[Backend] = []
     try:
         check_workers(workers, opts.arch)
         from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
@@ -131,7 +135,7 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
 def _sweep_into(
     tdb: store.TacticsDB,
     workers: Sequence[Worker],
-    checkers: list[Any],
+    checkers: list[Backend],
     problems: list[ProblemKey],
     opts: TuneOptions,
     on_progress: ProgressFn | None,

@@ -21,6 +21,7 @@ A rerun passes what the DB already holds (``previous_*``) and only the missing p
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -28,9 +29,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from prepkit.tactics.keys import ProblemKey, canon
+from prepkit.tactics.keys import JsonTactic, ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS, merge_points
 from prepkit.tune.backend import Backend
 from prepkit.tune.records import (
@@ -64,6 +65,12 @@ class SweepConfig:
     extend_up_from: int = MAX_TOKEN_POINT  # last range extends upward if the sweep reached this
 
 
+T = TypeVar("T")
+# What the DB already holds for a problem: measurement rows by (m, tactic JSON), correctness rows by
+# tactic JSON, and the blocklisted tactics.
+PreviousRecords = tuple[Mapping[tuple[int, str], Mapping[str, Any]], Mapping[str, Mapping[str, Any]], set[str]]
+
+
 class _Pool:
     """One thread per backend; each job borrows a free backend for its whole run."""
 
@@ -75,8 +82,8 @@ class _Pool:
             self.free.put(b)
         self.ex = ThreadPoolExecutor(max_workers=len(backends), thread_name_prefix="tune")
 
-    def submit(self, fn: Callable[[Backend], Any]) -> Future[Any]:
-        def run() -> Any:
+    def submit(self, fn: Callable[[Backend], T]) -> Future[T]:
+        def run() -> T:
             b = self.free.get()
             try:
                 return fn(b)
@@ -89,7 +96,7 @@ class _Pool:
         self.ex.shutdown(wait=True, cancel_futures=True)
 
 
-def _completed(futs: Sequence[Future[Any]]) -> Iterable[Future[Any]]:
+def _completed(futs: Sequence[Future[T]]) -> Iterable[Future[T]]:
     """Futures in completion order (results are consumed on the caller's thread)."""
     pending = set(futs)
     while pending:
@@ -128,7 +135,12 @@ class _Sweep:
         self.estimate = 0  # progress total, refined as the phases learn how much is left
         self.lock = threading.Lock()
 
-    def reuse(self, order: Mapping[str, None], measurements: Mapping[Any, Any], checks: Mapping[str, Any]) -> int:
+    def reuse(
+        self,
+        order: Mapping[str, None],
+        measurements: Mapping[tuple[int, str], Mapping[str, Any]],
+        checks: Mapping[str, Mapping[str, Any]],
+    ) -> int:
         """Take over what an earlier run stored; returns how many measurements were reused."""
         for (m, t), row in measurements.items():
             tc = canon(t)
@@ -191,7 +203,7 @@ class _Sweep:
     # -- phases (caller's thread) ----------------------------------------------------------
 
     def check_all(self, pool: _Pool, to_check: Sequence[str]) -> None:
-        for fut in _completed([pool.submit(lambda b, t=t: self.check_job(b, t)) for t in to_check]):
+        for fut in _completed([pool.submit(functools.partial(self.check_job, t=t)) for t in to_check]):
             batch = fut.result()
             self.done += 1
             self.progress(self.label, self.done, self.estimate)
@@ -200,7 +212,10 @@ class _Sweep:
                 self.new_blocked += batch.blocked
 
     def time_points(self, pool: _Pool, ms: Sequence[int], tactics_for: Callable[[int], list[str]], phase: str) -> None:
-        futs = [pool.submit(lambda b, m=m: self.point_job(b, m, tactics_for(m), phase)) for m in ms]
+        def job(m: int) -> Callable[[Backend], Batch]:
+            return lambda b: self.point_job(b, m, tactics_for(m), phase)
+
+        futs = [pool.submit(job(m)) for m in ms]
         for fut in _completed(futs):
             batch = fut.result()
             self.done += len(batch.measurements)
@@ -218,7 +233,8 @@ class _Sweep:
         survivors: dict[str, None] = {}
         for m in anchors:
             ok = [t for t in passed if _ok(self.measurements.get((m, t)))]
-            ok.sort(key=lambda t, m=m: self.measurements[(m, t)].timing.median_us)  # type: ignore[union-attr]
+            medians = {t: _median_us(self.measurements[(m, t)]) for t in ok}
+            ok.sort(key=medians.__getitem__)
             for t in ok[: cfg.keep_per_anchor]:
                 survivors.setdefault(t, None)
         return [t for t in passed if t in survivors]
@@ -226,8 +242,8 @@ class _Sweep:
 
 def sweep(
     problem: ProblemKey,
-    candidates: Iterable[str | Any],
-    default_for: Callable[[int], str | Any],
+    candidates: Iterable[str | JsonTactic],
+    default_for: Callable[[int], str | JsonTactic],
     backends: Sequence[Backend],
     *,
     config: SweepConfig | None = None,
@@ -349,6 +365,12 @@ def _ok(meas: Measurement | None) -> bool:
     return meas is not None and meas.status == OK and meas.timing is not None
 
 
+def _median_us(meas: Measurement | None) -> float:
+    """The median of a measurement :func:`_ok` accepted."""
+    assert meas is not None and meas.timing is not None
+    return meas.timing.median_us
+
+
 def _measurement_from_row(m: int, t: str, row: Mapping[str, Any], is_default: bool) -> Measurement:
     if row.get("status") == OK and row.get("median_us") is not None:
         med = float(row["median_us"])
@@ -386,7 +408,7 @@ def choose(
     ok = {t: x for t, x in timed.items() if _ok(x) and t in passed and t not in failed}
     if not ok:
         return PointChoice(m, None, default, None, None, why="nothing measured")
-    ranked = sorted(ok, key=lambda t: (ok[t].timing.median_us, t))  # type: ignore[union-attr]
+    ranked = sorted(ok, key=lambda t: (_median_us(ok[t]), t))
     best = ranked[0]
     dm = ok.get(default)
     bt = ok[best].timing
@@ -408,7 +430,7 @@ def choose(
     wt = ok[winner].timing
     assert wt is not None
     ru = others[0] if others else None
-    gap = ok[ru].timing.median_us / wt.median_us - 1.0 if ru else None  # type: ignore[union-attr]
+    gap = _median_us(ok[ru]) / wt.median_us - 1.0 if ru else None
     return PointChoice(
         m, winner, default, wt.median_us, dm.timing.median_us if dm and dm.timing else None,
         runner_up=ru, runner_up_gap=gap, why=why,
@@ -454,9 +476,9 @@ def tune_layer(
     candidates_for: Callable[[ProblemKey], list[str]],
     default_for: Callable[[ProblemKey], Callable[[int], str]],
     config: SweepConfig,
-    previous: Callable[[ProblemKey], tuple[Mapping[Any, Any], Mapping[str, Any], set[str]]] | None = None,
+    previous: Callable[[ProblemKey], PreviousRecords] | None = None,
     on_batch: Callable[[ProblemKey, Batch], None] | None = None,
-    on_result: Callable[[SweepResult], None] | None = None,
+    on_result: Callable[[SweepResult], object] | None = None,
     on_progress: ProgressFn | None = None,
     compare_layer: bool = True,
     clock: Callable[[], float] = time.monotonic,
@@ -478,7 +500,7 @@ def tune_layer(
             problem, candidates_for(problem), default_for(problem), backends,
             config=SweepConfig(**{**config.__dict__, "budget_s": budget}),
             previous_measurements=prev_m, previous_checks=prev_c, blocked=blocked,
-            on_batch=(lambda b, p=problem: on_batch(p, b)) if on_batch else None,
+            on_batch=functools.partial(on_batch, problem) if on_batch else None,
             on_progress=on_progress, clock=clock, check_backends=check_backends,
         )  # fmt: skip
         results.append(res)
@@ -502,6 +524,8 @@ def _layer_points(results: Sequence[SweepResult], timer: Callable[..., Timing] |
             continue
         default_pair = (c1[m].default, c2[m].default)
         tuned_pair = (c1[m].winner or c1[m].default, c2[m].winner or c2[m].default)
+        d: float | None
+        t: float | None
         try:
             d = timer(g1.problem, default_pair, m).median_us
             t = d if tuned_pair == default_pair else timer(g1.problem, tuned_pair, m).median_us

@@ -13,10 +13,13 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import ProblemKey, canon, canonical_json
 from prepkit.tune.candidates import key_layer
+
+if TYPE_CHECKING:
+    from prepkit.kernels.tactic import GemmTactic
 
 
 def kernel_timing_scope() -> str:
@@ -83,7 +86,7 @@ class GpuBench:
         self._refs: dict[int, tuple[Any, Any, Any]] = {}
         self._inputs: dict[str, Any] = {}
 
-    def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[Any, Any]:
+    def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[GemmTactic, GemmTactic]:
         from prepkit.kernels.tactic import GemmTactic
         from prepkit.kernels.variants import default_tactics
 
@@ -191,9 +194,9 @@ class GpuBench:
 
         return canon(self._runnable(default_tactics(self.layer.problem(m), self.info, self.activations)[idx]))
 
-    def _runnable(self, t: Any) -> Any:
+    def _runnable(self, t: GemmTactic) -> GemmTactic:
         # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.
-        if self.dev.type != "cuda" and getattr(t, "upcast", None) == "asm":
+        if self.dev.type != "cuda" and t.upcast == "asm":
             from dataclasses import replace
 
             return replace(t, upcast="bits")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -66,14 +66,23 @@ def shared_workspace(
     return found
 
 
+class CompiledKernel(Protocol):
+    """What a replay needs of the kernel Triton compiled for a launch (its ``CompiledKernel``)."""
+
+    # The launcher: grid, stream, function, packed metadata, three hooks, then the kernel's arguments.
+    run: Callable[..., object]
+    function: object  # the loaded kernel's driver handle
+    packed_metadata: object
+
+
 @dataclass(frozen=True)
 class _Step:
-    """One recorded launch, ready to replay: the compiled kernel, its grid, and its arguments in
-    the kernel's parameter order with the per-call tensors' positions (``slots``)."""
+    """One recorded launch, ready to replay: the compiled kernel's parts, its grid, and its
+    arguments in the kernel's parameter order with the per-call tensors' positions (``slots``)."""
 
-    run: Callable[..., Any]
-    function: Any
-    packed_metadata: Any
+    run: Callable[..., object]
+    function: object
+    packed_metadata: object
     grid: tuple[int, int, int]
     args: tuple[Any, ...]
     slots: tuple[tuple[int, int], ...]  # (argument index, _HIDDEN/_LOGITS/_OUT)
@@ -150,7 +159,13 @@ class LaunchPlan:
 def plan_fused_moe(
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor,
-    *weights: torch.Tensor | None,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    *,
     top_k: int,
     valid_intermediate: int,
     activations: ActivationPolicy = "bf16",
@@ -163,8 +178,9 @@ def plan_fused_moe(
 
     def call(workspace: Workspace | None) -> torch.Tensor:
         return fused_moe(
-            hidden_states, router_logits, *weights, top_k=top_k, valid_intermediate=valid_intermediate,
-            activations=activations, workspace=workspace, **kwargs,
+            hidden_states, router_logits, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
+            top_k=top_k, valid_intermediate=valid_intermediate, activations=activations, workspace=workspace,
+            **kwargs,
         )  # fmt: skip
 
     if not plannable(hidden_states, router_logits) or kwargs.get("out") is not None:
@@ -172,7 +188,7 @@ def plan_fused_moe(
     device = hidden_states.device
     workspace = shared_workspace(
         device=device, stream=current_stream(device), tokens=hidden_states.shape[0], top_k=top_k,
-        num_local_experts=weights[0].shape[0], hidden=hidden_states.shape[1],  # type: ignore[union-attr]
+        num_local_experts=w13_blocks.shape[0], hidden=hidden_states.shape[1],
         valid_intermediate=valid_intermediate, activations=activations,
     )  # fmt: skip
     return LaunchPlan.record(call, hidden_states, router_logits, workspace)
@@ -199,7 +215,7 @@ def _hooked(hook: Any) -> bool:
 
 def _replayable(launch: Launch, per_call: dict[int, int]) -> _Step | None:
     """The launch as a replayable step, or ``None`` when its arguments cannot be laid out."""
-    compiled = launch.compiled
+    compiled: CompiledKernel | None = launch.compiled
     if compiled is None or not hasattr(compiled, "run"):
         return None
     params = inspect.signature(launch.kernel.fn).parameters  # the jit function's own signature
@@ -217,12 +233,5 @@ def _replayable(launch: Launch, per_call: dict[int, int]) -> _Step | None:
         else:
             return None
     slots = tuple((i, per_call[id(a)]) for i, a in enumerate(args) if id(a) in per_call)
-    grid = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
-    return _Step(
-        compiled.run,
-        compiled.function,
-        compiled.packed_metadata,
-        grid,
-        tuple(args),
-        slots,  # type: ignore[arg-type]
-    )
+    x, y, z = tuple(launch.grid) + (1,) * (3 - len(launch.grid))
+    return _Step(compiled.run, compiled.function, compiled.packed_metadata, (x, y, z), tuple(args), slots)
