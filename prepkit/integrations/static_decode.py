@@ -113,6 +113,7 @@ class PrepkitDecoder:
         out = self.tokens[:, : prompt + max_new_tokens].cpu()  # the one host sync
         return stop_at_eos(out, prompt, _ids(self.model.generation_config.eos_token_id), self._pad_id())
 
+    @torch.no_grad()
     def step(self) -> None:
         """One greedy decode step from the device-side state: a graph replay once captured."""
         if not self.cuda_graph:
@@ -121,13 +122,21 @@ class PrepkitDecoder:
         if self.graph is not None:
             self.graph.replay()
             return
-        # Warm-up on a side stream (Triton compiles, cuBLAS picks its workspace): a real step.
+        # Warm-up on a side stream (Triton and torch.compile compile, cuBLAS picks its workspace):
+        # this call's real step, then for compiled steps one more whose state is rolled back, so
+        # that nothing compiles while the graph is being captured. Its cache and token writes lie
+        # past the position and are written again before anything reads them.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step()
+            if self.compiled:
+                position, next_ids = self.position.clone(), self.next_ids.clone()
+                self._step()
+                self.position.copy_(position)
+                self.next_ids.copy_(next_ids)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        # Capturing runs nothing: the warm-up above was this step.
+        # Capturing runs nothing: the real step was the first warm-up.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step()
