@@ -405,7 +405,7 @@ def test_a_tuned_pair_that_no_longer_compiles_falls_back_to_the_default(monkeypa
     layer.tactic_lookup = lambda problem, device: tuned
     launched = []
 
-    def fake_launch(layer_, x, logits, pair):
+    def fake_launch(layer_, x, logits, pair, plan_key=None):
         launched.append(pair)
         if pair == tuned:
             raise OutOfResources(300000, 101376, "shared memory")
