@@ -169,8 +169,9 @@ def info(message: str | RenderableType, *, label: str = "", style: str = "") -> 
 
 
 def result(renderable: str | RenderableType, *, label: str = "", style: str = "") -> None:
-    """Print a result (a table or a line) on stdout."""
-    out_console.print(_text(renderable, label, style))
+    """Print a result (a table or a line) on stdout; off a terminal a line stays one line."""
+    text = isinstance(renderable, str | Text)
+    out_console.print(_text(renderable, label, style), soft_wrap=text and not out_console.is_terminal)
 
 
 def warn(message: str) -> None:

@@ -223,3 +223,11 @@ def test_progress_lines_keep_a_steady_pace(monkeypatch: pytest.MonkeyPatch, caps
     assert err.splitlines() == [
         f"source: {mib}.0 MiB / 35.0 MiB ({100 * mib // 35}%), 1.0 MiB/s, {mib} s elapsed" for mib in (10, 20, 30)
     ]
+
+
+def test_a_long_result_line_reaches_a_pipe_whole(capsys) -> None:
+    from prepkit import console
+
+    line = "ok: " + " ".join(f"file-{i}.safetensors" for i in range(12))  # far past 80 columns
+    console.result(line)
+    assert capsys.readouterr().out == line + "\n"
