@@ -310,8 +310,8 @@ def test_top_level_help_and_completion_import_no_torch() -> None:
 
 
 def test_show_prints_whole_ranges_on_stdout_in_80_columns() -> None:
-    """Off a terminal, 80 columns wide: the table is on stdout, and every token range, time and
-    speedup is printed whole (only the tactic column wraps)."""
+    """Off a terminal, 80 columns wide: the table is on stdout within 80 columns, and every token
+    range, time and speedup is printed whole (only the tactic column wraps)."""
     import os
     import subprocess
     import sys
@@ -332,7 +332,9 @@ def test_show_prints_whole_ranges_on_stdout_in_80_columns() -> None:
         env=env,
     )
     lines = out.stdout.splitlines()
-    assert max(len(line) for line in lines) <= 80
+    # The table fits the 80 columns; a line of text stays one line off a terminal, as scripts read it.
+    table = [line for line in lines if line[:1] in "┏┃┡│└"]
+    assert table and max(len(line) for line in table) <= 80
     cells = [[c.strip() for c in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
     ranges = [c for c in cells if c and c[0]]
     assert len(ranges) == len(winners)
