@@ -139,6 +139,44 @@ def attention_in(
     return hidden, rotate(query, cos, sin)
 
 
+def additive_mask(
+    key_index: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive ``[T, max_len]`` mask for queries at ``positions`` over cache slots ``key_index``:
+    causal, and within ``window`` positions for a sliding-window layer."""
+    allowed = key_index[None, :] <= positions[:, None]
+    if window is not None:
+        allowed = allowed & (key_index[None, :] > positions[:, None] - window)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=key_index.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    sinks: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """gpt-oss attention of ``query`` ``[B, heads, T, D]`` over the cache (``keys``/``values``
+    ``[B, kv_heads, max_len, D]``, additive ``mask`` ``[T, max_len]``) with one learned sink logit
+    per head -> ``[B, T, heads * D]``, as transformers' eager attention computes it."""
+    batch, heads, tokens, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows
+    # (row g*T + t) instead of repeating the cache per head.
+    query = query.reshape(batch, kv_heads, group * tokens, head_dim)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + mask.repeat(group, 1)
+    sinks = sinks.reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, tokens, -1)
+    scores = torch.cat([scores, sinks.reshape(batch, kv_heads, group * tokens, 1)], dim=-1)
+    scores = scores - scores.max(dim=-1, keepdim=True).values
+    probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype)
+    out = torch.matmul(probs, values).reshape(batch, heads, tokens, head_dim).transpose(1, 2)
+    return out.reshape(batch, tokens, heads * head_dim)
+
+
 def attention_out(
     hidden: torch.Tensor,
     query: torch.Tensor,
@@ -154,25 +192,10 @@ def attention_out(
     """Attention of ``query`` over the cache (causal, and within ``window`` positions for a
     sliding-window layer) with the learned sinks, the output projection and the residual; then
     the MoE's input (the post-attention norm, ``[B*T, H]``) and router logits."""
-    batch, heads, tokens, head_dim = query.shape
-    kv_heads, max_len = keys.shape[1], keys.shape[2]
-    group = heads // kv_heads
-    key_index = torch.arange(max_len, device=keys.device)
-    allowed = key_index[None, :] <= positions[:, None]
-    if window is not None:
-        allowed = allowed & (key_index[None, :] > positions[:, None] - window)
-    mask = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device)
-    mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)
-    # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows.
-    query = query.reshape(batch, kv_heads, group * tokens, head_dim)
-    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + mask.repeat(group, 1)
-    sinks = w.sinks.reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, tokens, -1)
-    scores = torch.cat([scores, sinks.reshape(batch, kv_heads, group * tokens, 1)], dim=-1)
-    scores = scores - scores.max(dim=-1, keepdim=True).values
-    probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype)
-    out = torch.matmul(probs, values).reshape(batch, heads, tokens, head_dim).transpose(1, 2)
-    hidden = hidden + project(out.reshape(batch, tokens, heads * head_dim), w.o_weight, w.o_bias, as_reduction)
-    x = rms_norm(hidden, w.post_norm, eps).reshape(batch * tokens, -1)
+    mask = additive_mask(torch.arange(keys.shape[2], device=keys.device), positions, window, query.dtype)
+    out = attend(query, keys, values, mask, w.sinks, scaling)
+    hidden = hidden + project(out, w.o_weight, w.o_bias, as_reduction)
+    x = rms_norm(hidden, w.post_norm, eps).flatten(0, 1)
     return hidden, x, project(x, w.router_weight, w.router_bias, as_reduction)
 
 

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from prepkit.integrations import decode_step
 
@@ -83,9 +82,6 @@ class PrepkitDecoder:
         self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
         self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
-
-        self._rotary = apply_rotary_pos_emb
         # Compiled decode steps fuse the work between matrix products (decode_step); by default on
         # CUDA, where launch gaps dominate a step, and never for the prompt (one shape per length).
         prepkit_moe = all(hasattr(layer.mlp, "moe_layer") for layer in self.layers)
@@ -228,12 +224,7 @@ class PrepkitDecoder:
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive ``[T, max_len]`` mask: causal, and within ``window`` for sliding layers."""
-        query, key = positions[:, None], self.kv_index[None, :]
-        allowed = key <= query
-        if window is not None:
-            allowed &= key > query - window
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        return decode_step.additive_mask(self.kv_index, positions, window, self.dtype)
 
     def _attention(
         self,
@@ -250,22 +241,11 @@ class PrepkitDecoder:
         query = attn.q_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
         key = attn.k_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
         value = attn.v_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
-        query, key = self._rotary(query, key, cos, sin)
         keys, values = self.keys[index], self.values[index]
-        keys.index_copy_(2, positions, key)
+        keys.index_copy_(2, positions, decode_step.rotate(key, cos, sin))
         values.index_copy_(2, positions, value)
-        heads, kv_heads = query.shape[1], keys.shape[1]
-        group = heads // kv_heads
-        # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows
-        # (row g*T + t) instead of repeating the cache per head.
-        query = query.reshape(batch, kv_heads, group * tokens, head_dim)
-        scores = torch.matmul(query, keys.transpose(2, 3)) * attn.scaling + mask.repeat(group, 1)
-        sinks = attn.sinks.reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, tokens, -1)
-        scores = torch.cat([scores, sinks.reshape(batch, kv_heads, group * tokens, 1)], dim=-1)
-        scores = scores - scores.max(dim=-1, keepdim=True).values
-        probs = F.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1].to(values.dtype)
-        out = torch.matmul(probs, values).reshape(batch, heads, tokens, head_dim).transpose(1, 2)
-        return attn.o_proj(out.reshape(batch, tokens, heads * head_dim))
+        query = decode_step.rotate(query, cos, sin)
+        return attn.o_proj(decode_step.attend(query, keys, values, mask, attn.sinks, attn.scaling))
 
     def _pad_id(self) -> int | None:
         pad = self.model.generation_config.pad_token_id
