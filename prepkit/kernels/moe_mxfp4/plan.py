@@ -115,8 +115,7 @@ class LaunchPlan:
             and router_logits.device == self._device
             and hidden_states.is_contiguous()
             and router_logits.is_contiguous()
-            and hidden_states.data_ptr() % 16 == 0
-            and router_logits.data_ptr() % 16 == 0
+            and _aligned(hidden_states, router_logits)
         )
 
     def __call__(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
@@ -200,12 +199,18 @@ def plannable(hidden_states: torch.Tensor, router_logits: torch.Tensor) -> bool:
     (a profiler's hooks must see every launch)."""
     if hidden_states.device.type != "cuda" or interpreting() or not 0 < hidden_states.shape[0] <= MAX_PLANNED_TOKENS:
         return False
-    if hidden_states.data_ptr() % 16 or router_logits.data_ptr() % 16:
+    if not _aligned(hidden_states, router_logits):
         return False
     import triton
 
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     return runtime is None or not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook))
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    # Triton specializes a pointer argument on 16-byte alignment: a plan recorded on aligned
+    # tensors must never replay on others.
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _hooked(hook: Any) -> bool:
