@@ -9,39 +9,23 @@ import json
 import sys
 import time
 import warnings
+from pathlib import Path
+from typing import Any
 
 import torch
 
-E, H, I, TOP_K = 128, 2880, 2880, 4
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def random_layer() -> object:
-    from prepkit.layouts.base import ExpertWeights
-    from prepkit.runtime import MoeLayer
-
-    g = torch.Generator(device="cuda").manual_seed(0)
-
-    def u8(shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
-        return torch.randint(lo, hi, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-    experts = ExpertWeights(
-        gate_up_proj_blocks=u8((E, 2 * I, H // 32, 16), 0, 256),
-        gate_up_proj_scales=u8((E, 2 * I, H // 32), 119, 124),
-        gate_up_proj_bias=(torch.randn((E, 2 * I), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
-        down_proj_blocks=u8((E, H, I // 32, 16), 0, 256),
-        down_proj_scales=u8((E, H, I // 32), 119, 124),
-        down_proj_bias=(torch.randn((E, H), generator=g, device="cuda") * 0.1).to(torch.bfloat16),
-    )
-    layer, _ = MoeLayer.from_experts(experts, top_k=TOP_K)
-    return layer
-
-
-def measure(layer: object, tokens: int, calls: int = 200) -> dict[str, float]:
+def measure(layer: Any, tokens: int, calls: int = 200) -> dict[str, float]:
+    """Eager µs per call (all 200 launched, then one sync), the host's share of it, and the
+    call's GPU µs replayed in a CUDA graph, for ``tokens`` random tokens through ``layer``."""
     from prepkit.runtime import moe
 
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn((tokens, H), generator=g, device="cuda").to(torch.bfloat16)
-    logits = torch.randn((tokens, E), generator=g, device="cuda")
+    x = torch.randn((tokens, layer.hidden), generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn((tokens, layer.num_experts), generator=g, device="cuda")
     for _ in range(5):
         moe(layer, x, logits)
     torch.cuda.synchronize()
@@ -85,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        layer = random_layer()
+        from benchmarks.bench_kernel import synth_layer
+
+        layer, _ = synth_layer(torch.device("cuda"))
         rows = {int(t): measure(layer, int(t)) for t in args.tokens.split(",")}
     print(f"{torch.cuda.get_device_name()}: eager prepkit.runtime.moe, gpt-oss-120b dims")
     print("| tokens | eager µs/call | host µs/call | CUDA graph µs/call |")

@@ -224,28 +224,12 @@ def same_tokens(model: torch.nn.Module, steps: int) -> dict[str, Any]:
 
 def moe_host_costs(layer: Any, hidden: int, num_experts: int) -> dict[str, Any]:
     """Eager ``moe()`` microseconds per call (200 back-to-back calls, one sync), the same in a
-    CUDA graph, and a cProfile of the 1-token eager call."""
+    CUDA graph (:func:`benchmarks.bench_eager.measure`), and a cProfile of the 1-token eager call."""
+    from benchmarks.bench_eager import measure
     from prepkit.runtime import moe
 
+    result: dict[str, Any] = {str(tokens): measure(layer, tokens) for tokens in (1, 4, 16, 64)}
     g = torch.Generator("cuda").manual_seed(3)
-    result: dict[str, Any] = {}
-    for tokens in (1, 4, 16, 64):
-        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-        logits = torch.randn(tokens, num_experts, device="cuda", generator=g)
-        for _ in range(5):
-            moe(layer, x, logits)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(200):
-            moe(layer, x, logits)
-        host_s = time.perf_counter() - t
-        torch.cuda.synchronize()
-        eager_us = (time.perf_counter() - t) / 200 * 1e6
-        result[str(tokens)] = {
-            "eager_us": eager_us,
-            "host_launch_us": host_s / 200 * 1e6,
-            "graph_us": graph_ms(lambda x=x, logits=logits: moe(layer, x, logits), 200) * 1e3,
-        }
     x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
     logits = torch.randn(1, num_experts, device="cuda", generator=g)
     profiler = cProfile.Profile()
@@ -480,7 +464,7 @@ def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print("| moe() tokens | eager µs/call | host µs/call | CUDA graph µs/call |")
     print("|---|---|---|---|")
     for tokens, v in host.items():
-        print(f"| {tokens} | {v['eager_us']:.1f} | {v['host_launch_us']:.1f} | {v['graph_us']:.1f} |")
+        print(f"| {tokens} | {v['eager_us']:.1f} | {v['host_us']:.1f} | {v['graph_us']:.1f} |")
 
 
 if __name__ == "__main__":
