@@ -334,17 +334,16 @@ def moe(
         DeviceError: tensors on different devices.
         ValueError: shapes that do not match the layer, or ``tactics`` pinned under ``torch.compile``.
     """
+    target = hidden_states.dtype if out_dtype is None else out_dtype
     if torch.compiler.is_compiling():
         if tactics is not None:
             raise ValueError("moe(): pinned tactics are not supported under torch.compile")
-        target = hidden_states.dtype if out_dtype is None else out_dtype
         return torch.ops.prepkit.moe(hidden_states, router_logits, layer.op_id, target)
     if tactics is None and layer._plans:
         key = _plan_key(layer, hidden_states, router_logits)
         plan = layer._plans.get(key) if key is not None else None
         if plan is not None and plan.accepts(hidden_states, router_logits):
             out = plan(hidden_states, router_logits)
-            target = hidden_states.dtype if out_dtype is None else out_dtype
             return out if target == torch.float32 else out.to(target)
     if hidden_states.device != layer.w13_blocks.device or router_logits.device != hidden_states.device:
         raise DeviceError(
@@ -373,7 +372,6 @@ def moe(
         if fallback is None:
             raise
         out = _launch(layer, x, logits, fallback)
-    target = hidden_states.dtype if out_dtype is None else out_dtype
     return out if target == torch.float32 else out.to(target)
 
 
