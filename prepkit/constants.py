@@ -12,6 +12,11 @@ TRTLLM_GEN_LAYOUT_ID = "trtllm_gen_v1"
 TRITON_MOE_LAYOUT_ID = "triton_moe_v3"  # the bundled kernel's weight layout
 CUTLASS_SM90_LAYOUT_ID = "cutlass_sm90_v1"
 CUTLASS_SM12X_LAYOUT_ID = "cutlass_sm12x_v1"
+# The MX form of the dense weights (``prepare --dense mxfp8|mxfp4``: prepkit.layouts.dense_mx),
+# stored in the shared files beside the expert layout; bf16 dense weights have no id (the
+# checkpoint's own bytes).
+DENSE_MX_LAYOUT_ID = "dense_mx_v1"
+DEFAULT_DENSE_FORMAT = "bf16"  # ``--dense`` when not given: the checkpoint's dense weights as they are
 
 # A model folder: the checkpoint's index, and the record of whoever wrote the folder.
 INDEX_NAME = "model.safetensors.index.json"

@@ -13,7 +13,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prepkit.constants import EXPERTS_FILE, JOURNAL_NAME, MANIFEST_NAME, SHARED_FILE
+from prepkit.constants import (
+    DEFAULT_DENSE_FORMAT,
+    DENSE_MX_LAYOUT_ID,
+    EXPERTS_FILE,
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    SHARED_FILE,
+)
 from prepkit.dims import ModelDims
 from prepkit.errors import VerifyError
 
@@ -225,6 +232,50 @@ class RankRecord:
 
 
 @dataclass(frozen=True)
+class DenseTensorRecord:
+    """One dense weight stored in MX form: its format, its source shape ``[N, K]``, and the names
+    of the two tensors that hold it in the shared files."""
+
+    format: str  # "mxfp8" or "mxfp4"
+    shape: tuple[int, ...]
+    blocks: str  # "<name>_blocks": [P, N, 128] uint8
+    scales: str  # "<name>_scales": [K/32, N] uint8
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": self.format, "shape": list(self.shape), "blocks": self.blocks, "scales": self.scales}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> DenseTensorRecord:
+        return cls(raw["format"], tuple(int(d) for d in raw["shape"]), raw["blocks"], raw["scales"])
+
+
+@dataclass(frozen=True)
+class DenseRecord:
+    """The dense weights ``prepare --dense`` stored in an MX format (absent for bf16)."""
+
+    format: str  # the --dense value
+    layout_id: str  # versioned id of the stored form, DENSE_MX_LAYOUT_ID
+    tensors: dict[str, DenseTensorRecord]  # by checkpoint name, e.g. "lm_head.weight"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "layout_id": self.layout_id,
+            "tensors": {name: t.to_json() for name, t in sorted(self.tensors.items())},
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], path: str | Path) -> DenseRecord:
+        if raw["layout_id"] != DENSE_MX_LAYOUT_ID:
+            raise VerifyError(
+                f"{path}: dense weights of layout {raw['layout_id']!r}, this prepkit reads {DENSE_MX_LAYOUT_ID!r}",
+                hint="use the prepkit that prepared them, or prepare the shards again with this one",
+            )
+        tensors = {name: DenseTensorRecord.from_json(t) for name, t in raw["tensors"].items()}
+        return cls(raw["format"], raw["layout_id"], tensors)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A finished shard set: layout, source model, parallel split, every rank, every file's hash."""
 
@@ -239,12 +290,20 @@ class Manifest:
     ranks: tuple[RankRecord, ...]
     files: dict[str, FileHash]  # every file, relative to the output folder
     format_version: int = MANIFEST_VERSION
+    dense: DenseRecord | None = None  # None: the dense weights are the checkpoint's bf16
+
+    @property
+    def dense_format(self) -> str:
+        """How the shared files hold the dense weights (q/k/v/o projections, lm_head): ``"bf16"``
+        (as the checkpoint), ``"mxfp8"`` or ``"mxfp4"`` (``X.weight_blocks`` and ``X.weight_scales``
+        in place of each ``X.weight``; :attr:`dense` lists them)."""
+        return self.dense.format if self.dense is not None else DEFAULT_DENSE_FORMAT
 
     def rank_record(self, rank: int) -> RankRecord | None:
         return next((r for r in self.ranks if r.rank == rank), None)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": MANIFEST_FORMAT,
             "format_version": self.format_version,
             "prepkit_version": self.prepkit_version,
@@ -258,6 +317,9 @@ class Manifest:
             "ranks": [r.to_json() for r in self.ranks],
             "files": {rel: f.to_json() for rel, f in sorted(self.files.items())},
         }
+        if self.dense is not None:  # a bf16 set's manifest keeps the keys it always had
+            out["dense"] = self.dense.to_json()
+        return out
 
     @classmethod
     def from_json(cls, raw: Any, path: str | Path = MANIFEST_NAME) -> Manifest:
@@ -285,6 +347,7 @@ class Manifest:
                 ranks=tuple(RankRecord.from_json(r) for r in raw["ranks"]),
                 files={rel: FileHash.from_json(f) for rel, f in raw["files"].items()},
                 format_version=version,
+                dense=DenseRecord.from_json(raw["dense"], path) if "dense" in raw else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise VerifyError(

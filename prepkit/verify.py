@@ -1,5 +1,7 @@
 """``verify``: every output file against the manifest's sha256, and optionally every (or a sample
-of) expert inverted through its layout and compared with the source checkpoint's bytes."""
+of) expert inverted through its layout and compared with the source checkpoint's bytes, every
+other tensor with the source's, and each MX dense weight dequantized and held to its format's
+rounding bound."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ import torch
 from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
+from prepkit.dense_weights import check_stored_weight
 from prepkit.errors import LayoutError, OutputError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
-from prepkit.manifest import Manifest, experts_file
+from prepkit.layouts.dense_mx import mx_format
+from prepkit.manifest import DenseRecord, DenseTensorRecord, Manifest, experts_file
 from prepkit.recipes import load_recipe
 
 ProgressFn = Callable[[str, int, int], None]
@@ -142,16 +146,68 @@ def _verify_against_source(
                     report.experts_checked += 1
             step += 1
             progress("experts", step, steps)
+    _verify_shared_tensors(root, manifest, ckpt, report)
+
+
+def _verify_shared_tensors(root: Path, manifest: Manifest, ckpt: Checkpoint, report: VerifyReport) -> None:
+    """Every non-expert tensor equal to the source's; an MX dense weight's two stored tensors
+    checked together against their source weight."""
     # Rank folders hold links to these same files, whose hashes were checked above.
     shared = set(ckpt.non_expert_names())
+    dense = manifest.dense.tensors if manifest.dense is not None else {}
+    stored_as = {stored: name for name, t in dense.items() for stored in (t.blocks, t.scales)}
+    expected = (shared - set(dense)) | set(stored_as)
+    found: dict[str, str] = {}  # stored MX tensor -> the shared file holding it
     for rel in manifest.shared_files:
         with safe_open(str(root / rel), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
-                if name not in shared:
+                if name not in expected:
                     report.problems.append(f"{rel}: unexpected tensor {name}")
+                    continue
+                if name in stored_as:
+                    found[name] = rel
                     continue
                 if not torch.equal(f.get_tensor(name), ckpt.read(name)):
                     report.problems.append(f"{rel}: {name} differs from the source")
                 report.shared_tensors_checked += 1
+    if manifest.dense is not None:
+        _verify_dense_weights(root, manifest.dense, ckpt, shared, found, report)
     if report.shared_tensors_checked != len(shared):
         report.problems.append(f"shared files hold {report.shared_tensors_checked} of {len(shared)} non-expert tensors")
+
+
+def _verify_dense_weights(
+    root: Path, dense: DenseRecord, ckpt: Checkpoint, shared: set[str], found: dict[str, str], report: VerifyReport
+) -> None:
+    for name, record in sorted(dense.tensors.items()):
+        missing = [stored for stored in (record.blocks, record.scales) if stored not in found]
+        if missing:
+            report.problems.append(f"{name}: {' and '.join(missing)} not in the shared files")
+            continue
+        if name not in shared or ckpt.entries[name].shape != record.shape or len(record.shape) != 2:
+            got = list(ckpt.entries[name].shape) if name in shared else "no such tensor"
+            report.problems.append(f"{name}: the manifest says {list(record.shape)}, the source has {got}")
+            continue
+        problem = _check_dense_weight(root / found[record.blocks], root / found[record.scales], ckpt, name, record)
+        if problem is not None:
+            report.problems.append(f"{found[record.blocks]}: {problem}")
+        report.shared_tensors_checked += 1
+
+
+def _check_dense_weight(
+    blocks_file: Path, scales_file: Path, ckpt: Checkpoint, name: str, record: DenseTensorRecord
+) -> str | None:
+    try:
+        fmt = mx_format(record.format)
+    except LayoutError as err:
+        return str(err)
+    with safe_open(str(blocks_file), framework="pt") as fb, safe_open(str(scales_file), framework="pt") as fs:
+        blocks, scales = fb.get_slice(record.blocks), fs.get_slice(record.scales)
+        return check_stored_weight(
+            name,
+            (record.shape[0], record.shape[1]),
+            fmt,
+            lambda lo, hi: ckpt.read_rows(name, lo, hi),
+            lambda lo, hi: blocks[:, lo:hi, :],
+            lambda lo, hi: scales[:, lo:hi],
+        )

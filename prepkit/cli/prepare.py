@@ -10,9 +10,10 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, model_option, quiet_option
-from prepkit.constants import MANIFEST_NAME
+from prepkit.constants import DEFAULT_DENSE_FORMAT, MANIFEST_NAME
 from prepkit.fsutil import format_bytes
 from prepkit.layouts import LAYOUTS, LayoutOptions, get_layout
+from prepkit.layouts.dense_mx import DENSE_FORMATS
 from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
 from prepkit.recipes import load_recipe
 
@@ -61,6 +62,15 @@ def default_src(model: str) -> Path:
     "PR #18870) or '1.2' (pad-before-shard everywhere). Only TP2 of gpt-oss differs.",
 )
 @click.option(
+    "--dense",
+    default=DEFAULT_DENSE_FORMAT,
+    show_default=True,
+    type=click.Choice(DENSE_FORMATS),
+    help="How to store the dense weights (q/k/v/o projections, lm_head): 'bf16' as the checkpoint "
+    "has them, or 'mxfp8' / 'mxfp4' (fewer bytes per token, a rounding error per weight). The MX "
+    "formats need --layout triton-moe.",
+)
+@click.option(
     "--src",
     type=click.Path(path_type=Path, file_okay=False),
     help="Any gpt-oss checkpoint folder: a `prepkit fetch` or `hf download --local-dir` folder, or a "
@@ -69,7 +79,7 @@ def default_src(model: str) -> Path:
 @click.option(
     "--out",
     type=click.Path(path_type=Path, file_okay=False),
-    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>] (<model> is "
+    help="Output folder. Default: ./prepared/<model>-<layout>-tp<N>[-ep<M>][-<dense>] (<model> is "
     "synthetic-<recipe>-<L>l-<E>e for a `prepkit synth` checkpoint).",
 )
 @click.option("--dry-run", is_flag=True, help="Print the plan (ranks, shapes, bytes, free disk) and stop.")
@@ -82,6 +92,7 @@ def prepare(
     ep_size: int,
     ranks: tuple[int, ...],
     trtllm_version: str,
+    dense: str,
     src: Path | None,
     out: Path | None,
     dry_run: bool,
@@ -99,6 +110,7 @@ def prepare(
     Example:
         prepkit prepare --model gpt-oss-120b --layout trtllm-gen --tp 4
         prepkit prepare --src ./synthetic --tp 8 --out ./shards --dry-run
+        prepkit prepare --model gpt-oss-120b --layout triton-moe --dense mxfp4
     """
     from prepkit import prepare as preparing
     from prepkit.errors import OutputError
@@ -108,6 +120,7 @@ def prepare(
     layout = get_layout(layout_name)
     src = src or default_src(model)
     suffix = f"-ep{ep_size}" if ep_size > 1 else ""
+    suffix += f"-{dense}" if dense != DEFAULT_DENSE_FORMAT else ""
     label = checkpoint_label(src, recipe.name)  # a synthetic checkpoint is never named as the real model
     out = out or Path("prepared") / f"{label}-{layout.name}-tp{tp_size}{suffix}"
     plan = preparing.plan_prepare(
@@ -119,6 +132,7 @@ def prepare(
         out_dir=out,
         options=LayoutOptions(trtllm_version=trtllm_version),
         ranks=list(ranks) if ranks else None,
+        dense=dense,
     )
     # A dry run's plan is its result (stdout); before a run it is information (stderr).
     _show_plan(plan, label, console.result if dry_run and not as_json else console.info)
@@ -181,5 +195,15 @@ def _show_plan(plan: preparing.PreparePlan, label: str, show: Callable[..., None
         f"to write: {format_bytes(s['bytes_to_write'])} (shared non-expert tensors {format_bytes(s['shared_bytes'])}, "
         f"written once), {format_bytes(s['bytes_left'])} of it still to write; free: {format_bytes(s['free_bytes'])}"
     )
+    dense = s["dense"]
+    what = "dense weights (q/k/v/o, lm_head)"
+    if dense["layout_id"] is None:
+        show(f"{what}: {dense['format']}, as in the checkpoint ({format_bytes(dense['bytes'])})")
+    else:
+        show(
+            f"{what}: {dense['format']} ({dense['layout_id']}), "
+            f"{format_bytes(dense['bytes'])} instead of {format_bytes(dense['bf16_bytes'])} in bf16: "
+            f"{format_bytes(dense['bytes_saved'])} saved"
+        )
     for w in s["warnings"]:
         console.warn(w)

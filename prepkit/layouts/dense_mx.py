@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prepkit.constants import DEFAULT_DENSE_FORMAT, TRITON_MOE_LAYOUT_ID
 from prepkit.errors import LayoutError
 from prepkit.layouts.triton_moe import (
     PANEL_BYTES,
@@ -38,7 +39,8 @@ from prepkit.layouts.triton_moe import (
 )
 from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, E8M0_BIAS, fp4_table, pack_nibbles, unpack_nibbles
 
-DEFAULT_DENSE_FORMAT = "bf16"
+# The expert layouts whose engine also reads MX dense weights: the bundled kernel family's.
+MX_DENSE_LAYOUT_IDS = (TRITON_MOE_LAYOUT_ID,)
 BLOCKS_SUFFIX = "_blocks"  # ``x.weight`` -> ``x.weight_blocks`` and ``x.weight_scales``,
 SCALES_SUFFIX = "_scales"  # the checkpoint's own spelling for its MXFP4 experts
 # The dense weights ``--dense`` quantizes: each decoder layer's attention projections (the

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit import __version__
 from prepkit.checkpoint import Checkpoint
-from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK, SHARED_DIR
+from prepkit.constants import DEFAULT_DENSE_FORMAT, JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK, SHARED_DIR
 from prepkit.errors import OutputError, VerifyError
 from prepkit.fsutil import fsync_dir, temp_writer_pid
 from prepkit.layouts import Layout, LayoutOptions
@@ -26,14 +26,20 @@ if TYPE_CHECKING:
 
 
 def plan_identity(
-    checkpoint: Checkpoint, layout: Layout, options: LayoutOptions, tp: int, ep: int, ranks: list[int]
+    checkpoint: Checkpoint,
+    layout: Layout,
+    options: LayoutOptions,
+    tp: int,
+    ep: int,
+    ranks: list[int],
+    dense: str = DEFAULT_DENSE_FORMAT,
 ) -> dict[str, Any]:
     """Everything that decides the output bytes: a run resumes a folder only when all of it matches."""
     sources = []
     for path in checkpoint.source_files():
         st = path.stat()
         sources.append([path.name, st.st_size, st.st_mtime_ns])
-    return {
+    identity = {
         "prepkit": __version__,
         "layout": layout.layout_id,
         "options": dict(options.__dict__),
@@ -42,6 +48,9 @@ def plan_identity(
         "ranks": ranks,
         "sources": sources,
     }
+    if dense != DEFAULT_DENSE_FORMAT:  # absent for bf16: the fingerprint of a bf16 plan stays as it was
+        identity["dense"] = dense
+    return identity
 
 
 def fingerprint_of(identity: dict[str, Any]) -> str:
@@ -173,6 +182,7 @@ def _manifest_identity(manifest: Manifest) -> dict[str, Any]:
         "ep": manifest.parallel.ep_size,
         "ranks": [r.rank for r in manifest.ranks],
         "sources": [[name, f.bytes] for name, f in sorted(manifest.model.provenance.source_files.items())],
+        "dense": manifest.dense_format,
     }
 
 
@@ -182,6 +192,9 @@ def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     for key, label in (("layout", "--layout"), ("tp", "--tp"), ("ep", "--ep"), ("ranks", "--rank")):
         if key in theirs and theirs[key] != ours.get(key):
             out.append(f"{label} is {theirs[key]} there, {ours.get(key)} here")
+    their_dense, our_dense = (side.get("dense", DEFAULT_DENSE_FORMAT) for side in (theirs, ours))
+    if their_dense != our_dense:
+        out.append(f"--dense is {their_dense} there, {our_dense} here")
     their_options = theirs.get("options") or {}
     for name, value in sorted(their_options.items()):
         if value != ours.get("options", {}).get(name):

@@ -6,8 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from prepkit import __version__
-from prepkit.constants import INDEX_NAME, MANIFEST_NAME
+from prepkit.constants import DENSE_MX_LAYOUT_ID, INDEX_NAME, MANIFEST_NAME
+from prepkit.layouts.dense_mx import stored_names
 from prepkit.manifest import (
+    DenseRecord,
+    DenseTensorRecord,
     FileHash,
     LayoutRecord,
     Manifest,
@@ -31,6 +34,7 @@ def write_indexes_and_manifest(plan: PreparePlan, files: dict[str, WrittenFile],
     ckpt = plan.checkpoint
     link_method = "none"
     rank_entries = []
+    quantized = set(plan.quantized_names())
     for p in plan.ranks:
         r = p.spec.rank
         weight_map: dict[str, str] = {}
@@ -41,7 +45,8 @@ def write_indexes_and_manifest(plan: PreparePlan, files: dict[str, WrittenFile],
             link_method = link_or_copy(root / rel, root / local)
             rank_files.append(local)
             for n in names:
-                weight_map[n] = Path(rel).name
+                for stored in stored_names(n) if n in quantized else (n,):
+                    weight_map[stored] = Path(rel).name
         for layer in range(ckpt.dims.num_layers):
             rel = experts_file(r, layer)
             rank_files.append(rel)
@@ -98,7 +103,20 @@ def write_indexes_and_manifest(plan: PreparePlan, files: dict[str, WrittenFile],
         shared_file_link=link_method,
         ranks=tuple(rank_entries),
         files={rel: FileHash(wf.sha256, wf.bytes) for rel, wf in sorted(files.items())},
+        dense=_dense_record(plan),
     )
     write_output_json(root, MANIFEST_NAME, manifest.to_json())
     Journal(root, plan.fingerprint).remove()
     return manifest
+
+
+def _dense_record(plan: PreparePlan) -> DenseRecord | None:
+    """What the manifest says of the MX dense weights; None for bf16 (the manifest unchanged)."""
+    names = plan.quantized_names()
+    if not names:
+        return None
+    tensors = {}
+    for n in names:
+        blocks, scales = stored_names(n)
+        tensors[n] = DenseTensorRecord(plan.dense, plan.checkpoint.entries[n].shape, blocks, scales)
+    return DenseRecord(plan.dense, DENSE_MX_LAYOUT_ID, tensors)

@@ -13,9 +13,12 @@ import torch
 
 from prepkit import __version__
 from prepkit.allocator import keep_freed_memory
+from prepkit.constants import DENSE_MX_LAYOUT_ID
+from prepkit.dense_weights import is_quantized, quantize_weight
 from prepkit.fsutil import crash_point, fsync_dir, make_dirs, sha256_file, temp_path
 from prepkit.layouts import RankPlan
 from prepkit.layouts.base import SOURCE_ROLES
+from prepkit.layouts.dense_mx import mx_format
 from prepkit.manifest import experts_file, shared_file
 from prepkit.prepare.plan import PreparePlan
 from prepkit.shards import Journal, WrittenFile, safetensors_header, write_safetensors
@@ -164,7 +167,7 @@ class WritePass:
         self.writer = _ChunkWriter()
         self.hasher = _FileHasher(journal, self.files)
         self.written = self.skipped = self.bytes_written = self.source_read = 0
-        self.total_source = plan.expert_source_bytes + plan.shared_bytes
+        self.total_source = plan.expert_source_bytes + plan.shared_source_bytes
         self.done_source = 0
         self.rank_total = {p.spec.rank: n for p, n in zip(plan.ranks, plan.output_bytes_per_rank, strict=False)}
         self.rank_done = dict.fromkeys(self.rank_total, 0)
@@ -178,15 +181,18 @@ class WritePass:
         self.skipped += 1
 
     def write_shared_files(self) -> None:
-        """Non-expert tensors: carried through unchanged, written once, shared by every rank."""
+        """Non-expert tensors, written once and shared by every rank: carried through unchanged, but
+        for the dense weights under an MX ``--dense``, each quantized into its two stored tensors."""
         metadata = {"format": "pt", "producer": f"prepkit {__version__}"}
+        if self.plan.quantized_names():
+            metadata |= {"dense_format": self.plan.dense, "dense_layout": DENSE_MX_LAYOUT_ID}
         for i, names in enumerate(self.plan.shared_groups):
             rel = shared_file(i)
             group_bytes = sum(self.ckpt.entries[n].nbytes for n in names)
             if self.journal.is_done(rel):
                 self._reuse(rel)
             else:
-                written = write_safetensors(self.plan.out_dir, rel, {n: self.ckpt.read(n) for n in names}, metadata)
+                written = write_safetensors(self.plan.out_dir, rel, self._shared_tensors(names), metadata)
                 self.source_read += group_bytes
                 self.files[rel] = written
                 self.journal.record(written)
@@ -194,6 +200,21 @@ class WritePass:
                 self.bytes_written += written.bytes
             self.done_source += group_bytes
             self.progress("source", self.done_source, self.total_source)
+
+    def _shared_tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """One shared file's tensors by output name; MX dense weights are quantized one at a time
+        (each a slice of rows at a time), with progress after each."""
+        tensors: dict[str, torch.Tensor] = {}
+        done = self.done_source
+        for n in names:
+            if is_quantized(n, self.plan.dense):
+                tensors.update(quantize_weight(self.ckpt, n, mx_format(self.plan.dense)))
+                done += self.ckpt.entries[n].nbytes
+                self.progress("source", done, self.total_source)
+            else:
+                tensors[n] = self.ckpt.read(n)
+                done += self.ckpt.entries[n].nbytes
+        return tensors
 
     def write_expert_layers(self) -> None:
         """Every layer's experts, in chunks read once into reused buffers, into every rank's file."""
