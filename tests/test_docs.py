@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from prepkit.manifest import (
     LOCAL,
     MANIFEST_VERSION,
     SYNTHESIZED,
+    DenseRecord,
+    DenseTensorRecord,
     FileHash,
     LayoutRecord,
     Manifest,
@@ -87,6 +90,18 @@ def _keys(value: Any, free: frozenset[str]) -> set[str]:
 def test_manifest_doc_names_every_key(provenance: Provenance) -> None:
     doc = MANIFEST_DOC.read_text()
     keys = _keys(_manifest(provenance).to_json(), frozenset({"files", "source_files", "tensors", "config", "facts"}))
+    missing = sorted(k for k in keys if f"`{k}`" not in doc)
+    assert not missing, f"docs/manifest.md does not document {missing}"
+
+
+def test_manifest_doc_names_every_dense_key() -> None:
+    doc = MANIFEST_DOC.read_text()
+    head = DenseTensorRecord("mxfp4", (8, 64), "lm_head.weight_blocks", "lm_head.weight_scales")
+    manifest = replace(
+        _manifest(Provenance(LOCAL)), dense=DenseRecord("mxfp4", "dense_mx_v1", {"lm_head.weight": head})
+    )
+    keys = _keys(manifest.to_json(), frozenset({"files", "source_files", "tensors", "config", "facts"}))
+    assert "dense" in keys and "layout_id" in keys and "blocks" in keys
     missing = sorted(k for k in keys if f"`{k}`" not in doc)
     assert not missing, f"docs/manifest.md does not document {missing}"
 
