@@ -279,6 +279,10 @@ def test_a_resume_with_another_dense_format_is_refused(
     assert code == 3 and "--dense is mxfp8 there, bf16 here" in stderr
     assert _tree_hashes(out) == before  # a refused run writes nothing
     assert run(*args, "--dense", "mxfp8")[0] == 0  # the command that started it finishes it
+    clean = tmp_path / "clean"
+    assert run(*args[:-2], str(clean), "-q", "--dense", "mxfp8")[0] == 0
+    files = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert files == json.loads((clean / MANIFEST_NAME).read_text())["files"]  # resumed bytes = clean bytes
     code, _, stderr = run(*args, "--dense", "mxfp4")
     assert (
         code == 3

@@ -53,12 +53,12 @@ def prepare(plan: PreparePlan, on_progress: ProgressFn | None = None) -> Prepare
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _prepare(plan, on_progress)
+        return _prepare(plan, on_progress, quantize_threads=threads)
     finally:
         torch.set_num_threads(threads)
 
 
-def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult:
+def _prepare(plan: PreparePlan, on_progress: ProgressFn | None, quantize_threads: int = 1) -> PrepareResult:
     started = time.perf_counter()
     root = plan.out_dir
     try:
@@ -71,7 +71,7 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None) -> PrepareResult
             remove_leftovers(root)
             journal = resume_journal(plan)
             journal.save()  # before any output file: from here on the folder is this plan's
-            run = WritePass(plan, journal, on_progress)
+            run = WritePass(plan, journal, on_progress, quantize_threads)
             # The source record is read once: its hashes spare hashing those files, and it is cited.
             record = read_source_record(plan.checkpoint)
             vouched = vouched_hashes(plan.checkpoint, record)

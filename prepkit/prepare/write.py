@@ -158,8 +158,12 @@ class _FileHasher:
 class WritePass:
     """One streaming pass over the plan: the counters, the journal and the worker threads."""
 
-    def __init__(self, plan: PreparePlan, journal: Journal, on_progress: ProgressFn | None) -> None:
+    def __init__(
+        self, plan: PreparePlan, journal: Journal, on_progress: ProgressFn | None, quantize_threads: int = 1
+    ) -> None:
         self.plan = plan
+        # MX quantization is compute, with no writer or hasher beside it yet: torch's whole pool.
+        self.quantize_threads = quantize_threads
         self.ckpt = plan.checkpoint
         self.journal = journal
         self.progress = on_progress or (lambda label, done, total: None)
@@ -208,7 +212,12 @@ class WritePass:
         done = self.done_source
         for n in names:
             if is_quantized(n, self.plan.dense):
-                tensors.update(quantize_weight(self.ckpt, n, mx_format(self.plan.dense)))
+                threads = torch.get_num_threads()
+                torch.set_num_threads(self.quantize_threads)
+                try:
+                    tensors.update(quantize_weight(self.ckpt, n, mx_format(self.plan.dense)))
+                finally:
+                    torch.set_num_threads(threads)
                 done += self.ckpt.entries[n].nbytes
                 self.progress("source", done, self.total_source)
             else:
