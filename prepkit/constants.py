@@ -12,6 +12,8 @@ TRTLLM_GEN_LAYOUT_ID = "trtllm_gen_v1"
 TRITON_MOE_LAYOUT_ID = "triton_moe_v3"  # the bundled kernel's weight layout
 CUTLASS_SM90_LAYOUT_ID = "cutlass_sm90_v1"
 CUTLASS_SM12X_LAYOUT_ID = "cutlass_sm12x_v1"
+# Dense MX weights as the bundled kernel family reads them (prepkit.layouts.dense_mx).
+DENSE_MX_LAYOUT_ID = "dense_mx_v1"
 
 # A model folder: the checkpoint's index, and the record of whoever wrote the folder.
 INDEX_NAME = "model.safetensors.index.json"

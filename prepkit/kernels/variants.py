@@ -360,9 +360,7 @@ def dense_default(
         cand = replace(t, block_n=bn, block_k=64, num_stages=2)
         if dense_invalid_reason(cand, fmt, device, activations) is None:
             return cand
-    raise ValueError(
-        f"no dense {fmt} variant fits {device.name}: {dense_invalid_reason(t, fmt, device, activations)}"
-    )
+    raise ValueError(f"no dense {fmt} variant fits {device.name}: {dense_invalid_reason(t, fmt, device, activations)}")
 
 
 def enumerate_dense_tactics(

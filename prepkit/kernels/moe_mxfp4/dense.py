@@ -72,7 +72,7 @@ class DenseMxWeights:
         first = weights[0]
         for i, w in enumerate(weights[1:], 1):
             if w.fmt != first.fmt or w.k != first.k:
-                raise ValueError(f"weight {i} is {w.fmt} with K {w.k}, weight 0 {first.fmt} with K {first.k}")
+                raise ValueError(f"fuse: weight {i} is {w.fmt} with K {w.k}, weight 0 {first.fmt} with K {first.k}")
         blocks = torch.cat([w.blocks for w in weights], dim=1)
         scales = torch.cat([w.scales for w in weights], dim=1)
         return cls(blocks, scales, first.fmt)
@@ -154,7 +154,9 @@ def weight_descriptor(weights: DenseMxWeights, tactic: GemmTactic, activations: 
     return TensorDescriptor.from_tensor(blocks.view(-1, PANEL_BYTES), [tactic.block_n, box_k])
 
 
-def quantize_rows(x: torch.Tensor, activations: ActivationPolicy, *, natural: bool, out: MxRows | None = None) -> MxRows:
+def quantize_rows(
+    x: torch.Tensor, activations: ActivationPolicy, *, natural: bool, out: MxRows | None = None
+) -> MxRows:
     """bf16 rows ``x [T, K]`` -> :class:`MxRows` by the MoE layer's rule; ``natural``: codes in
     natural order inside each group (for mxfp8 weights) instead of the MoE weights' group order."""
     T, K = x.shape
@@ -229,6 +231,8 @@ def mx_linear(
         ValueError: shapes, dtypes, devices or a tactic that do not fit (the message names the tensor).
     """
     activations = check_policy(activations)
+    if activations == "mxfp4" and weights.fmt != "mxfp4":
+        raise ValueError(f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {weights.fmt}")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x: dtype {x.dtype}, the dense kernel reads bfloat16 activations")
     if x.dim() < 1 or x.shape[-1] != weights.k:
