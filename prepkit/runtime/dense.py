@@ -69,6 +69,10 @@ class MxLinear(nn.Module):
     ``activations``: the policy (bf16, mxfp8, mxfp4 with mxfp4 weights); ``tactic_lookup``: the
     variant per call, else :func:`~prepkit.kernels.moe_mxfp4.default_dense_tactic`."""
 
+    weight_blocks: torch.Tensor
+    weight_scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         blocks: torch.Tensor,
