@@ -40,7 +40,7 @@ from prepkit.kernels.variants import GEMMS, Gemm, default_tactics, enumerate_tac
 from prepkit.layer import RankLayer
 
 Status = Literal["compiled", "pruned", "failed"]
-Stage = Literal["route", "gemm1", "gemm2"]
+Stage = Literal["route", "gemm1", "gemm2", "dense"]
 # Called after each candidate: (candidates done, candidates in all, the candidate, its reports,
 # routing kernels compiled just before it included).
 ProgressFn = Callable[[int, int, "Candidate", "list[CompileReport]"], None]
@@ -357,7 +357,8 @@ def check_failures(reports: Sequence[CompileReport]) -> list[str]:
         if (
             want is not None
             and r.ok
-            and r.stage != "route"
+            and r.stage in ("gemm1", "gemm2", "dense")
+            and r.kernel != "_quantize_rows_kernel"  # the dense kernel's row quantizer: no matrix unit
             and r.origin.startswith("default")
             and lowers_natively(arch_device(r.arch).capability)
             and r.mma != want
@@ -370,6 +371,108 @@ def _name(r: CompileReport) -> str:
     tactic = f" {GemmTactic.from_json(r.tactic).key()}" if r.tactic else ""
     kernel = f" {r.kernel}" if r.kernel else ""  # a pruned variant never got as far as a kernel
     return f"{r.arch} {r.activations} {r.stage}{kernel}{tactic} ({r.origin})"
+
+
+# --------------------------------------------------------------------------------------------
+# the dense MX linear
+
+# gpt-oss's dense shapes (N, K): fused q/k/v, o_proj, lm_head.
+DENSE_SHAPES: dict[str, tuple[int, int]] = {"qkv": (5120, 2880), "o": (2880, 4096), "lm_head": (201088, 2880)}
+DENSE_TOKENS: tuple[int, ...] = (1, 8, 64, 512)
+
+
+@dataclass(frozen=True)
+class DenseCandidate:
+    """One dense variant to compile: weight format, shape and token count of the launch."""
+
+    fmt: str
+    tactic: GemmTactic
+    origin: str
+    n: int
+    k: int
+    num_tokens: int
+
+
+def dense_candidates(
+    arch: str, fmt: str, activations: ActivationPolicy, token_points: Iterable[int] = DENSE_TOKENS
+) -> list[DenseCandidate]:
+    """The distinct default variants of the dense linear on ``fmt`` weights over gpt-oss's dense
+    shapes and ``token_points``."""
+    from prepkit.kernels.variants import dense_default
+
+    device = arch_device(arch)
+    seen: dict[GemmTactic, DenseCandidate] = {}
+    for name, (n, k) in DENSE_SHAPES.items():
+        for m in token_points:
+            t = dense_default(m, n, k, fmt, device, activations)
+            if t not in seen:
+                seen[t] = DenseCandidate(fmt, t, f"default {name} T={m}", n, k, m)
+    return list(seen.values())
+
+
+def compile_dense(
+    arch: str, fmt: str, activations: ActivationPolicy, candidates: Iterable[DenseCandidate]
+) -> list[CompileReport]:
+    """Compile each dense candidate (and its row quantizer, for an MX policy) for ``arch``'s
+    reference device, as :func:`compile_variants` does the MoE GEMMs; stage ``dense``."""
+    from prepkit.kernels.variants import dense_invalid_reason
+
+    check_policy(activations)
+    device = arch_device(arch)
+    out: list[CompileReport] = []
+    with _TargetCompiler(device) as tc:
+        for cand in candidates:
+            reason = dense_invalid_reason(cand.tactic, fmt, device, activations)
+            if reason is not None:
+                out.append(
+                    CompileReport(arch, activations, "dense", cand.tactic.to_json(), cand.origin, "pruned", reason)
+                )
+                continue
+            out.extend(tc.run(arch, activations, "dense", cand.tactic, cand.origin, _dense_launch(cand, activations)))
+    return out
+
+
+def _dense_launch(cand: DenseCandidate, activations: str) -> Any:
+    import torch
+
+    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, mx_linear
+    from prepkit.layouts.dense_mx import mx_format
+
+    def launch() -> None:
+        panels = -(-cand.k // mx_format(cand.fmt).panel_k)
+        w = DenseMxWeights(
+            torch.empty((panels, cand.n, 128), dtype=torch.uint8),
+            torch.empty((cand.k // 32, cand.n), dtype=torch.uint8),
+            cand.fmt,
+        )
+        x = torch.empty((cand.num_tokens, cand.k), dtype=torch.bfloat16)
+        bias = torch.empty(cand.n, dtype=torch.bfloat16)
+        mx_linear(x, w, bias, activations=check_policy(activations), tactic=cand.tactic)
+
+    return launch
+
+
+def dense_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m prepkit.kernels.compile_check --arch sm121 --weights mxfp4 --activations mxfp8``:
+    compile the dense linear's defaults for the arch, print the table; exit 1 when a default fails
+    to compile or, for an MX policy on SM12x, lacks the native block-scaled MMA."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="compile-only check of the dense MX linear's defaults")
+    parser.add_argument("--arch", required=True, choices=list(ARCH_DEVICES))
+    parser.add_argument("--weights", required=True, choices=["mxfp4", "mxfp8"])
+    parser.add_argument("--activations", default="bf16", choices=["bf16", "mxfp8", "mxfp4"])
+    args = parser.parse_args(argv)
+    if args.activations == "mxfp4" and args.weights != "mxfp4":
+        parser.error("activations mxfp4 need mxfp4 weights")
+    leave_interpreter()
+    reports = compile_dense(args.arch, args.weights, args.activations, dense_candidates(
+        args.arch, args.weights, args.activations))  # fmt: skip
+    print(format_reports(reports))
+    failures = check_failures(reports)
+    for line in failures:
+        print(f"FAILED {line}", file=sys.stderr)
+    return 1 if failures else 0
 
 
 def _route_launch(k: ModuleType, shape: RankLayer, activations: str, num_tokens: int) -> Any:
@@ -711,3 +814,7 @@ def k_loop(sass: str) -> tuple[int, int] | None:
             if mma:
                 loops.append((len(body), mma))
     return min(loops) if loops else None
+
+
+if __name__ == "__main__":
+    sys.exit(dense_main())

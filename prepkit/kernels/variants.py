@@ -280,3 +280,120 @@ def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationP
 
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------- dense MX linear
+# The dense linear (prepkit.kernels.moe_mxfp4.dense) runs the MoE mainloops as one expert with no
+# routing: the same knobs, with split-K always meaningful and the weight format's panel.
+
+# K elements per stored panel of each dense weight format (prepkit.layouts.dense_mx.MxFormat.panel_k).
+DENSE_PANEL_K = {"mxfp4": 256, "mxfp8": 128}
+
+
+def dense_invalid_reason(
+    t: GemmTactic, fmt: str, device: DeviceInfo, activations: ActivationPolicy = "bf16"
+) -> str | None:
+    """Why ``t`` cannot run the dense linear on ``fmt`` weights (``mxfp4``/``mxfp8``) on
+    ``device`` with the ``activations`` policy, or ``None`` when it can. The MoE rules of a GEMM
+    that may split K, plus the weight format's own."""
+    if fmt not in DENSE_PANEL_K:
+        return f"unknown dense weight format {fmt!r} (expected one of {tuple(DENSE_PANEL_K)})"
+    if activations == "mxfp4" and fmt != "mxfp4":
+        return f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {fmt}"
+    panel_k = DENSE_PANEL_K[fmt]
+    if panel_k % t.block_k:
+        return f"block_k {t.block_k} does not divide the {fmt} weights' {panel_k}-element K panel"
+    if fmt == "mxfp8":
+        if t.upcast == "asm":
+            return "mxfp8 weights widen by a conversion, not inline PTX: upcast 'bits' (or 'dot_scaled')"
+        if t.swapped_dot != "split":
+            return "swapped_dot is a knob of mxfp4 weights (their two halves per byte); mxfp8 has one"
+    reason = invalid_reason(t, "gemm2", device, activations)
+    if reason is not None:
+        return reason
+    if fmt == "mxfp8":
+        # The e4m3 weight tile is a byte per element: twice the mxfp4 tile in shared memory.
+        smem = shared_mem_bytes(t, activations) + max(t.num_stages, 1) * t.block_n * t.block_k // 2
+        if smem > device.max_shared_mem:
+            return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
+    return None
+
+
+def dense_default(
+    tokens: int, n: int, k: int, fmt: str, device: DeviceInfo, activations: ActivationPolicy = "bf16"
+) -> GemmTactic:
+    """A valid, untuned variant of the dense linear for ``tokens`` rows of an ``[n, k]`` weight.
+
+    Up to 16 rows: 16-row swapped tiles (the weights fill the MMA's wide side), one whole panel
+    per K step, 64 columns a program, and K splits until the programs are at least twice the SMs
+    (o_proj's 45 column tiles at one token split 8 ways; lm_head's 3142 do not split), each split
+    keeping at least two K steps. Up to 32 rows, 32-row tiles; more, 64 x 128 x 64 tiles. The
+    upcast: inline PTX for mxfp4 weights with bf16 activations, the e4m3 conversion for mxfp8
+    weights, ``tl.dot_scaled`` for MX activations.
+    """
+    from dataclasses import replace
+
+    panel_k = DENSE_PANEL_K.get(fmt)
+    if panel_k is None:
+        raise ValueError(f"unknown dense weight format {fmt!r} (expected one of {tuple(DENSE_PANEL_K)})")
+    if activations != "bf16":
+        upcast = "dot_scaled"
+    elif fmt == "mxfp4" and device.capability >= (8, 0):
+        upcast = "asm"
+    else:
+        upcast = "bits"
+    if tokens <= 32:
+        bm, bn, bk = (16 if tokens <= 16 else 32), 64, panel_k
+    else:
+        bm, bn, bk = 64, 128, 64
+    programs = -(-n // bn) * -(-max(tokens, 1) // bm)
+    steps = -(-k // bk)
+    split = 1
+    while split < 8 and programs * split < 2 * device.sm_count and steps >= 4 * split:
+        split *= 2
+    t = GemmTactic(bm, bn, bk, 4, 3, split, upcast, "ptr")
+    for stages in (3, 2, 1):
+        cand = replace(t, num_stages=stages)
+        if dense_invalid_reason(cand, fmt, device, activations) is None:
+            return cand
+    for bn in (32, 16):
+        cand = replace(t, block_n=bn, block_k=64, num_stages=2)
+        if dense_invalid_reason(cand, fmt, device, activations) is None:
+            return cand
+    raise ValueError(f"no dense {fmt} variant fits {device.name}: {dense_invalid_reason(t, fmt, device, activations)}")
+
+
+def enumerate_dense_tactics(
+    fmt: str, device: DeviceInfo, tokens: int | None = None, activations: ActivationPolicy = "bf16"
+) -> list[GemmTactic]:
+    """Every valid variant of the dense linear on ``fmt`` weights, in a stable order; with
+    ``tokens``, row tiles larger than the rows are dropped (they only add masked rows)."""
+    out = []
+    for values in itertools.product(*(k.domain for k in KNOBS)):
+        t = GemmTactic(**dict(zip(KNOB_NAMES, values, strict=True)))
+        if tokens is not None and t.block_m > max(16, _next_pow2(tokens)):
+            continue
+        if dense_invalid_reason(t, fmt, device, activations) is None:
+            out.append(t)
+    return out
+
+
+def dense_sweep_space(
+    fmt: str, device: DeviceInfo, tokens: int, n: int, k: int, activations: ActivationPolicy = "bf16"
+) -> list[GemmTactic]:
+    """The variants worth timing for one dense shape: the valid space cut to 4 warps, 3 or 4
+    stages, the default's upcast (MX activations allow one anyway), the tail loop, split swapped
+    dots, the smallest row tile that holds the rows, and K splits only where the column tiles
+    alone leave SMs idle. What a sweep on the GPU (benchmarks/bench_dense.py --sweep) times."""
+    base = dense_default(tokens, n, k, fmt, device, activations)
+    bm = 16 if tokens <= 16 else 32 if tokens <= 32 else 64
+    out = []
+    for t in enumerate_dense_tactics(fmt, device, tokens, activations):
+        if (t.block_m, t.num_warps, t.upcast, t.k_loop, t.swapped_dot) != (bm, 4, base.upcast, "tail", "split"):
+            continue
+        if t.num_stages not in (3, 4) or t.block_n < 32:
+            continue
+        if t.split_k > 1 and -(-n // t.block_n) * -(-tokens // bm) >= 4 * device.sm_count:
+            continue
+        out.append(t)
+    return out

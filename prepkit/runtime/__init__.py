@@ -5,15 +5,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from prepkit.runtime.dense import DenseTacticLookup, MxLinear
 from prepkit.runtime.moe import MoeLayer, TacticLookup, default_tactics_for, load_moe_layers, moe
 from prepkit.tactics.keys import Environment, ProblemKey, gpt_oss_problems
-from prepkit.tactics.lookup import TacticResolver, TacticTable, lookup_tactic, make_tactic_lookup
+from prepkit.tactics.lookup import (
+    TacticResolver,
+    TacticTable,
+    lookup_tactic,
+    make_dense_tactic_lookup,
+    make_tactic_lookup,
+)
 
 # What engines call: layers and shards, and the tactic lookup behind them.
 __all__ = [
+    "DenseTacticLookup",
     "Environment",
     "LoadedShards",
     "MoeLayer",
+    "MxLinear",
     "ProblemKey",
     "TacticLookup",
     "TacticResolver",
@@ -23,6 +32,7 @@ __all__ = [
     "load_moe_layers",
     "load_shards",
     "lookup_tactic",
+    "make_dense_tactic_lookup",
     "make_tactic_lookup",
     "moe",
 ]

@@ -18,8 +18,13 @@ if TYPE_CHECKING:
 
 # The kernel whose variants the DB holds, by name (prepkit.kernels.moe_mxfp4).
 KERNEL_NAME = "moe_mxfp4"
-Role = Literal["gemm1", "gemm2"]  # gate/up + SwiGLU, or down + routed sum
-ROLES: tuple[Role, Role] = ("gemm1", "gemm2")
+# gate/up + SwiGLU, or down + routed sum; "dense" is the dense MX linear (one group, no routing),
+# a kind of its own so that a lookup never crosses MoE and dense rows.
+Role = Literal["gemm1", "gemm2", "dense"]
+ROLES: tuple[Role, Role] = ("gemm1", "gemm2")  # the MoE layer's
+DENSE_ROLE: Role = "dense"
+# Each dense weight format's w_dtype in a problem key (the MoE weights are "mxfp4_e2m1").
+DENSE_W_DTYPES = {"mxfp4": "mxfp4_e2m1", "mxfp8": "mxfp8_e4m3"}
 
 
 def canonical_json(obj: Any) -> str:
@@ -117,6 +122,11 @@ class ProblemKey:
 
     def describe(self) -> str:
         acts = "" if self.act_dtype == "bf16" else f" act={self.act_dtype}"
+        if self.role == DENSE_ROLE:
+            return (
+                f"dense {self.w_dtype} N={self.n} K={self.k}{acts} "
+                f"({self.kernel} v{self.kernel_version}, layout {self.weight_layout})"
+            )
         return (
             f"{self.role} E={self.num_experts} top_k={self.top_k} N={self.n} K={self.k}{acts} "
             f"tp={self.tp_size} ({self.kernel} v{self.kernel_version}, layout {self.weight_layout})"
@@ -158,6 +168,30 @@ def gpt_oss_problems(
         "gemm1": key("gemm1", 2 * intermediate, hidden, "swiglu_oai"),
         "gemm2": key("gemm2", hidden, intermediate, "routed_sum"),
     }
+
+
+def dense_problem(
+    *,
+    kernel: str,
+    kernel_version: str,
+    weight_layout: str,
+    n: int,
+    k: int,
+    fmt: str,
+    act_dtype: ActivationPolicy = "bf16",
+) -> ProblemKey:
+    """The problem of one dense MX linear ``[n, k]`` of weight format ``fmt`` (``mxfp4`` or
+    ``mxfp8``): role ``dense``, one group of top-1, so no MoE row ever matches it.
+
+    Raises:
+        ValueError: ``fmt`` is not a dense MX format.
+    """
+    if fmt not in DENSE_W_DTYPES:
+        raise ValueError(f"unknown dense weight format {fmt!r} (expected one of {tuple(DENSE_W_DTYPES)})")
+    return ProblemKey(
+        kernel=kernel, kernel_version=str(kernel_version), weight_layout=weight_layout, role=DENSE_ROLE,
+        num_experts=1, top_k=1, n=n, k=k, act_dtype=act_dtype, w_dtype=DENSE_W_DTYPES[fmt], activation="none",
+    )  # fmt: skip
 
 
 def layer_problems(

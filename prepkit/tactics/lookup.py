@@ -56,7 +56,15 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from prepkit.constants import TACTICS_DB_NAME
 from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
-from prepkit.tactics.keys import KERNEL_NAME, DeviceFacts, Environment, ProblemKey, layer_problems, triton_minor
+from prepkit.tactics.keys import (
+    KERNEL_NAME,
+    DeviceFacts,
+    Environment,
+    ProblemKey,
+    dense_problem,
+    layer_problems,
+    triton_minor,
+)
 from prepkit.tactics.schema import MIN_READABLE_SCHEMA, open_readonly
 from prepkit.warn_once import new_owner, warn_once
 
@@ -65,6 +73,7 @@ if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.tactic import GemmTactic
     from prepkit.layer import MoeProblem, RankLayer
+    from prepkit.runtime.dense import DenseTacticLookup
     from prepkit.runtime.moe import TacticLookup
 
 log = logging.getLogger(__name__)
@@ -609,6 +618,55 @@ def make_tactic_lookup(
         return g1, g2
 
     return lookup
+
+
+def make_dense_tactic_lookup(
+    *,
+    resolver: TacticResolver | None = None,
+    kernel: str = KERNEL_NAME,
+    kernel_version: str | int | None = None,
+    weight_layout: str | None = None,
+) -> DenseTacticLookup:
+    """A ``prepkit.runtime.dense.DenseTacticLookup`` backed by the tactic DBs: called with the
+    token count, the weight's ``n``/``k``/format, the activation policy and the kernels'
+    ``DeviceInfo``, it returns the tuned tactic of that dense problem (its own problem key,
+    :func:`~prepkit.tactics.keys.dense_problem`), else the built-in
+    :func:`~prepkit.kernels.variants.dense_default` after one warning naming the tune command.
+    ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use;
+    ``weight_layout=None`` is the dense MX layout."""
+    res = resolver or runtime_resolver()
+    version: list[str] = [] if kernel_version is None else [str(kernel_version)]
+    layout = weight_layout or _dense_layout()
+    keys: dict[tuple[int, int, str, str], ProblemKey] = {}
+
+    def lookup(
+        num_tokens: int, n: int, k: int, fmt: str, activations: ActivationPolicy, device: DeviceInfo
+    ) -> GemmTactic:
+        if not version:
+            from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+
+            version.append(str(KERNEL_VERSION))
+        key = keys.get((n, k, fmt, activations))
+        if key is None:
+            key = dense_problem(
+                kernel=kernel, kernel_version=version[0], weight_layout=layout, n=n, k=k, fmt=fmt,
+                act_dtype=activations,
+            )  # fmt: skip
+            keys[(n, k, fmt, activations)] = key
+        tactic = _decode_or_none(res.lookup(key, num_tokens, device))
+        if tactic is not None:
+            return tactic
+        from prepkit.kernels.variants import dense_default
+
+        return dense_default(num_tokens, n, k, fmt, device, activations)
+
+    return lookup
+
+
+def _dense_layout() -> str:
+    from prepkit.constants import DENSE_MX_LAYOUT_ID
+
+    return DENSE_MX_LAYOUT_ID
 
 
 def _decode_or_none(tj: str | None) -> GemmTactic | None:

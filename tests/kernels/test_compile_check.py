@@ -11,7 +11,7 @@ import pytest
 from prepkit.kernels import compile_check as cc
 from prepkit.kernels.device import ARCH_DEVICES
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import invalid_reason
+from prepkit.kernels.variants import dense_invalid_reason, invalid_reason
 from prepkit.layer import rank_layer
 from prepkit.layouts.base import ModelDims
 
@@ -177,3 +177,46 @@ def test_check_candidates_puts_defaults_first_and_compiles_each_variant_once() -
     assert cands[: len(defaults)] == defaults
     # the large-token space adds tiles of more than 16 rows that one token never uses
     assert max(c.tactic.block_m for c in cands if c.origin.startswith("sample")) > 16
+
+
+def test_dense_candidates_cover_the_dense_shapes_once_each() -> None:
+    for fmt, act in (("mxfp4", "bf16"), ("mxfp8", "mxfp8")):
+        cands = cc.dense_candidates("sm121", fmt, act)  # type: ignore[arg-type]
+        assert cands and len({c.tactic for c in cands}) == len(cands)
+        assert {c.origin.split()[1] for c in cands} <= set(cc.DENSE_SHAPES)
+        assert all(dense_invalid_reason(c.tactic, fmt, ARCH_DEVICES["sm121"], act) is None for c in cands)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm120", "sm121"])
+@pytest.mark.parametrize(
+    ("weights", "activations", "mma"),
+    [("mxfp8", "mxfp8", "kind::mxf8f6f4.block_scale"), ("mxfp4", "mxfp8", "kind::mxf8f6f4.block_scale"),
+     ("mxfp4", "mxfp4", "kind::mxf4nvf4.block_scale"), ("mxfp8", "bf16", ".bf16.bf16")],
+)  # fmt: skip
+def test_dense_defaults_compile_for_sm12x(arch: str, weights: str, activations: str, mma: str) -> None:
+    """The dense defaults compile for the target (a fresh process: this one interprets), with the
+    native block-scaled MMA for the MX policies."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "import json, sys\n"
+        "from prepkit.kernels import compile_check as cc\n"
+        f"cands = cc.dense_candidates({arch!r}, {weights!r}, {activations!r})\n"
+        f"r = cc.compile_dense({arch!r}, {weights!r}, {activations!r}, cands)\n"
+        "print(json.dumps({'reports': [x.to_dict() for x in r], 'failures': cc.check_failures(r)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.splitlines()[-1])
+    assert res["failures"] == []
+    gemms = [r for r in res["reports"] if r["kernel"] == "_dense_kernel"]
+    assert gemms
+    for r in gemms:
+        assert r["status"] == "compiled" and r["spill_bytes"] == 0, r
+        assert r["ptx_target"] == arch.replace("sm", "sm_") + "a"
+        assert mma in r["mma_instruction"], r["mma_instruction"]

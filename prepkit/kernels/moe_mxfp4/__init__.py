@@ -48,12 +48,14 @@ GPUs run Triton's decomposition of the same dot.
 Modules: :mod:`~prepkit.kernels.moe_mxfp4.launch` (the host API, re-exported here), ``_routing``
 (steps 1-2), ``_gemm`` (steps 3-4) over ``_mainloop`` (the K loops), ``_upcast`` (fp4 -> bf16,
 with its inline PTX), ``_mx`` (MX quantizing and widening), ``_mx_rows`` (the MX row format),
-``_chain`` (programmatic dependent launch) and ``_target`` (the one place launches read the
-device and the interpreter).
+``_chain`` (programmatic dependent launch), ``_target`` (the one place launches read the
+device and the interpreter), and the dense MX linear that shares the K loops: ``_dense``
+(its kernels) and :mod:`~prepkit.kernels.moe_mxfp4.dense` (``mx_linear``, re-exported here).
 """
 
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.kernels.moe_mxfp4._mx_rows import MxRows, from_mx_rows, group_order, to_mx_rows
+from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, default_dense_tactic, mx_linear
 from prepkit.kernels.moe_mxfp4.launch import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
@@ -78,6 +80,7 @@ KERNEL_VERSION = 7
 
 __all__ = [
     "KERNEL_VERSION",
+    "DenseMxWeights",
     "MAX_PLANNED_TOKENS",
     "SWIGLU_ALPHA",
     "SWIGLU_LIMIT",
@@ -85,6 +88,7 @@ __all__ = [
     "LaunchPlan",
     "MxRows",
     "Routing",
+    "default_dense_tactic",
     "from_mx_rows",
     "fused_moe",
     "gemm1_swiglu",
@@ -92,6 +96,7 @@ __all__ = [
     "group_order",
     "joins_halves",
     "max_row_blocks",
+    "mx_linear",
     "plan_fused_moe",
     "route",
     "swaps_operands",

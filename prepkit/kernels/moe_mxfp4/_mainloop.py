@@ -364,3 +364,133 @@ def _mx_mainloop(
             acc, BLOCK_N, BLOCK_K, ACT, SWAP, True, W_TMA, WIDEN_ASM,
         )  # fmt: skip
     return acc
+
+
+@triton.jit
+def _e4m3_step(
+    a_ptrs,
+    as_ptrs,
+    a_mask,
+    w_ptrs,
+    w_desc,
+    w_row,
+    w_col,
+    s_ptrs,
+    n_mask,
+    k_rem,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    MASK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+):
+    """One K step on e4m3 weights (one byte per element, natural order): ``w_ptrs [BN, BK]``
+    bytes (or the ``w_desc`` box), ``s_ptrs [BN, G]`` their scales, ``a_ptrs [BM, BK]`` the
+    activations in natural order (bf16, or e4m3 codes with ``as_ptrs [BM, G]`` scales when ACT is
+    mxfp8). Masks go by whole 32-element groups, as in :func:`_mxfp4_step`."""
+    G: tl.constexpr = BLOCK_K // 32
+    if MASK_K:
+        k_ok = tl.arange(0, BLOCK_K) // 32 < k_rem // 32
+        g_ok = tl.arange(0, G) < k_rem // 32
+        w_msk = n_mask[:, None] & k_ok[None, :]
+        a_msk = a_mask[:, None] & k_ok[None, :]
+        s_msk = n_mask[:, None] & g_ok[None, :]
+        as_msk = a_mask[:, None] & g_ok[None, :]
+    else:
+        w_msk = n_mask[:, None]
+        a_msk = a_mask[:, None]
+        s_msk = n_mask[:, None]
+        as_msk = a_mask[:, None]
+    if W_TMA:  # noqa: SIM108 (a constexpr branch; the other one is never compiled)
+        wq = w_desc.load([w_row, w_col])
+    else:
+        wq = tl.load(w_ptrs, mask=w_msk, other=0)
+    sc = tl.load(s_ptrs, mask=s_msk, other=0)
+    if ACT == ACT_MXFP8:
+        a = tl.load(a_ptrs, mask=a_msk, other=0)
+        a_sc = tl.load(as_ptrs, mask=as_msk, other=0)
+        if SWAP:
+            acc = tl.dot_scaled(wq, sc, "e4m3", tl.trans(a), a_sc, "e4m3", acc)
+        else:
+            acc = tl.dot_scaled(a, a_sc, "e4m3", tl.trans(wq), sc, "e4m3", acc)
+    elif UPCAST == UPCAST_DOT_SCALED:
+        a = tl.load(a_ptrs, mask=a_msk, other=0.0)
+        acc = tl.dot_scaled(a, None, "bf16", tl.trans(wq), sc, "e4m3", acc)
+    else:
+        a = tl.load(a_ptrs, mask=a_msk, other=0.0)
+        # e4m3 -> fp32 is exact (a hardware conversion on sm_89+), and so is the product with the
+        # power-of-two scale 2^(s-127), whose fp32 bits are the byte s in the exponent field; the
+        # bf16 result is exact too (3 mantissa bits) unless it falls below bf16's normal range.
+        scale = (sc.to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+        w = wq.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        w = tl.reshape(tl.reshape(w, (BLOCK_N, G, 32)) * scale[:, :, None], (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+        if SWAP:  # noqa: SIM108 (a constexpr branch; the other one is never compiled)
+            acc = _dot(w, tl.trans(a), acc, DOT_FP32)
+        else:
+            acc = _dot(a, tl.trans(w), acc, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def _e4m3_mainloop(
+    a_rows,
+    as_rows,
+    a_mask,
+    w_base,
+    w_desc,
+    w_row,
+    s_base,
+    offs_n,
+    n_mask,
+    panel_rows,
+    stride_sk,
+    k_lo,
+    k_hi,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
+):
+    """:func:`_mxfp4_mainloop` for MXFP8 weights: e4m3 bytes in K panels of PANEL_K elements
+    (``[K/PANEL_K, panel_rows, PANEL_K]`` bytes at ``w_base``, natural order inside a row) with
+    scales ``[K/32, N]``. Activations bf16 (widened weights, or ``tl.dot_scaled`` bf16 x e4m3 when
+    UPCAST is dot_scaled) or, with ACT mxfp8, e4m3 codes in natural order plus their scales
+    (``as_rows``): one e4m3 x e4m3 ``tl.dot_scaled`` per step, SM12x's block-scaled MMA."""
+    G: tl.constexpr = BLOCK_K // 32
+    offs_k = tl.arange(0, BLOCK_K)
+    w_tile = w_base + offs_n[:, None] * PANEL_K + offs_k[None, :]
+    a_ptrs = a_rows[:, None] + (k_lo + offs_k)[None, :]
+    as_ptrs = as_rows[:, None] + (k_lo // 32 + tl.arange(0, G))[None, :]
+    s_ptrs = s_base + (k_lo // 32 + tl.arange(0, G))[None, :] * stride_sk + offs_n[:, None]
+    k_hi = tl.maximum(k_hi, k_lo)
+    k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    for k0 in range(k_lo, k_full, BLOCK_K):
+        panel = k0 // PANEL_K
+        col = k0 % PANEL_K
+        w_off = tl.multiple_of(panel * panel_rows * PANEL_K + col, 16)
+        acc = _e4m3_step(
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + panel * panel_rows, col, s_ptrs, n_mask,
+            k_hi - k0, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, MASK_ALL, W_TMA,
+        )  # fmt: skip
+        a_ptrs += BLOCK_K
+        as_ptrs += G
+        s_ptrs += G * stride_sk
+    if k_full < k_hi:
+        panel = k_full // PANEL_K
+        col = k_full % PANEL_K
+        w_off = tl.multiple_of(panel * panel_rows * PANEL_K + col, 16)
+        acc = _e4m3_step(
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + panel * panel_rows, col, s_ptrs, n_mask,
+            k_hi - k_full, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, True, W_TMA,
+        )  # fmt: skip
+    return acc

@@ -1,0 +1,141 @@
+"""The dense MX linear, ``y[T, N] = x[T, K] @ W^T (+ bias)``: the MoE GEMM with one group and no
+routing. Each program runs the MoE layer's K loop (:mod:`~prepkit.kernels.moe_mxfp4._mainloop`)
+over one row block of ``x`` and one N tile of ``W``, the weights as a single expert whose panels
+hold ``N`` rows; a K split (decode shapes with few N tiles) adds its partial sums into a zeroed
+fp32 buffer with atomics.
+
+Weights are :mod:`prepkit.layouts.dense_mx`'s stored form: ``[P, N, 128]`` uint8 K panels
+(mxfp4: the MoE weights' byte order, 256 elements a panel; mxfp8: e4m3 bytes in natural order,
+128 elements a panel) and E8M0 scales ``[K/32, N]``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from prepkit.kernels.moe_mxfp4._chain import _chain_enter
+from prepkit.kernels.moe_mxfp4._mainloop import _e4m3_mainloop, _mx_mainloop, _mxfp4_mainloop, _zero_acc
+from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, _store_mx
+
+# The kernel's WFMT constant: the weights' element format.
+W_MXFP4: tl.constexpr = tl.constexpr(0)
+W_MXFP8: tl.constexpr = tl.constexpr(1)
+
+
+@triton.jit
+def _dense_kernel(
+    x_ptr,
+    xs_ptr,
+    w_ptr,
+    w_desc,
+    s_ptr,
+    b_ptr,
+    y_ptr,
+    T,
+    N,
+    K,
+    stride_xt,
+    stride_yt,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
+    W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
+    ACT: tl.constexpr,
+    WFMT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Program (N tile, row block, K split). ``x`` is bf16 ``[T, K]`` (row stride ``stride_xt``)
+    or, with an MX ACT, its codes (contiguous rows) and ``xs`` their scales ``[T, K/32]``. ``y``
+    is ``[T, N]`` in the output dtype, or the zeroed fp32 buffer the K splits add into."""
+    _chain_enter(PDL)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    m_mask = rows < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    # Split boundaries on BLOCK_K multiples keep every scale group inside one split.
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
+    a_rows = x_ptr + rows * stride_xt
+    as_rows = xs_ptr + rows * (K // 32)
+    w_row = (pid_n * BLOCK_N).to(tl.int32)
+    if WFMT == W_MXFP8:
+        acc = _e4m3_mainloop(
+            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, acc,
+            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K,
+        )  # fmt: skip
+    elif ACT != ACT_BF16:
+        acc = _mx_mainloop(
+            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, acc,
+            BLOCK_N, BLOCK_K, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K, not DOT_FP32,
+        )  # fmt: skip
+    else:
+        acc = _mxfp4_mainloop(
+            a_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, K, acc,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K,
+        )  # fmt: skip
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SPLIT_K > 1:
+            bias = tl.where(pid_k == 0, bias, 0.0)
+        if SWAP:
+            acc += bias[:, None]
+        else:
+            acc += bias[None, :]
+    if SWAP:
+        ptrs = y_ptr + rows[None, :] * stride_yt + offs_n[:, None]
+        mask = m_mask[None, :] & n_mask[:, None]
+    else:
+        ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
+        mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    T,
+    K,
+    stride_xt,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ACT: tl.constexpr,
+    NATURAL: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """bf16 rows ``x [T, K]`` -> MX codes and scales (contiguous, :class:`MxRows`' form), by the
+    rule the MoE layer quantizes its token rows with (:func:`_store_mx`). ``NATURAL``: codes in
+    natural order inside each 32-group (for e4m3 weights, stored that way) instead of the MoE
+    weights' group order: the loads gather each group so that the quantizer's reordering lands
+    every value back at its own position (value ``16t + 8h + 2q + l`` of the group it reorders to
+    position ``2(4q + 2h + l) + t``, so it is fed the value of that position)."""
+    _chain_enter(PDL)
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    t_mask = rows < T
+    c0 = tl.program_id(1) * BLOCK_K
+    v = tl.arange(0, BLOCK_K)
+    if NATURAL:
+        j = v % 32
+        src = c0 + (v // 32) * 32 + 2 * (4 * ((j % 8) // 2) + 2 * ((j % 16) // 8) + j % 2) + j // 16
+    else:
+        src = c0 + v
+    x = tl.load(x_ptr + rows[:, None] * stride_xt + src[None, :], mask=t_mask[:, None] & (src < K)[None, :], other=0.0)
+    _store_mx(codes_ptr, scales_ptr, rows, t_mask, c0, K, x.to(tl.float32), BLOCK_T, BLOCK_K, ACT)

@@ -1,0 +1,224 @@
+"""``MxLinear``: a dense MX weight (``prepare --dense mxfp8|mxfp4``) as an ``nn.Module`` run by the
+bundled kernel family (:func:`prepkit.kernels.moe_mxfp4.mx_linear`).
+
+Under ``torch.compile`` the forward goes through the registered op ``torch.ops.prepkit.mx_linear``
+(one opaque node with a fake implementation, so ``fullgraph=True`` holds); eagerly, and under
+CUDA-graph capture, it launches the kernel directly, which costs less host time. As with the MoE
+op (:mod:`prepkit.runtime.op`), the op takes a module id rather than the weights: the module
+keeps state no op argument can (its tactic per token count, its lookup), and registers itself
+once, weakly. The tactic of each token count is chosen once and cached.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from prepkit.kernels.activations import ActivationPolicy, check_policy
+
+if TYPE_CHECKING:
+    from prepkit.kernels.device import DeviceInfo
+    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights
+    from prepkit.kernels.tactic import GemmTactic
+
+
+class DenseTacticLookup(Protocol):
+    """Where an :class:`MxLinear` gets the variant of a call (the tactic DB's:
+    :func:`prepkit.tactics.lookup.make_dense_tactic_lookup`); ``None`` means the default."""
+
+    def __call__(
+        self, num_tokens: int, n: int, k: int, fmt: str, activations: ActivationPolicy, device: DeviceInfo, /
+    ) -> GemmTactic | None: ...
+
+
+_MODULES: dict[int, weakref.ref[MxLinear]] = {}
+_NEXT_ID = itertools.count()
+
+
+def _register(module: MxLinear) -> int:
+    module_id = next(_NEXT_ID)
+
+    def forget(_ref: weakref.ref[MxLinear]) -> None:
+        _MODULES.pop(module_id, None)
+
+    _MODULES[module_id] = weakref.ref(module, forget)
+    return module_id
+
+
+def registered_linear(module_id: int) -> MxLinear:
+    """The module behind ``module_id``.
+
+    Raises:
+        KeyError: no live MxLinear has that id.
+    """
+    ref = _MODULES.get(module_id)
+    module = ref() if ref is not None else None
+    if module is None:
+        raise KeyError(f"torch.ops.prepkit.mx_linear: no live MxLinear has id {module_id}")
+    return module
+
+
+class MxLinear(nn.Module):
+    """``y = x @ W^T + bias`` with ``W`` stored in MX (``fmt`` ``mxfp4``/``mxfp8``): ``blocks``
+    ``[P, out_features, 128]`` uint8 K panels, ``scales`` ``[in_features/32, out_features]``
+    uint8 E8M0 (:mod:`prepkit.layouts.dense_mx`), ``bias`` ``[out_features]`` or ``None``.
+    ``activations``: the policy (bf16, mxfp8, mxfp4 with mxfp4 weights); ``tactic_lookup``: the
+    variant per call, else :func:`~prepkit.kernels.moe_mxfp4.default_dense_tactic`."""
+
+    weight_blocks: torch.Tensor
+    weight_scales: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        blocks: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        fmt: str,
+        *,
+        activations: ActivationPolicy = "bf16",
+        tactic_lookup: DenseTacticLookup | None = None,
+    ) -> None:
+        super().__init__()
+        from prepkit.kernels.moe_mxfp4.dense import check_weights
+
+        check_weights(blocks, scales, fmt)
+        self.activations = check_policy(activations)
+        if self.activations == "mxfp4" and fmt != "mxfp4":
+            raise ValueError(f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {fmt}")
+        self.fmt = fmt
+        self.in_features = scales.shape[0] * 32
+        self.out_features = scales.shape[1]
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != self.out_features):
+            raise ValueError(f"bias: shape {list(bias.shape)}, expected [{self.out_features}]")
+        self.register_buffer("weight_blocks", blocks)
+        self.register_buffer("weight_scales", scales)
+        self.register_buffer("bias", bias.contiguous() if bias is not None else None)
+        self.tactic_lookup = tactic_lookup
+        self._tactics: dict[tuple[int, torch.device], GemmTactic] = {}
+        self._weights: DenseMxWeights | None = None
+        self._device_info: DeviceInfo | None = None
+        self.op_id = _register(self)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}, "
+            f"activations={self.activations}, bias={self.bias is not None}"
+        )
+
+    @classmethod
+    def fused(cls, parts: list[MxLinear]) -> MxLinear:
+        """One module whose outputs are those of ``parts`` one after the other (q, k, v -> qkv):
+        weights concatenated along N, biases too (zeros for a part without one, unless none has one).
+
+        Raises:
+            ValueError: no parts, or parts of different formats, inputs or activation policies.
+        """
+        if not parts:
+            raise ValueError("MxLinear.fused needs at least one part")
+        first = parts[0]
+        for i, p in enumerate(parts[1:], 1):
+            if (p.fmt, p.in_features, p.activations) != (first.fmt, first.in_features, first.activations):
+                raise ValueError(
+                    f"part {i} is {p.fmt} with {p.in_features} inputs and activations {p.activations!r}, "
+                    f"part 0 {first.fmt} with {first.in_features} and {first.activations!r}"
+                )
+        biases = [p.bias for p in parts]
+        bias = None
+        if any(b is not None for b in biases):
+            ref = next(b for b in biases if b is not None)
+            bias = torch.cat(
+                [b if b is not None else ref.new_zeros(p.out_features) for b, p in zip(biases, parts, strict=True)]
+            )
+        return cls(
+            torch.cat([p.weight_blocks for p in parts], dim=1),
+            torch.cat([p.weight_scales for p in parts], dim=1),
+            bias,
+            first.fmt,
+            activations=first.activations,
+            tactic_lookup=first.tactic_lookup,
+        )
+
+    def weights(self) -> DenseMxWeights:
+        """The buffers as the kernel's :class:`~prepkit.kernels.moe_mxfp4.DenseMxWeights` (rebuilt
+        after the module moved, e.g. by ``.to(device)``)."""
+        w = self._weights
+        if w is None or w.blocks is not self.weight_blocks or w.scales is not self.weight_scales:
+            from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights
+
+            w = self._weights = DenseMxWeights(self.weight_blocks, self.weight_scales, self.fmt)
+            self._tactics.clear()
+            self._device_info = None
+        return w
+
+    def device_info(self) -> DeviceInfo:
+        if self._device_info is None:
+            from prepkit.kernels.device import H100, DeviceInfo
+
+            dev = self.weight_blocks.device
+            # CPU tensors run only under the Triton interpreter; describe a Hopper part.
+            self._device_info = DeviceInfo.from_torch(dev) if dev.type == "cuda" else H100
+        return self._device_info
+
+    def tactic(self, num_tokens: int) -> GemmTactic:
+        """The variant for ``num_tokens`` rows: the lookup's, else the default; chosen once."""
+        key = (num_tokens, self.weight_blocks.device)
+        t = self._tactics.get(key)
+        if t is not None:
+            return t
+        from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+
+        device = self.device_info()
+        if self.tactic_lookup is not None:
+            t = self.tactic_lookup(num_tokens, self.out_features, self.in_features, self.fmt, self.activations, device)
+        if t is None:
+            t = default_dense_tactic(
+                num_tokens, self.out_features, self.in_features, self.fmt, device.capability,
+                activations=self.activations, sm_count=device.sm_count,
+            )  # fmt: skip
+        if t.upcast == "asm" and self.weight_blocks.device.type != "cuda":
+            from dataclasses import replace
+
+            t = replace(t, upcast="bits")  # the interpreter runs no inline PTX
+        self._tactics[key] = t
+        return t
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.prepkit.mx_linear(x, self.op_id, self.out_features)
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel on ``x [..., in_features]`` (bf16; other float dtypes are cast in and out)."""
+        from prepkit.kernels.moe_mxfp4.dense import launch_dense
+
+        weights = self.weights()
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x: shape {list(x.shape)}, expected [..., {self.in_features}]")
+        if x.device != self.weight_blocks.device:
+            raise ValueError(f"x on {x.device}, weights on {self.weight_blocks.device}")
+        dtype = x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.bfloat16, device=x.device)
+        launch_dense(x2, weights, self.bias, self.tactic(x2.shape[0]), self.activations, out)
+        y = out.view(*x.shape[:-1], self.out_features)
+        return y if dtype == torch.bfloat16 else y.to(dtype)
+
+
+@torch.library.custom_op("prepkit::mx_linear", mutates_args=())
+def mx_linear_op(x: torch.Tensor, module_id: int, out_features: int) -> torch.Tensor:
+    """``x [..., K]`` -> ``[..., out_features]`` in ``x``'s dtype through MxLinear ``module_id``."""
+    return registered_linear(module_id).run(x)
+
+
+@mx_linear_op.register_fake
+def _mx_linear_fake(x: torch.Tensor, module_id: int, out_features: int) -> Any:
+    return x.new_empty((*x.shape[:-1], out_features))
