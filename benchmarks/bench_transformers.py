@@ -90,8 +90,9 @@ def copy_bandwidth() -> float:
     return 2 * (1 << 30) / (ms / 1e3)
 
 
-def write_model(root: Path, layers: int, vocab: int) -> tuple[Path, Path, float]:
-    """(source checkpoint, prepared triton-moe shards, seconds to prepare)."""
+def write_model(root: Path, layers: int, vocab: int, dense: list[str]) -> tuple[Path, dict[str, Path], float]:
+    """(source checkpoint, prepared triton-moe shards per ``--dense`` format, seconds to prepare
+    the first)."""
     from click.testing import CliRunner
 
     from prepkit.cli import cli
@@ -100,13 +101,17 @@ def write_model(root: Path, layers: int, vocab: int) -> tuple[Path, Path, float]
     src = write_synthetic_checkpoint(
         root / "model", num_layers=layers, vocab_size=vocab, seed=0, **REAL_DIMS, **REAL_ATTENTION
     )
-    t = time.perf_counter()
-    result = CliRunner().invoke(
-        cli, ["prepare", "--src", str(src), "--out", str(root / "triton"), "--layout", "triton-moe", "--tp", "1", "-q"]
-    )
-    if result.exit_code != 0:
-        raise RuntimeError(result.output)
-    return src, root / "triton", time.perf_counter() - t
+    prepared, seconds = {}, []
+    for fmt in dense:
+        t = time.perf_counter()
+        out = root / f"triton-{fmt}"
+        argv = ["prepare", "--src", str(src), "--out", str(out), "--layout", "triton-moe", "--tp", "1", "-q"]
+        result = CliRunner().invoke(cli, [*argv, *(["--dense", fmt] if fmt != "bf16" else [])])
+        if result.exit_code != 0:
+            raise RuntimeError(result.output)
+        prepared[fmt] = out
+        seconds.append(time.perf_counter() - t)
+    return src, prepared, seconds[0]
 
 
 def load_transformers(src: Path) -> torch.nn.Module:
@@ -182,11 +187,13 @@ def fixed_ms(model: torch.nn.Module) -> float:
 
 def bytes_per_token(model: torch.nn.Module) -> dict[str, int]:
     """Bytes one batch-1 decode step must read: 4 active experts, attention projections and sinks,
-    router, norms per layer, the final norm and lm_head (the embedding reads one row)."""
+    router, norms per layer, the final norm and lm_head (the embedding reads one row). MX dense
+    weights count as stored (codes and scales)."""
     base, layers = model.model, list(model.model.layers)
 
     def nbytes(module: torch.nn.Module) -> int:
-        return sum(p.numel() * p.element_size() for p in module.parameters())
+        tensors = [*module.parameters(), *module.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     experts = 0
     for layer in layers:
@@ -312,6 +319,31 @@ def measure_decode(model: torch.nn.Module, args: argparse.Namespace, fixed: floa
     return row
 
 
+def floors_ms(floor_bytes: dict[str, int], layers: int, bw: float) -> tuple[float, float]:
+    """The bandwidth floor per token of this many layers, and scaled to 36 layers."""
+    total = sum(floor_bytes.values())
+    per_layer = (total - floor_bytes["head"]) / layers
+    return total / bw * 1e3, (floor_bytes["head"] + SCALED_LAYERS * per_layer) / bw * 1e3
+
+
+def dense_row(model: torch.nn.Module, args: argparse.Namespace, fmt: str, bw: float) -> dict[str, Any]:
+    """The graph decode rows of a model whose dense weights are ``fmt``, with its own floor."""
+    fixed = fixed_ms(model)
+    floor_bytes = bytes_per_token(model)
+    row: dict[str, Any] = {"moe": f"prepkit, dense {fmt}", "dense": fmt, "fixed_ms": fixed}
+    row["bytes_per_token"] = floor_bytes
+    row["floor_ms"], row["floor_36_ms"] = floors_ms(floor_bytes, args.layers, bw)
+    row["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
+    for tokens in args.prefill:
+        row[f"prefill_{tokens}_ms"] = prefill_ms(model, tokens, args.warmup, args.iters)
+    for key, compile in (("prepkit_graph", False), ("prepkit_graph_compiled_linear", True)):
+        ms, decoder = decoder_step_ms(model, args.decode_tokens, True, args.iters, compile, "linear")
+        row[f"{key}_ms_per_token"] = ms
+        row[f"{key}_ms_per_layer"] = (ms - fixed) / args.layers
+        del decoder
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -322,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--skip-transformers-moe", action="store_true", help="only prepkit's MoE")
     parser.add_argument("--skip-static-compile", action="store_true")
+    parser.add_argument(
+        "--dense",
+        default="bf16",
+        help="comma-separated dense formats (prepare --dense); the first gets every row, the others the graph rows",
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--workdir", type=Path, help="where the checkpoint and shards go (default: a temp dir)")
     args = parser.parse_args(argv)
     args.prefill = [int(t) for t in args.prefill.split(",") if t]
+    args.dense = [f for f in args.dense.split(",") if f]
     if not torch.cuda.is_available():
         print("bench_transformers needs a CUDA device", file=sys.stderr)
         return 2
@@ -351,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         print(f"writing a {L}-layer real-dims checkpoint and its triton-moe shards ...", flush=True)
         t = time.perf_counter()
-        src, prepared, report["prepare_s"] = write_model(root, L, args.vocab)
+        src, prepared_sets, report["prepare_s"] = write_model(root, L, args.vocab, args.dense)
+        prepared = prepared_sets[args.dense[0]]
         report["write_and_prepare_s"] = time.perf_counter() - t
         print(f"  {report['write_and_prepare_s']:.1f} s", flush=True)
         with torch.no_grad():
@@ -381,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             report["graph_decode_tokens"] = same_tokens(model, args.decode_tokens)
             print("prepkit's MoE ...", flush=True)
             row = measure_decode(model, args, fixed, "prepkit")
+            row["dense"] = args.dense[0]
             for key, cuda_graph, compile, projections in (
                 ("prepkit_eager", False, False, "linear"),
                 ("prepkit_graph", True, False, "linear"),
@@ -401,13 +441,16 @@ def main(argv: list[str] | None = None) -> int:
             if not args.skip_static_compile:
                 print("transformers' static cache + torch.compile with prepkit's MoE ...", flush=True)
                 report["transformers_static_compile"] = try_transformers_static_compile(model, 32)
+            for fmt in args.dense[1:]:
+                del model
+                gc.collect()
+                torch.cuda.empty_cache()
+                print(f"prepkit's MoE, dense weights in {fmt} ...", flush=True)
+                model = load_model(prepared_sets[fmt])
+                rows.append(dense_row(model, args, fmt, bw))
         report["warnings"] = sorted({f"{w.category.__name__}: {str(w.message).splitlines()[0]}" for w in caught})
     report["rows"] = rows
-    total_bytes = sum(floor_bytes.values())
-    per_layer_bytes = (total_bytes - floor_bytes["head"]) / L
-    floor_ms = total_bytes / bw * 1e3
-    floor36_ms = (floor_bytes["head"] + SCALED_LAYERS * per_layer_bytes) / bw * 1e3
-    report["floor_ms"], report["floor_36_ms"] = floor_ms, floor36_ms
+    report["floor_ms"], report["floor_36_ms"] = floors_ms(floor_bytes, L, bw)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
     print_table(report, rows)
@@ -438,6 +481,13 @@ def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     floor, floor36 = report["floor_ms"], report["floor_36_ms"]
     print(f"| bandwidth floor | {floor:.3f} | {1e3 / floor:,.0f} | - | {1e3 / floor36:,.0f} | 100 |")
     for row in rows:
+        if "floor_36_ms" in row:
+            floor, floor36 = row["floor_ms"], row["floor_36_ms"]
+            print(
+                f"| bandwidth floor, dense {row['dense']} | {floor:.3f} | {1e3 / floor:,.0f} | - "
+                f"| {1e3 / floor36:,.0f} | 100 |"
+            )
+    for row in rows:
         for key in (
             "transformers_loop", "prepkit_eager", "prepkit_graph", "prepkit_graph_compiled_linear",
             "prepkit_graph_compiled",
@@ -445,10 +495,11 @@ def print_table(report: dict[str, Any], rows: list[dict[str, Any]]) -> None:
             if f"{key}_ms_per_token" not in row:
                 continue
             ms, per_layer = row[f"{key}_ms_per_token"], row[f"{key}_ms_per_layer"]
-            scaled = fixed + SCALED_LAYERS * per_layer
+            scaled = row.get("fixed_ms", fixed) + SCALED_LAYERS * per_layer
+            floor = row.get("floor_36_ms", report["floor_36_ms"])  # each dense format has its own
             print(
                 f"| {row['moe']} MoE, {key.replace('_', ' ')} | {ms:.3f} | {1e3 / ms:,.1f} | {per_layer:.3f} "
-                f"| {1e3 / scaled:,.1f} | {100 * report['floor_36_ms'] / scaled:.1f} |"
+                f"| {1e3 / scaled:,.1f} | {100 * floor / scaled:.1f} |"
             )
     static = report.get("transformers_static_compile")
     if static:

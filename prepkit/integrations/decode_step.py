@@ -26,15 +26,38 @@ from torch.nn import functional as F
 
 
 @dataclass(frozen=True)
+class MxWeight:
+    """A dense weight prepared in MX (:class:`~prepkit.runtime.dense.MxLinear`'s buffers), passed
+    as tensors so that one compiled function serves every layer's."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+    fmt: str
+    activations: str
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> MxWeight:
+        return cls(linear.weight_blocks.detach(), linear.weight_scales.detach(), linear.fmt, linear.activations)
+
+
+Weight = torch.Tensor | MxWeight
+
+
+def weight_of(linear: nn.Module) -> Weight:
+    """A Linear's weight, or the stored form of an MX linear's."""
+    return MxWeight.of(linear) if hasattr(linear, "weight_blocks") else linear.weight.detach()
+
+
+@dataclass(frozen=True)
 class LayerWeights:
     """The tensors of one decoder layer that the decode step reads, besides the MoE's experts.
     q, k and v are one matrix (``qkv_weight`` ``[q + k + v rows, H]``): one pass over the
     activations and one launch instead of three small ones."""
 
     input_norm: torch.Tensor
-    qkv_weight: torch.Tensor
+    qkv_weight: Weight
     qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
+    o_weight: Weight
     o_bias: torch.Tensor | None
     sinks: torch.Tensor
     post_norm: torch.Tensor
@@ -46,14 +69,19 @@ class LayerWeights:
         """The layer's tensors, its q/k/v projections packed into one matrix first (the modules'
         weights become views of it, so the model keeps one copy and computes as before)."""
         attn, router = layer.self_attn, layer.mlp.router
-        qkv_weight = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
-        qkv_bias = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
+        fused = getattr(attn, "qkv_proj", None)  # MX projections, fused when they were loaded
+        if fused is not None:
+            qkv_weight: Weight | None = MxWeight.of(fused)
+            qkv_bias = fused.bias
+        else:
+            qkv_weight = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "weight")
+            qkv_bias = pack_projections(attn.q_proj, attn.k_proj, attn.v_proj, "bias")
         tensors = (
-            layer.input_layernorm.weight, qkv_weight, qkv_bias, attn.o_proj.weight, attn.o_proj.bias,
+            layer.input_layernorm.weight, qkv_weight, qkv_bias, weight_of(attn.o_proj), attn.o_proj.bias,
             attn.sinks, layer.post_attention_layernorm.weight, router.weight, router.bias,
         )  # fmt: skip
         # Plain tensors (detached views of the parameters), so compiled code treats them as inputs.
-        return cls(*(None if t is None else t.detach() for t in tensors))
+        return cls(*(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors))
 
 
 def pack_projections(q: nn.Linear, k: nn.Linear, v: nn.Linear, name: str) -> torch.Tensor | None:
@@ -72,10 +100,13 @@ def pack_projections(q: nn.Linear, k: nn.Linear, v: nn.Linear, name: str) -> tor
     return packed
 
 
-def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, as_reduction: bool) -> torch.Tensor:
+def project(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, as_reduction: bool) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; with ``as_reduction`` written as a multiply and a sum over
     K (fp32), which the compiler turns into one kernel that streams the weight rows: at one token
-    a library GEMM of a few thousand rows leaves most of the bandwidth unused."""
+    a library GEMM of a few thousand rows leaves most of the bandwidth unused. An MX weight runs
+    the bundled dense kernel (one opaque op)."""
+    if isinstance(weight, MxWeight):
+        return torch.ops.prepkit.mx_linear_stored(x, weight.blocks, weight.scales, bias, weight.fmt, weight.activations)
     if not as_reduction:
         return F.linear(x, weight, bias)
     out = (x.unsqueeze(-2).float() * weight.float()).sum(-1)
@@ -199,8 +230,8 @@ def attention_out(
     return hidden, x, project(x, w.router_weight, w.router_bias, as_reduction)
 
 
-def head(hidden: torch.Tensor, mlp_out: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, eps: float):
+def head(hidden: torch.Tensor, mlp_out: torch.Tensor, norm: torch.Tensor, lm_head: Weight, eps: float):
     """The last layer's residual, the final norm and the head on the last position -> greedy ids
     ``[B, 1]``."""
     hidden = (hidden + mlp_out)[:, -1:]
-    return F.linear(rms_norm(hidden, norm, eps), lm_head)[:, -1].argmax(-1, keepdim=True)
+    return project(rms_norm(hidden, norm, eps), lm_head, None, False)[:, -1].argmax(-1, keepdim=True)

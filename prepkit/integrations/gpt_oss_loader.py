@@ -22,6 +22,7 @@ from torch import nn
 
 from prepkit.errors import RecipeError, VerifyError
 from prepkit.fsutil import sha256_file
+from prepkit.integrations.dense_swap import MxParts, add_part, mx_part_of, swap_in_mx_linears
 from prepkit.integrations.transformers import (
     PrepkitMoeBlock,
     check_manifest_against_config,
@@ -29,6 +30,7 @@ from prepkit.integrations.transformers import (
     require_kernel_device,
 )
 from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.layouts.dense_mx import DEFAULT_DENSE_FORMAT
 from prepkit.manifest import Manifest, experts_file
 from prepkit.model_files import GENERATION_CONFIG
 from prepkit.recipes import check_config, load_recipe
@@ -53,7 +55,9 @@ def from_prepared(
     """A ready (``eval()``) transformers ``GptOssForCausalLM`` on ``device`` whose MoE blocks
     run prepkit's kernel, built from ``prepared_dir`` alone (``prepkit prepare --layout
     triton-moe --tp 1``): config from the manifest, non-expert weights in ``dtype``, experts in
-    MXFP4 with ``activations`` as their precision policy. No expert is ever held in bf16.
+    MXFP4 with ``activations`` as their precision policy. No expert is ever held in bf16. A shard
+    set prepared with ``--dense mxfp8|mxfp4`` gets MX linears for its q/k/v/o projections and
+    lm_head (:mod:`prepkit.integrations.dense_swap`), run with the same policy.
 
     On ``device="cpu"`` the kernel runs only under the Triton interpreter (``TRITON_INTERPRET=1``
     before triton is imported; tiny models). ``check_hashes`` re-hashes each file against the
@@ -84,8 +88,10 @@ def from_prepared(
         check_file(root, manifest, rel, check_hashes=check_hashes)
 
     model = meta_skeleton(config, dtype)
+    mx_parts: MxParts = {}
     for rel in non_expert:
-        stream_tensors(model, root, rel, target, dtype)
+        stream_tensors(model, root, rel, target, dtype, mx_parts)
+    load_mx_dense(model, manifest, mx_parts, activations)
     model.model.rotary_emb = _rotary_on(model, target)
     load_experts(model, root, manifest, rank, target, activations)
     check_nothing_on_meta(model)
@@ -159,13 +165,27 @@ def meta_skeleton(config: GptOssConfig, dtype: torch.dtype) -> GptOssForCausalLM
     return model
 
 
-def stream_tensors(model: nn.Module, root: Path, rel: str, device: torch.device, dtype: torch.dtype) -> int:
+def stream_tensors(
+    model: nn.Module,
+    root: Path,
+    rel: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    mx_parts: MxParts | None = None,
+) -> int:
     """Put every tensor of ``root/rel`` into the meta parameter of the same name, on ``device``
-    (floating tensors in ``dtype``), one tensor at a time; returns the bytes loaded."""
+    (floating tensors in ``dtype``), one tensor at a time; returns the bytes loaded. The blocks
+    and scales of MX dense weights go to ``mx_parts`` instead, as they are (``--dense``)."""
     loaded = 0
     try:
         with safe_open(str(root / rel), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
+                found = mx_part_of(name) if mx_parts is not None else None
+                if mx_parts is not None and found is not None:
+                    tensor = f.get_tensor(name)
+                    add_part(mx_parts, rel, name, found, tensor.to(device))
+                    loaded += tensor.numel()
+                    continue
                 owner, _, attr = name.rpartition(".")
                 module = _submodule(model, owner)
                 param = module._parameters.get(attr) if module is not None else None
@@ -186,6 +206,26 @@ def stream_tensors(model: nn.Module, root: Path, rel: str, device: torch.device,
     except SafetensorError as err:
         raise VerifyError(f"{root / rel} cannot be read: {err}", hint=f"run: prepkit verify {root}") from err
     return loaded
+
+
+def load_mx_dense(model: nn.Module, manifest: Manifest, mx_parts: MxParts, activations: ActivationPolicy) -> None:
+    """Swap in the MX linears of a ``--dense mxfp8|mxfp4`` shard set; nothing for bf16 ones.
+
+    Raises:
+        VerifyError: the files hold MX dense tensors and the manifest records none, or the
+            reverse.
+    """
+    fmt = manifest.dense_format
+    if mx_parts and fmt == DEFAULT_DENSE_FORMAT:
+        first = min(mx_parts)
+        raise VerifyError(
+            f"the shard set holds MX tensors for {first} but manifest.json records bf16 dense weights",
+            hint="prepare the shards again",
+        )
+    if fmt != DEFAULT_DENSE_FORMAT:
+        if not mx_parts:
+            raise VerifyError(f"manifest.json records {fmt} dense weights, the shard set holds none")
+        swap_in_mx_linears(model, mx_parts, fmt, activations)
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:

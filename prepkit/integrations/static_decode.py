@@ -93,6 +93,7 @@ class PrepkitDecoder:
         self._as_reduction = projections == "reduction"
         if self.compiled:
             self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
+            self._lm_head = decode_step.weight_of(model.lm_head)
             self._eps = float(base.norm.variance_epsilon)
             self._embed = torch.compile(decode_step.embed, fullgraph=True, dynamic=False)
             self._attention_in = torch.compile(decode_step.attention_in, fullgraph=True, dynamic=False)
@@ -220,7 +221,7 @@ class PrepkitDecoder:
                 self._as_reduction,
             )
             mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
-        return self._head(hidden, mlp_out, base.norm.weight, self.model.lm_head.weight, self._eps)
+        return self._head(hidden, mlp_out, base.norm.weight, self._lm_head, self._eps)
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive ``[T, max_len]`` mask: causal, and within ``window`` for sliding layers."""
@@ -238,9 +239,15 @@ class PrepkitDecoder:
     ) -> torch.Tensor:
         batch, tokens, _ = x.shape
         head_dim = attn.head_dim
-        query = attn.q_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
-        key = attn.k_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
-        value = attn.v_proj(x).view(batch, tokens, -1, head_dim).transpose(1, 2)
+        fused = getattr(attn, "qkv_proj", None)  # MX projections: q, k and v in one launch
+        if fused is not None:
+            kv_rows = attn.k_proj.out_features
+            query, key, value = fused(x).split([fused.out_features - 2 * kv_rows, kv_rows, kv_rows], dim=-1)
+        else:
+            query, key, value = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        query = query.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+        key = key.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
+        value = value.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
         keys, values = self.keys[index], self.values[index]
         keys.index_copy_(2, positions, decode_step.rotate(key, cos, sin))
         values.index_copy_(2, positions, value)

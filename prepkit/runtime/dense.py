@@ -213,6 +213,82 @@ class MxLinear(nn.Module):
         return y if dtype == torch.bfloat16 else y.to(dtype)
 
 
+def fuse_sharing(parts: list[MxLinear]) -> MxLinear:
+    """:meth:`MxLinear.fused`, after which each part's buffers are views of the fused module's
+    (the kernel reads rows of a wider weight in place): q, k and v run alone or as one launch,
+    with one copy of their weights in memory."""
+    fused = MxLinear.fused(parts)
+    lo = 0
+    for part in parts:
+        hi = lo + part.out_features
+        part.weight_blocks = fused.weight_blocks[:, lo:hi]
+        part.weight_scales = fused.weight_scales[:, lo:hi]
+        if part.bias is not None and fused.bias is not None:
+            part.bias = fused.bias[lo:hi]
+        lo = hi
+    return fused
+
+
+_STORED_TACTICS: dict[tuple[int, int, int, str, str, torch.device], GemmTactic] = {}
+
+
+def stored_tactic(tokens: int, blocks: torch.Tensor, scales: torch.Tensor, fmt: str, activations: str) -> GemmTactic:
+    """The variant for a weight given as tensors (the DB's, else the default), chosen once per shape."""
+    n, k = scales.shape[1], scales.shape[0] * 32
+    key = (tokens, n, k, fmt, activations, blocks.device)
+    t = _STORED_TACTICS.get(key)
+    if t is None:
+        from prepkit.kernels.device import H100, DeviceInfo
+        from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+        from prepkit.tactics.lookup import make_dense_tactic_lookup
+
+        device = DeviceInfo.from_torch(blocks.device) if blocks.device.type == "cuda" else H100
+        policy = check_policy(activations)
+        t = make_dense_tactic_lookup()(tokens, n, k, fmt, policy, device) or default_dense_tactic(
+            tokens, n, k, fmt, device.capability, activations=policy, sm_count=device.sm_count
+        )
+        if t.upcast == "asm" and blocks.device.type != "cuda":
+            from dataclasses import replace
+
+            t = replace(t, upcast="bits")  # the interpreter runs no inline PTX
+        _STORED_TACTICS[key] = t
+    return t
+
+
+@torch.library.custom_op("prepkit::mx_linear_stored", mutates_args=())
+def mx_linear_stored_op(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    activations: str,
+) -> torch.Tensor:
+    """``x [..., K]`` (bf16) -> ``[..., N]`` through the stored MX weight ``blocks``/``scales``.
+    The weights are arguments, not a module id, so one compiled function serves every layer
+    (:mod:`prepkit.integrations.decode_step`) without a recompile per module."""
+    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, launch_dense
+
+    weights = DenseMxWeights(blocks, scales, fmt)
+    x2 = x.reshape(-1, weights.k).to(torch.bfloat16).contiguous()
+    out = torch.empty((x2.shape[0], weights.n), dtype=torch.bfloat16, device=x.device)
+    tactic = stored_tactic(x2.shape[0], blocks, scales, fmt, activations)
+    launch_dense(x2, weights, bias, tactic, check_policy(activations), out)
+    return out.view(*x.shape[:-1], weights.n).to(x.dtype)
+
+
+@mx_linear_stored_op.register_fake
+def _mx_linear_stored_fake(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    activations: str,
+) -> Any:
+    return x.new_empty((*x.shape[:-1], scales.shape[1]))
+
+
 @torch.library.custom_op("prepkit::mx_linear", mutates_args=())
 def mx_linear_op(x: torch.Tensor, module_id: int, out_features: int) -> torch.Tensor:
     """``x [..., K]`` -> ``[..., out_features]`` in ``x``'s dtype through MxLinear ``module_id``."""

@@ -110,6 +110,25 @@ def test_fused_qkv_equals_the_three_parts(device: str) -> None:
     assert torch.equal(whole, split)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
+def test_rows_of_a_fused_weight_run_in_place(device: str, fmt: str) -> None:
+    """q, k and v as views of the fused qkv (no second copy) give the parts' own outputs."""
+    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+
+    parts = [stored(fmt, n=n, seed=20 + i)[0] for i, n in enumerate((64, 32, 48))]
+    fused = DenseMxWeights.fuse(*(DenseMxWeights(p["blocks"], p["scales"], fmt) for p in parts))
+    blocks, scales = fused.blocks.to(device), fused.scales.to(device)
+    x = torch.randn((3, K), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(device)
+    lo = 0
+    for p in parts:
+        n = p["scales"].shape[1]
+        view = DenseMxWeights(blocks[:, lo : lo + n], scales[:, lo : lo + n], fmt)
+        own = DenseMxWeights(p["blocks"].to(device), p["scales"].to(device), fmt)
+        for t in (GemmTactic(16, 32, 64, 4, 3, 1, "bits", "ptr"), GemmTactic(16, 32, 64, 4, 3, 2, "bits", "tma")):
+            assert torch.equal(mx_linear(x, view, tactic=t), mx_linear(x, own, tactic=t)), (lo, t.key())
+        lo += n
+
+
 def test_leading_dims_and_out(device: str) -> None:
     from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
 

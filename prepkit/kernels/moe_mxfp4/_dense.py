@@ -37,6 +37,8 @@ def _dense_kernel(
     K,
     stride_xt,
     stride_yt,
+    N_STORED,
+    stride_sk,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -55,7 +57,9 @@ def _dense_kernel(
 ):
     """Program (N tile, row block, K split). ``x`` is bf16 ``[T, K]`` (row stride ``stride_xt``)
     or, with an MX ACT, its codes (contiguous rows) and ``xs`` their scales ``[T, K/32]``. ``y``
-    is ``[T, N]`` in the output dtype, or the zeroed fp32 buffer the K splits add into."""
+    is ``[T, N]`` in the output dtype, or the zeroed fp32 buffer the K splits add into. The
+    weight may be rows of a wider one (q of a fused qkv): its panels hold ``N_STORED`` rows, its
+    scales are ``stride_sk`` apart per group."""
     _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -74,17 +78,17 @@ def _dense_kernel(
     w_row = (pid_n * BLOCK_N).to(tl.int32)
     if WFMT == W_MXFP8:
         acc = _e4m3_mainloop(
-            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, acc,
+            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, acc,
             BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K,
         )  # fmt: skip
     elif ACT != ACT_BF16:
         acc = _mx_mainloop(
-            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, acc,
+            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, acc,
             BLOCK_N, BLOCK_K, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K, not DOT_FP32,
         )  # fmt: skip
     else:
         acc = _mxfp4_mainloop(
-            a_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N, N, k_lo, k_hi, K, acc,
+            a_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, K, acc,
             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K,
         )  # fmt: skip
     if HAS_BIAS:

@@ -96,8 +96,11 @@ def check_weights(blocks: torch.Tensor, scales: torch.Tensor, fmt: str, name: st
         )
     if blocks.device != scales.device:
         raise ValueError(f"{name}: blocks on {blocks.device}, scales on {scales.device}")
-    if not blocks.is_contiguous() or not scales.is_contiguous():
-        raise ValueError(f"{name}: blocks and scales must be contiguous")
+    # Rows of a wider weight (q of a fused qkv) are fine: whole 128-byte panel rows, unit inner strides.
+    if blocks.stride(2) != 1 or blocks.stride(1) != PANEL_BYTES or blocks.stride(0) % PANEL_BYTES:
+        raise ValueError(f"{name}_blocks: strides {blocks.stride()} are not those of whole panel rows")
+    if scales.stride(1) != 1 and n > 1:
+        raise ValueError(f"{name}_scales: strides {scales.stride()}, the N axis must be contiguous")
 
 
 def reference_device(capability: tuple[int, int], sm_count: int | None = None) -> DeviceInfo:
@@ -143,7 +146,7 @@ def weight_descriptor(weights: DenseMxWeights, tactic: GemmTactic, activations: 
     if tactic.weight_load != "tma" or (tactic.upcast == "dot_scaled" and activations == "bf16"):
         return None
     blocks = weights.blocks
-    if blocks.data_ptr() % 16:
+    if blocks.data_ptr() % 16 or not blocks.is_contiguous():
         return None
     cap = launch_capability(blocks.device)
     if not interpreting() and not (cap is not None and cap >= (9, 0)):
@@ -203,6 +206,7 @@ def launch_dense(
         grid,
         x_in, xs_in, weights.blocks, weights.blocks if w_desc is None else w_desc, weights.scales,
         bias if bias is not None else y, y, T, N, K, stride_x, y.stride(0),
+        weights.blocks.stride(0) // PANEL_BYTES, weights.scales.stride(0),
         BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
         UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=interpreting(), SWAP=swaps_operands(tactic, activations),
         JOIN=joins_halves(tactic), W_TMA=w_desc is not None, MASK_ALL=tactic.k_loop == "masked",
