@@ -324,12 +324,15 @@ def dense_default(
 ) -> GemmTactic:
     """A valid, untuned variant of the dense linear for ``tokens`` rows of an ``[n, k]`` weight.
 
-    Up to 16 rows: 16-row swapped tiles (the weights fill the MMA's wide side), one whole panel
-    per K step, 64 columns a program, and K splits until the programs are at least twice the SMs
-    (o_proj's 45 column tiles at one token split 8 ways; lm_head's 3142 do not split), each split
-    keeping at least two K steps. Up to 32 rows, 32-row tiles; more, 64 x 128 x 64 tiles. The
-    upcast: inline PTX for mxfp4 weights with bf16 activations, the e4m3 conversion for mxfp8
-    weights, ``tl.dot_scaled`` for MX activations.
+    Up to 16 rows: 16-row swapped tiles (the weights fill the MMA's wide side), 64 columns a
+    program and one whole panel per K step (mxfp8: 128 columns, 128-element steps); a weight
+    wide enough for twice the SMs with 256 columns a program (lm_head) takes mxfp4 in 256 x 64
+    steps four deep. Then K splits until the programs are at least twice the SMs (o_proj's 45
+    column tiles at one token split 8 ways; lm_head's do not split), each split keeping at least
+    two K steps. Up to 32 rows, 32-row tiles; more, 64 x 128 x 64 tiles. Weights load through
+    the TMA unit where there is one. The upcast: inline PTX for mxfp4 weights with bf16
+    activations, the e4m3 conversion for mxfp8 weights, ``tl.dot_scaled`` for MX activations.
+    (The fastest of a sweep on an H100 at gpt-oss's shapes, 1 and 8 tokens: docs/kernel-notes.md.)
     """
     from dataclasses import replace
 
@@ -342,8 +345,13 @@ def dense_default(
         upcast = "asm"
     else:
         upcast = "bits"
+    stages = 3
     if tokens <= 32:
         bm, bn, bk = (16 if tokens <= 16 else 32), 64, panel_k
+        if fmt == "mxfp8":
+            bn, bk = 128, 128
+        elif upcast == "asm" and -(-n // 256) >= 2 * device.sm_count:
+            bn, bk, stages = 256, 64, 4
     else:
         bm, bn, bk = 64, 128, 64
     programs = -(-n // bn) * -(-max(tokens, 1) // bm)
@@ -351,13 +359,14 @@ def dense_default(
     split = 1
     while split < 8 and programs * split < 2 * device.sm_count and steps >= 4 * split:
         split *= 2
-    t = GemmTactic(bm, bn, bk, 4, 3, split, upcast, "ptr")
-    for stages in (3, 2, 1):
-        cand = replace(t, num_stages=stages)
-        if dense_invalid_reason(cand, fmt, device, activations) is None:
-            return cand
+    t = GemmTactic(bm, bn, bk, 4, stages, split, upcast, "tma" if device.capability >= (9, 0) else "ptr")
+    for load in dict.fromkeys((t.weight_load, "ptr")):
+        for stages in range(t.num_stages, 0, -1):
+            cand = replace(t, num_stages=stages, weight_load=load)
+            if dense_invalid_reason(cand, fmt, device, activations) is None:
+                return cand
     for bn in (32, 16):
-        cand = replace(t, block_n=bn, block_k=64, num_stages=2)
+        cand = replace(t, block_n=bn, block_k=64, num_stages=2, weight_load="ptr")
         if dense_invalid_reason(cand, fmt, device, activations) is None:
             return cand
     raise ValueError(f"no dense {fmt} variant fits {device.name}: {dense_invalid_reason(t, fmt, device, activations)}")
