@@ -294,6 +294,35 @@ def _classify(err: BaseException) -> tuple[str, bool]:
     return status, False
 
 
+# Compiled GEMM variants a worker keeps loaded. Triton holds every kernel it launched in memory
+# with all its IR (megabytes each), and a thorough search runs thousands through one worker: past
+# this many, the caches are emptied and a later launch loads its binary from the on-disk cache.
+MAX_LOADED_VARIANTS = 256
+
+
+def trim_kernel_caches(kernels: Sequence[Any], limit: int = MAX_LOADED_VARIANTS) -> int:
+    """Empty the in-memory caches of the Triton ``kernels`` that hold more than ``limit`` compiled
+    variants between them; returns how many were dropped. A kernel without such a cache (an
+    interpreted one) is left alone."""
+    loaded = 0
+    for fn in kernels:
+        for entry in getattr(fn, "device_caches", {}).values():
+            loaded += len(entry[0]) if isinstance(entry, tuple) and isinstance(entry[0], dict) else 0
+    if loaded <= limit:
+        return 0
+    for fn in kernels:
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:
+            caches.clear()
+    return loaded
+
+
+def _gemm_kernels() -> list[Any]:
+    from prepkit.kernels.moe_mxfp4 import _gemm
+
+    return [_gemm._gemm1_swiglu_kernel, _gemm._gemm2_combine_kernel]
+
+
 def worker_main(seed: int) -> int:
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -334,6 +363,8 @@ def worker_main(seed: int) -> int:
         proto.flush()
         if not reply["ok"] and reply.get("fatal"):
             return 3
+        if op in ("check", "time"):
+            trim_kernel_caches(_gemm_kernels())
     return 0
 
 
