@@ -439,6 +439,23 @@ class TacticsDB:
                 out.append({"m": m, "default_us": d, "tuned_us": t})
         return out
 
+    def runs(self) -> list[dict[str, Any]]:
+        """Every tuning run, oldest first, with its GPU and when it last stored a row
+        (``last_row_at``: where a killed run stopped, since it never finished)."""
+        return list(
+            self.db.query(
+                """
+                SELECT r.run_id, r.env_hash, e.gpu_name, e.arch, r.started_at, r.finished_at, r.status,
+                       r.search_space, r.token_points, r.cmdline, r.notes,
+                       MAX(COALESCE((SELECT MAX(measured_at) FROM measurement m WHERE m.run_id = r.run_id), ''),
+                           COALESCE((SELECT MAX(checked_at) FROM correctness c WHERE c.run_id = r.run_id), ''))
+                           AS last_row_at
+                FROM tuning_run r JOIN env e USING (env_hash)
+                ORDER BY r.started_at, r.run_id
+                """
+            )
+        )
+
     def timing_scope(self, run_id: str) -> str:
         """What a run's timings cover: ``'gemm'`` (the swept GEMM alone) or ``'layer'``."""
         row = self.db.execute("SELECT timing_method FROM tuning_run WHERE run_id = ?", [run_id]).fetchone()
