@@ -1,6 +1,6 @@
 """The pruned search against the thorough one, from the tuning runs stored in tactics DBs.
 
-    python benchmarks/tune_compare.py pruned.db thorough.db [--gpu NAME] [--json]
+    python benchmarks/tune_compare.py pruned.db thorough.db [--tokens 1,8,64] [--gpu NAME] [--json]
     python benchmarks/tune_compare.py both.db
 
 Per GEMM and token count: the default's median, the pruned and the thorough pick with their
@@ -20,15 +20,20 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prepkit.errors import PrepkitError  # noqa: E402
-from prepkit.tune import compare  # noqa: E402
+from prepkit.tune import compare, parse_tokens  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Compare a pruned and a thorough `prepkit tune` search.")
     parser.add_argument("dbs", nargs="+", type=Path, help="tactics DBs holding the two searches (one or two)")
+    parser.add_argument("--tokens", help="token counts to show, e.g. 1,8,64 or 1-8 (default: every point swept)")
     parser.add_argument("--gpu", help="GPU name (default: the GPU of the latest thorough run)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     args = parser.parse_args(argv)
+    try:
+        tokens = parse_tokens(args.tokens) if args.tokens else None
+    except ValueError as err:
+        parser.error(f"--tokens: {err}")
     try:
         found = compare.read_searches(args.dbs, args.gpu)
         missing = [s for s in ("pruned", "thorough") if s not in found]
@@ -37,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"no recorded {' or '.join(missing)} run on that GPU in {', '.join(map(str, args.dbs))}",
                 hint="run `prepkit tune` (pruned) and `prepkit tune --thorough` on it first",
             )
-        doc = compare.compare(found["pruned"], found["thorough"])
+        doc = compare.compare(found["pruned"], found["thorough"], tokens)
     except PrepkitError as err:
         print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
         return err.exit_code

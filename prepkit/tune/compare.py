@@ -154,9 +154,11 @@ def _miss(
     return pruned["winner_us"] / thorough["winner_us"] - 1.0, "raw"
 
 
-def compare(pruned: SearchLegs, thorough: SearchLegs) -> dict[str, Any]:
-    """The comparison as plain data (what ``--json`` prints): per GEMM the rows per token count,
-    each search's time and coverage; and each search's runs and wall time."""
+def compare(pruned: SearchLegs, thorough: SearchLegs, tokens: Iterable[int] | None = None) -> dict[str, Any]:
+    """The comparison as plain data (what ``--json`` prints): per GEMM the rows per token count
+    (those in ``tokens`` only, when given), each search's time and coverage; and each search's
+    runs and wall time."""
+    only = set(tokens) if tokens is not None else None
     gemms = []
     for ph, t_rec in thorough.records.items():
         p_rec = pruned.records.get(ph)
@@ -167,6 +169,8 @@ def compare(pruned: SearchLegs, thorough: SearchLegs) -> dict[str, Any]:
         timed = {(m, t): us for (h, m, t), us in thorough.timed.items() if h == ph}
         rows = []
         for m in sorted(set(p_pts) | set(t_pts)):
+            if only is not None and m not in only:
+                continue
             p, t = p_pts.get(m), t_pts.get(m)
             miss, basis = _miss(m, p, t, timed)
             rows.append(

@@ -527,6 +527,9 @@ def test_the_comparison_reads_both_searches_from_the_db(
     row = doc["gemms"][0]["points"][-1]
     assert table[len(POINTS) - 1].startswith(f"| 8192 | {row['default_us']:.1f} | {row['pruned_us']:.1f} | ")
     assert tune_compare.main([*dbs, "--json"]) == 0
+    few = compare.compare(**compare.read_searches(dbs), tokens=[1, 64])
+    assert [[r["m"] for r in g["points"]] for g in few["gemms"]] == [[1, 64], [1, 64]]
+    assert few["gemms"][0]["points"][1] == doc["gemms"][0]["points"][4]
 
 
 def test_the_comparison_counts_every_leg_of_a_resumed_search(
