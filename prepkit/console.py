@@ -64,7 +64,7 @@ def progress(
     One bar per label on a terminal. Elsewhere (where rich draws nothing live) plain lines, one
     per label that moved, every :func:`progress_interval` seconds; ``log_labels`` limits those
     lines to the labels named (e.g. a total, not every file); ``eta`` adds the time left to each
-    count line, from the rate observed since the label's first update.
+    count line, from the rate observed since the label's first update (which also starts a bar).
     """
     if not enabled:
         yield lambda label, done, total: None
@@ -87,7 +87,8 @@ def progress(
 
     def on_progress(label: str, done: int, total: int) -> None:
         if label not in tasks:
-            tasks[label] = bars.add_task(label, total=total)
+            # with eta, work done before the first update (reused) starts the bar, not its speed
+            tasks[label] = bars.add_task(label, total=total, completed=done if eta else 0)
         bars.update(tasks[label], completed=done, total=total)
 
     with bars:

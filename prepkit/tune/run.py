@@ -197,6 +197,7 @@ def _sweep_into(
             "anchors": list(config.anchors),
             "min_gain": config.min_gain,
             "check_m": list(opts.check_m),
+            "check_workers": len(checkers),
         },
         token_points=opts.points,
         cmdline=shlex.join(opts.cmdline),

@@ -252,6 +252,8 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
     space = {p.role: small_space(p, H100_INFO) for p in problems().values()}
     assert len(checks) == sum(len(s) for s in space.values())
     assert stored(db, "SELECT DISTINCT m_values FROM correctness") == [("[33]",)]
+    space_of_run = json.loads(stored(db, "SELECT search_space FROM tuning_run")[0][0])
+    assert (space_of_run["check_workers"], space_of_run["check_m"], space_of_run["search"]) == (2, [33], "thorough")
 
     log.write_text("")
     tune_run.run_tune(TuneOptions(**{**opts.__dict__, "max_candidates": 8}))
