@@ -26,7 +26,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from prepkit.fsutil import format_bytes
+from prepkit.fsutil import format_bytes, format_duration
 
 err_console = Console(stderr=True, highlight=False)
 # Results (tables, plans, summaries) go to stdout so they can be piped and grepped.
@@ -56,19 +56,21 @@ def progress(
     transient: bool = False,
     unit: Literal["bytes", "count"] = "bytes",
     log_labels: Collection[str] | None = None,
+    eta: bool = False,
 ) -> Iterator[ProgressFn]:
     """Yield an ``on_progress(label, done, total)`` callback drawn as rich bars: bytes with their
     speed, or (``unit="count"``) done/total counts with an ETA.
 
     One bar per label on a terminal. Elsewhere (where rich draws nothing live) plain lines, one
     per label that moved, every :func:`progress_interval` seconds; ``log_labels`` limits those
-    lines to the labels named (e.g. a total, not every file).
+    lines to the labels named (e.g. a total, not every file); ``eta`` adds the time left to each
+    count line, from the rate observed since the label's first update (which also starts a bar).
     """
     if not enabled:
         yield lambda label, done, total: None
         return
     if not err_console.is_terminal:
-        yield _ProgressLines(unit, progress_interval(), log_labels).update
+        yield _ProgressLines(unit, progress_interval(), log_labels, eta=eta).update
         return
     if unit == "bytes":
         columns = (DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(), TimeRemainingColumn())
@@ -85,7 +87,8 @@ def progress(
 
     def on_progress(label: str, done: int, total: int) -> None:
         if label not in tasks:
-            tasks[label] = bars.add_task(label, total=total)
+            # with eta, work done before the first update (reused) starts the bar, not its speed
+            tasks[label] = bars.add_task(label, total=total, completed=done if eta else 0)
         bars.update(tasks[label], completed=done, total=total)
 
     with bars:
@@ -96,12 +99,14 @@ class _ProgressLines:
     """Progress off a terminal: at most one batch of plain lines on stderr per interval, one line
     per label that moved since the last batch, so a log shows a long run is alive."""
 
-    def __init__(self, unit: str, interval: float, labels: Collection[str] | None) -> None:
+    def __init__(self, unit: str, interval: float, labels: Collection[str] | None, *, eta: bool = False) -> None:
         self.unit = unit
         self.interval = interval
         self.labels = labels
+        self.eta = eta
         self.started = self.printed = time.monotonic()
         self.latest: dict[str, tuple[int, int]] = {}
+        self.first: dict[str, tuple[int, float]] = {}  # a label's first update: (done, when)
         self.moved: dict[str, None] = {}  # an ordered set: the labels in the order they moved
         self.lock = threading.Lock()  # fetch reports from many threads
 
@@ -109,9 +114,10 @@ class _ProgressLines:
         if self.labels is not None and label not in self.labels:
             return
         with self.lock:
-            self.latest[label] = (done, total)
-            self.moved[label] = None
             now = time.monotonic()
+            self.latest[label] = (done, total)
+            self.first.setdefault(label, (done, now))
+            self.moved[label] = None
             if now - self.printed < self.interval:
                 return
             self.printed = now
@@ -126,7 +132,17 @@ class _ProgressLines:
         if self.unit == "bytes":
             rate = f", {format_bytes(done / elapsed)}/s" if elapsed > 0 else ""
             return f"{label}: {format_bytes(done)} / {format_bytes(total)}{share}{rate}, {elapsed:.0f} s elapsed"
-        return f"{label}: {done}/{total}{share}, {elapsed:.0f} s elapsed"
+        return f"{label}: {done}/{total}{share}, {elapsed:.0f} s elapsed" + (self.left(label) if self.eta else "")
+
+    def left(self, label: str) -> str:
+        """``, about 1 h 05 min left``: what is left at the rate seen since the label's first update
+        (work reused from an earlier run counts as done, not as speed); empty before any progress."""
+        done, total = self.latest[label]
+        done0, t0 = self.first[label]
+        spent = time.monotonic() - t0
+        if done <= done0 or spent <= 0 or total <= done:
+            return ""
+        return f", about {format_duration((total - done) * spent / (done - done0))} left"
 
 
 # ``-q``: no progress and no info lines on stderr; results (stdout), warnings and errors still print.

@@ -1,5 +1,5 @@
 """File helpers every command shares: free disk space, the one crash-safe writer, the one file
-hasher, JSON bytes, and byte counts for people. Standard library only."""
+hasher, JSON bytes, and byte counts (and durations) for people. Standard library only."""
 
 from __future__ import annotations
 
@@ -160,3 +160,11 @@ def format_bytes(n: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} TiB"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration for people: ``45 s``, ``12 min``, ``3 h 05 min``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    minutes = round(seconds / 60)
+    return f"{minutes} min" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"

@@ -33,7 +33,8 @@ def tactics_group() -> None:
 @_db_option
 @json_option
 def show_command(db_path: Path | None, as_json: bool) -> None:
-    """List the winner ranges per GPU and problem, with row counts.
+    """List the winner ranges per GPU and problem, with row counts and the search that found them
+    (pruned: the default sweep; thorough: `prepkit tune --thorough`).
 
     \b
     Example:
@@ -76,7 +77,8 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
             title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {w0['role']} "
             f"N={w0['n']} K={w0['k']} E={w0['num_experts']} top_k={w0['top_k']}{acts} tp={w0['tp_size']}, "
             f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}"
-            + (" (served here)" if str(w0["kernel_version"]) == served else ""),
+            + (" (served here)" if str(w0["kernel_version"]) == served else "")
+            + f", {'/'.join(dict.fromkeys(w['search'] for w in rows))} search",
             title_justify="left",
         )
         # Numbers never wrap or shorten; on a narrow screen the tactic column wraps instead.

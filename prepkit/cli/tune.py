@@ -57,9 +57,9 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @click.option(
     "--budget-minutes",
     type=click.FloatRange(min=0.1),
-    default=15.0,
-    show_default=True,
-    help="Stop measuring after this long; the run is recorded as partial and resumes next time.",
+    default=None,
+    help="Stop measuring after this long; the run is recorded as partial and resumes next time.  "
+    "[default: 15; 720 with --thorough]",
 )
 @click.option("--gpus", help="GPU indexes to use in parallel, e.g. 0,1 (default 0).")
 @click.option(
@@ -73,9 +73,9 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @click.option(
     "--check-workers",
     type=click.IntRange(0, 32),
-    default=4,
-    show_default=True,
-    help="Extra worker processes that check (and so compile) candidates in parallel on the first GPU.",
+    default=None,
+    help="Extra worker processes that check (and so compile) candidates in parallel on the first GPU.  "
+    "[default: 4; with --thorough one per CPU core, at most 32 and as many as the GPU memory holds]",
 )
 @click.option(
     "--keep",
@@ -83,6 +83,13 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     default=6,
     show_default=True,
     help="Variants kept per anchor token count for the full sweep.",
+)
+@click.option(
+    "--thorough",
+    is_flag=True,
+    help="Measure every valid variant (no pruning, no --max-candidates) at the anchor token counts, then "
+    "every point with the best of each anchor; each variant is checked once, at 33 tokens. Hours, not "
+    "minutes: resumable, and the winners record that this search found them.",
 )
 @click.option(
     "--compile-only",
@@ -109,11 +116,12 @@ def tune_command(
     activations: str,
     tokens: str | None,
     db_path: Path | None,
-    budget_minutes: float,
+    budget_minutes: float | None,
     gpus: str | None,
     max_candidates: int,
-    check_workers: int,
+    check_workers: int | None,
     keep: int,
+    thorough: bool,
     compile_only: bool,
     sample: int | None,
     as_json: bool,
@@ -125,6 +133,11 @@ def tune_command(
     (failures are blocklisted), then timed with CUDA graphs next to the default variant; the
     default is kept unless beaten beyond noise. A rerun skips what the DB already holds for this
     GPU and software.
+
+    --thorough measures every valid variant instead of the pruned set, to find what the pruned
+    search misses (docs/tuning.md gives its cost): progress counts the variants checked and
+    measured with the time left, and the summary states the coverage per GEMM. Compare it with
+    a pruned run using benchmarks/tune_compare.py.
 
     --compile-only needs no GPU and writes no DB: it compiles, through Triton's own compiler, the
     kernels a launch on the reference device of --arch (sm90: H100, sm120: RTX PRO 6000, sm121:
@@ -149,6 +162,7 @@ def tune_command(
     Example:
         prepkit tune --arch sm90 --model gpt-oss-120b --tp 1
         prepkit tune --arch sm121 --shards shards/ --tokens 1-8,16,32 --gpus 0,1
+        prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --thorough --db thorough.db
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --compile-only --activations mxfp8
     """
     from prepkit import tune
@@ -166,12 +180,14 @@ def tune_command(
         return
     if sample is not None:
         raise click.UsageError("--sample applies to --compile-only only")
+    if thorough and ctx.get_parameter_source("max_candidates") is click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--max-candidates cannot be used with --thorough (it measures every valid variant)")
     opts = tune.TuneOptions(
         arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=db_path,
         budget_minutes=budget_minutes, gpus=_parse_gpus(gpus), max_candidates=max_candidates,
-        check_workers=check_workers, keep=keep,
+        check_workers=check_workers, keep=keep, thorough=thorough,
     )  # fmt: skip
-    with console.progress(enabled=not quiet, unit="count") as on_progress:
+    with console.progress(enabled=not quiet, unit="count", eta=thorough) as on_progress:
         result = tune.run_tune(opts, on_progress=on_progress)
     summary = tune_report.summary(result)
     if as_json:
@@ -185,6 +201,8 @@ def _print(summary: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
 
+    from prepkit.tune import report as tune_report
+
     for p in summary["problems"]:
         gm = p["geomean_speedup"]
         console.result(
@@ -195,6 +213,8 @@ def _print(summary: dict[str, Any]) -> None:
                 ("" if p["complete"] else " (partial: budget reached; rerun to resume)", "yellow"),
             )
         )
+        if "coverage" in p:
+            console.result(tune_report.coverage_line(p["coverage"]))
     if summary["layer"]:
         t = Table(title=f"whole layer on {summary['device']}: default vs tuned (median us)")
         for col in ("tokens", "default", "tuned", "speedup"):
@@ -213,7 +233,7 @@ def _us(v: float | None) -> str:
 
 # Options of a measuring run that a compile-only run has no use for: given, they are refused
 # rather than ignored (a --db the run never writes would mislead).
-_GPU_OPTIONS = ("db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep")
+_GPU_OPTIONS = ("db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep", "thorough")
 
 
 def _refuse_gpu_options(ctx: click.Context) -> None:

@@ -176,7 +176,11 @@ _V1 = (
 )
 
 # Every schema step, oldest first. Append only.
-STEPS: tuple[Step, ...] = (CreateTables("create_v1", _V1),)
+STEPS: tuple[Step, ...] = (
+    CreateTables("create_v1", _V1),
+    # Which search found a winner range: one of SEARCHES (NULL in rows written before the column).
+    AddColumn("winner", "search", "TEXT"),
+)
 
 # PRAGMA user_version written after the newest step; readers refuse newer files.
 SCHEMA_VERSION = len(STEPS)
@@ -184,6 +188,11 @@ SCHEMA_VERSION = len(STEPS)
 MIN_READABLE_SCHEMA = 1
 
 TABLES: tuple[str, ...] = tuple(t.name for t in _V1)
+
+# The searches ``prepkit tune`` runs: the pruned sweep, and ``--thorough`` (every valid variant).
+SEARCHES: tuple[str, ...] = ("pruned", "thorough")
+# What a winner row without ``search`` was found by: before the column only the pruned sweep existed.
+LEGACY_SEARCH = "pruned"
 
 # TEXT columns that hold JSON: an export writes them as JSON values, never as JSON inside strings.
 JSON_COLUMNS: dict[str, tuple[str, ...]] = {

@@ -288,8 +288,12 @@ class TacticsDB:
         winners: Iterable[WinnerRow],
         *,
         source: str = "user",
+        search: str = schema.LEGACY_SEARCH,
     ) -> int:
-        """Swap the whole range set of (env, problem): ranges from two runs are never mixed."""
+        """Swap the whole range set of (env, problem): ranges from two runs are never mixed.
+        ``search``: which search found them (one of :data:`prepkit.tactics.schema.SEARCHES`)."""
+        if search not in schema.SEARCHES:
+            raise ValueError(f"unknown search {search!r} (expected one of {schema.SEARCHES})")
         winners = list(winners)
         hashes = self.put_tactics(
             [w.params_json for w in winners] + [w.runner_up_json for w in winners if w.runner_up_json]
@@ -305,6 +309,7 @@ class TacticsDB:
                         "speedup_vs_default": w.speedup_vs_default,
                         "runner_up_tactic_hash": hashes.get(w.runner_up_json) if w.runner_up_json else None,
                         "runner_up_gap": w.runner_up_gap, "run_id": run_id, "source": source,
+                        "search": search,
                     }
                     for w in winners
                 ]
@@ -391,7 +396,7 @@ class TacticsDB:
                        k.weight_layout, k.role, p.num_experts, p.top_k, p.n, p.k, p.tp_size, p.ep_size,
                        p.act_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.tactic_hash, w.median_us,
                        w.default_median_us, w.speedup_vs_default, w.env_hash, w.problem_hash, w.run_id,
-                       w.source, e.mem_bw_gbps
+                       w.source, COALESCE(w.search, ?) AS search, e.mem_bw_gbps
                 FROM winner w
                 JOIN env e USING (env_hash)
                 JOIN problem p USING (problem_hash)
@@ -399,7 +404,8 @@ class TacticsDB:
                 JOIN tactic t ON t.tactic_hash = w.tactic_hash
                 ORDER BY e.arch, e.gpu_name, e.env_hash, k.role, p.n, p.k, p.tp_size, k.kernel_version,
                          p.problem_hash, w.m_lo
-                """
+                """,
+                [schema.LEGACY_SEARCH],
             )
         )
 
@@ -432,6 +438,23 @@ class TacticsDB:
             if d is not None and t is not None:
                 out.append({"m": m, "default_us": d, "tuned_us": t})
         return out
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Every tuning run, oldest first, with its GPU and when it last stored a row
+        (``last_row_at``: where a killed run stopped, since it never finished)."""
+        return list(
+            self.db.query(
+                """
+                SELECT r.run_id, r.env_hash, e.gpu_name, e.arch, r.started_at, r.finished_at, r.status,
+                       r.search_space, r.token_points, r.cmdline, r.notes,
+                       MAX(COALESCE((SELECT MAX(measured_at) FROM measurement m WHERE m.run_id = r.run_id), ''),
+                           COALESCE((SELECT MAX(checked_at) FROM correctness c WHERE c.run_id = r.run_id), ''))
+                           AS last_row_at
+                FROM tuning_run r JOIN env e USING (env_hash)
+                ORDER BY r.started_at, r.run_id
+                """
+            )
+        )
 
     def timing_scope(self, run_id: str) -> str:
         """What a run's timings cover: ``'gemm'`` (the swept GEMM alone) or ``'layer'``."""
@@ -875,11 +898,14 @@ class RunRecorder:
     needs nothing from the tuner or the kernels.
     """
 
-    def __init__(self, tdb: TacticsDB, run_id: str, env_hash: str, device: Environment) -> None:
+    def __init__(
+        self, tdb: TacticsDB, run_id: str, env_hash: str, device: Environment, *, search: str = schema.LEGACY_SEARCH
+    ) -> None:
         self.tdb = tdb
         self.run_id = run_id
         self.env_hash = env_hash
         self.device = device
+        self.search = search  # which search the run is: stored with each winner range
 
     def batch(self, problem: ProblemKey, batch: BatchRecord) -> None:
         ph = self.tdb.put_problem(problem)
@@ -905,7 +931,7 @@ class RunRecorder:
             )
             for w in result.winners
         ]  # fmt: skip
-        return self.tdb.replace_winners(self.env_hash, ph, self.run_id, rows, source=source)
+        return self.tdb.replace_winners(self.env_hash, ph, self.run_id, rows, source=source, search=self.search)
 
     def previous(
         self, problem: ProblemKey

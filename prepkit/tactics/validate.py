@@ -202,6 +202,12 @@ def _row_problems(conn: sqlite3.Connection, name: str) -> Iterator[str]:
             f"SELECT {key}, m_hi FROM winner WHERE m_lo < 1 OR m_hi < m_lo OR m_hi > ? LIMIT 1", (MAX_TUNED_TOKENS,)
         ):
             yield f"winner row ({_key(row[:-1])}): token range {row[-2]}-{row[-1]} is not within 1-{MAX_TUNED_TOKENS}"
+        marks = ", ".join("?" for _ in schema.SEARCHES)
+        for row in conn.execute(
+            f"SELECT {key}, search FROM winner WHERE search IS NOT NULL AND search NOT IN ({marks}) LIMIT 1",
+            schema.SEARCHES,
+        ):
+            yield f"winner row ({_key(row[:-1])}): search {row[-1]!r} is none of {', '.join(schema.SEARCHES)}"
 
 
 def _key(values: tuple[Any, ...]) -> str:

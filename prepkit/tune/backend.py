@@ -70,6 +70,8 @@ class SubprocessBackend:
     The worker compiles and launches; this side only sends JSON lines. A worker that dies, hangs
     past the timeout, or reports a sticky CUDA error is killed and started again on the next
     request, and the candidate in flight is reported as ``crash``/``timeout``/``sticky_cuda_error``.
+    ``check_m``: the token counts a numerics check runs at (default: the worker's
+    :data:`~prepkit.tune.worker.CHECK_M`).
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class SubprocessBackend:
         seed: int = 0,
         env: Mapping[str, str] | None = None,
         argv: Sequence[str] | None = None,
+        check_m: Sequence[int] | None = None,
     ) -> None:
         self.gpu = gpu
+        self.check_m = tuple(check_m) if check_m else None
         # The worker command; tests substitute a small script that crashes or hangs on demand.
         self.argv = list(argv) if argv else [sys.executable, "-m", "prepkit.tune.worker", "--seed", str(seed)]
         self.check_timeout_s = check_timeout_s
@@ -174,7 +178,10 @@ class SubprocessBackend:
             raise DeviceError(f"the tuning worker could not start on GPU {self.gpu}: {err}") from err
 
     def check(self, problem: ProblemKey, tactic: str) -> CheckResult:
-        r = self.request({"op": "check", "problem": _pk(problem), "tactic": tactic}, self.check_timeout_s)
+        req: dict[str, Any] = {"op": "check", "problem": _pk(problem), "tactic": tactic}
+        if self.check_m:
+            req["m_values"] = list(self.check_m)
+        r = self.request(req, self.check_timeout_s)
         return CheckResult(**{**r, "m_values": tuple(r.get("m_values", ()))})
 
     def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:

@@ -3,6 +3,7 @@ and the pruning of that space to a sweepable set. Nothing here imports triton or
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,22 @@ def kernel_defaults(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], 
     return default_for
 
 
+@functools.lru_cache(maxsize=16)
+def kernel_space(problem: ProblemKey, device: DeviceInfo) -> tuple[str, ...]:
+    """Every valid variant of the bundled kernel for ``problem`` on ``device`` under its activation
+    policy (the validity rules of :func:`prepkit.kernels.variants.invalid_reason` only, at the most
+    tokens swept, so every row block counts), as canonical JSON in a stable order: what a thorough
+    search measures, and what the pruned search prunes."""
+    from prepkit.kernels.variants import enumerate_tactics
+
+    return tuple(
+        canon(t)
+        for t in enumerate_tactics(
+            problem.role, device, moe_problem(problem, MAX_TOKEN_POINT), activations=problem.act_dtype
+        )
+    )
+
+
 def kernel_candidates(
     problem: ProblemKey, device: DeviceInfo, *, max_count: int | None = None, past_winners: Sequence[str] = ()
 ) -> list[str]:
@@ -140,14 +157,7 @@ def kernel_candidates(
     pruned for sweeping.
     ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
     the defaults where the current space still holds them; stale ones are dropped."""
-    from prepkit.kernels.variants import enumerate_tactics
-
-    space = [
-        canon(t)
-        for t in enumerate_tactics(
-            problem.role, device, moe_problem(problem, MAX_TOKEN_POINT), activations=problem.act_dtype
-        )
-    ]
+    space = kernel_space(problem, device)
     default_for = kernel_defaults(problem, device)
     in_space = set(space)
     seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))

@@ -160,6 +160,23 @@ class WinnerRange:
     runner_up_gap: float | None
 
 
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the variant space a sweep of one GEMM covered."""
+
+    search: str  # 'pruned' | 'thorough' (prepkit.tactics.schema.SEARCHES)
+    activations: str  # the problem's activation policy
+    valid: int | None  # valid variants of the kernel for the problem (None: not given)
+    candidates: int  # variants the search took up (all valid ones in a thorough search)
+    checked: int  # candidates with a numerics result, this run's or an earlier one's
+    failed: int  # candidates that failed a check or a timing, or were blocklisted before
+    measured: int  # candidates timed at least once without error
+    anchors: tuple[int, ...] = ()  # token counts every candidate was timed at (none: no anchor phase)
+
+    def record(self) -> dict[str, Any]:
+        return {**self.__dict__, "anchors": list(self.anchors)}
+
+
 @dataclass
 class SweepResult:
     problem: ProblemKey
@@ -174,10 +191,31 @@ class SweepResult:
     n_timed: int
     n_reused: int
     notes: list[str] = field(default_factory=list)
+    coverage: Coverage | None = None
 
     def geomean_speedup(self) -> float | None:
         """Geometric mean over token points of default / chosen latency (1.0 where kept)."""
         return geomean([c.speedup for c in self.choices if c.speedup])
+
+    def record(self) -> dict[str, Any]:
+        """What a tuning run keeps of this sweep in its notes (``tuning_run.notes``): how long it
+        took, what it covered, and per token point the default's and the chosen tactic's median.
+        ``winner`` is the chosen tactic's JSON (the default's where it was kept); a later run's
+        winner ranges replace this run's, so a comparison of two searches reads these records."""
+        return {
+            "problem_hash": self.problem.problem_hash(),
+            "problem": self.problem.describe(),
+            "role": self.problem.role,
+            "act_dtype": self.problem.act_dtype,
+            "elapsed_s": round(self.elapsed_s, 3),
+            "complete": self.complete,
+            "coverage": self.coverage.record() if self.coverage else None,
+            "points": [
+                {"m": c.m, "default": c.default, "default_us": c.default_us, "winner": c.winner,
+                 "winner_us": c.winner_us, "why": c.why}
+                for c in self.choices
+            ],
+        }  # fmt: skip
 
 
 @dataclass

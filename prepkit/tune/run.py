@@ -7,12 +7,13 @@ nothing (progress goes through ``on_progress``).
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prepkit import __version__
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
@@ -21,14 +22,16 @@ from prepkit.layer import resolve_layer
 from prepkit.tactics import store
 from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems
 from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
+from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
-from prepkit.tune.candidates import kernel_candidates, kernel_defaults
+from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space
 from prepkit.tune.records import LayerReport
-from prepkit.tune.sweep import ProgressFn, SweepConfig, tune_layer
-from prepkit.tune.worker import kernel_timing_scope
+from prepkit.tune.sweep import PreviousRecords, ProgressFn, SweepConfig, tune_layer
+from prepkit.tune.worker import CHECK_M, SINGLE_CHECK_M, kernel_timing_scope
 
 if TYPE_CHECKING:
     from prepkit.kernels.activations import ActivationPolicy
+    from prepkit.kernels.device import DeviceInfo
     from prepkit.tune.backend import Backend
 
 
@@ -43,12 +46,23 @@ class TuneOptions:
     activations: ActivationPolicy = "bf16"
     points: tuple[int, ...] = TOKEN_POINTS
     db_path: Path | None = None
-    budget_minutes: float = 15.0
+    budget_minutes: float | None = None  # None: the search's default (prepkit.tune.thorough)
     gpus: tuple[int, ...] = ()
-    max_candidates: int = 64
-    check_workers: int = 4
+    max_candidates: int = 64  # the pruned search's; a thorough one takes every valid variant
+    check_workers: int | None = None  # None: 4, or sized from the CPU and GPU for a thorough search
     keep: int = 6
+    thorough: bool = False
     cmdline: Sequence[str] = field(default_factory=lambda: ["prepkit", *sys.argv[1:]])
+
+    @property
+    def search(self) -> str:
+        """``'thorough'`` or ``'pruned'`` (:data:`prepkit.tactics.schema.SEARCHES`)."""
+        return "thorough" if self.thorough else "pruned"
+
+    @property
+    def check_m(self) -> tuple[int, ...]:
+        """The token counts each numerics check runs at."""
+        return SINGLE_CHECK_M if self.thorough else CHECK_M
 
 
 @dataclass
@@ -59,6 +73,7 @@ class TuneReport:
     env: Environment
     db_path: Path
     status: str  # 'complete' | 'partial'
+    search: str = "pruned"  # or 'thorough'
 
 
 def tune_problems(
@@ -124,12 +139,30 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         with store.open_db(path) as tdb:
             first = workers[0].backend
             if isinstance(first, SubprocessBackend):
-                checkers = [SubprocessBackend(first.gpu) for _ in range(opts.check_workers)]
+                check_m = opts.check_m if opts.thorough else None
+                for w in workers:  # with no check workers the timing workers check
+                    if isinstance(w.backend, SubprocessBackend):
+                        w.backend.check_m = check_m
+                n = check_worker_count(opts, workers[0].env, problems[0])
+                checkers = [
+                    SubprocessBackend(first.gpu, argv=first.argv, env=first.extra_env, check_m=check_m)
+                    for _ in range(n)
+                ]
             layer, status = _sweep_into(tdb, workers, checkers, problems, opts, on_progress)
     finally:
         for b in [w.backend for w in workers] + checkers:
             b.close()
-    return TuneReport(layer, workers[0].env, path, status)
+    return TuneReport(layer, workers[0].env, path, status, opts.search)
+
+
+def check_worker_count(opts: TuneOptions, env: Environment, problem: ProblemKey) -> int:
+    """``--check-workers`` as given; else 4, or for a thorough search one per CPU core as far as
+    the GPU memory holds them (:func:`prepkit.tune.thorough.check_workers`)."""
+    if opts.check_workers is not None:
+        return opts.check_workers
+    if not opts.thorough:
+        return thorough.DEFAULT_CHECK_WORKERS
+    return thorough.check_workers(os.cpu_count(), env.mem_bytes, thorough.layer_weight_bytes(problem))
 
 
 def _sweep_into(
@@ -144,7 +177,10 @@ def _sweep_into(
     backends = [w.backend for w in workers]
     bw = backends[0].bandwidth_gbps() if hasattr(backends[0], "bandwidth_gbps") else None
     env_hash = tdb.put_env(store.env_record(env, package_version=__version__, mem_bw_gbps=bw))
-    config = SweepConfig(points=opts.points, keep_per_anchor=opts.keep, budget_s=opts.budget_minutes * 60)
+    budget_s = thorough.budget_minutes(opts.budget_minutes, thorough=opts.thorough) * 60
+    config = SweepConfig(points=opts.points, keep_per_anchor=opts.keep, budget_s=budget_s, search=opts.search)
+    if opts.thorough:
+        config = SweepConfig(**{**config.__dict__, "anchors": thorough.thorough_anchors(opts.points, config.anchors)})
     run_id = tdb.start_run(
         env_hash,
         timing_method={
@@ -155,35 +191,67 @@ def _sweep_into(
             "other_gemm": "default",
         },
         search_space={
-            "max_candidates": opts.max_candidates,
+            "search": opts.search,
+            "max_candidates": None if opts.thorough else opts.max_candidates,
             "keep_per_anchor": opts.keep,
             "anchors": list(config.anchors),
             "min_gain": config.min_gain,
+            "check_m": list(opts.check_m),
+            "check_workers": len(checkers),
         },
         token_points=opts.points,
         cmdline=shlex.join(opts.cmdline),
     )
-    rec = store.RunRecorder(tdb, run_id, env_hash, env)
+    rec = store.RunRecorder(tdb, run_id, env_hash, env, search=opts.search)
     past = past_winners(tdb, env.name, problems)
+
+    def previous(p: ProblemKey) -> PreviousRecords:
+        measured, checked, blocked = rec.previous(p)
+        return measured, reusable_checks(checked, opts.check_m), blocked
+
     status = "aborted"
     report: LayerReport | None = None
     try:
         report = tune_layer(
             problems,
             backends,
-            candidates_for=lambda p: kernel_candidates(p, info, max_count=opts.max_candidates, past_winners=past[p]),
+            candidates_for=lambda p: search_candidates(opts, p, info, past[p]),
             default_for=lambda p: kernel_defaults(p, info),
             config=config,
-            previous=rec.previous,
+            previous=previous,
             on_batch=rec.batch,
             on_result=rec.result,
             on_progress=on_progress,
             check_backends=checkers or None,
+            valid_for=lambda p: len(kernel_space(p, info)),
         )
         status = "complete" if all(r.complete for r in report.results) else "partial"
     finally:
-        tdb.finish_run(run_id, status, notes=layer_notes(report) if report is not None else None)
+        tdb.finish_run(run_id, status, notes=run_notes(report, opts.search) if report is not None else None)
     return report, status
+
+
+def search_candidates(opts: TuneOptions, problem: ProblemKey, device: DeviceInfo, past: Sequence[str]) -> list[str]:
+    """What the run's search takes up for ``problem``: every valid variant (thorough), or the
+    pruned set seeded with the defaults and the ``past`` winners."""
+    if opts.thorough:
+        return list(kernel_space(problem, device))
+    return kernel_candidates(problem, device, max_count=opts.max_candidates, past_winners=past)
+
+
+def reusable_checks(checks: Mapping[str, Mapping[str, Any]], check_m: Sequence[int]) -> dict[str, Mapping[str, Any]]:
+    """The stored checks a run takes over: every failure, and every pass at (at least) the token
+    counts this run checks at. A thorough search's one-shape pass is checked again by a pruned run,
+    whose checks stay as they were; a check that names no token counts (a stand-in's) is taken."""
+    out: dict[str, Mapping[str, Any]] = {}
+    for tactic, row in checks.items():
+        try:
+            shapes = set(json.loads(row.get("m_values") or "[]"))
+        except (TypeError, ValueError):
+            shapes = set()
+        if not row.get("passed") or not shapes or set(check_m) <= shapes:
+            out[tactic] = row
+    return out
 
 
 def past_winners(tdb: store.TacticsDB, gpu_name: str, problems: list[ProblemKey]) -> dict[ProblemKey, list[str]]:
@@ -201,11 +269,15 @@ def past_winners(tdb: store.TacticsDB, gpu_name: str, problems: list[ProblemKey]
     return found
 
 
-def layer_notes(report: LayerReport) -> str:
-    """The whole-layer comparison (default pair vs tuned pair), kept with the run."""
+def run_notes(report: LayerReport, search: str) -> str:
+    """What the run keeps in ``tuning_run.notes``: the whole-layer comparison (default pair vs
+    tuned pair), the search, and each GEMM's sweep record (:meth:`SweepResult.record`: duration,
+    coverage, the choice per token point), which a later comparison of searches reads."""
     return json.dumps(
         {
             "layer_us": [[p.m, p.default_us, p.tuned_us] for p in report.layer_points],
             "layer_geomean_speedup": report.layer_geomean(),
+            "search": search,
+            "sweeps": [r.record() for r in report.results],
         }
     )

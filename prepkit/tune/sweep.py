@@ -17,6 +17,11 @@ Procedure (docs/tuning.md says why):
    reached the top of the series.
 
 A rerun passes what the DB already holds (``previous_*``) and only the missing pairs are measured.
+
+A thorough search (``SweepConfig.search == "thorough"``, :mod:`prepkit.tune.thorough`) runs the
+same steps on every valid variant. Its anchor phase times a few variants at every anchor per job
+(the defaults first), so a killed run keeps each finished group and progress counts variants
+measured out of those that passed their check.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, TypeVar
 
 from prepkit.tactics.keys import JsonTactic, ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS, merge_points
+from prepkit.tactics.schema import SEARCHES
 from prepkit.tune.backend import Backend
 from prepkit.tune.records import (
     OK,
@@ -40,6 +46,7 @@ from prepkit.tune.records import (
     CandidateError,
     CheckResult,
     Correctness,
+    Coverage,
     LayerPoint,
     LayerReport,
     Measurement,
@@ -63,6 +70,16 @@ class SweepConfig:
     disjoint: bool = True  # ...and its p90 must lie below the default's p10
     budget_s: float | None = None
     extend_up_from: int = MAX_TOKEN_POINT  # last range extends upward if the sweep reached this
+    search: str = "pruned"  # or "thorough": every candidate at the anchors, in small stored groups
+    anchor_group: int = 8  # variants per job of a thorough anchor phase (stored together)
+
+    def __post_init__(self) -> None:
+        if self.search not in SEARCHES:
+            raise ValueError(f"unknown search {self.search!r} (expected one of {SEARCHES})")
+
+    @property
+    def thorough(self) -> bool:
+        return self.search == "thorough"
 
 
 T = TypeVar("T")
@@ -202,16 +219,23 @@ class _Sweep:
 
     # -- phases (caller's thread) ----------------------------------------------------------
 
-    def check_all(self, pool: _Pool, to_check: Sequence[str]) -> None:
+    def check_all(self, pool: _Pool, to_check: Sequence[str], label: str | None = None) -> None:
         for fut in _completed([pool.submit(functools.partial(self.check_job, t=t)) for t in to_check]):
             batch = fut.result()
             self.done += 1
-            self.progress(self.label, self.done, self.estimate)
+            self.progress(label or self.label, self.done, self.estimate)
             if batch.correctness:  # stored at once: a killed tune keeps every finished check
                 self.emit(batch)
                 self.new_blocked += batch.blocked
 
-    def time_points(self, pool: _Pool, ms: Sequence[int], tactics_for: Callable[[int], list[str]], phase: str) -> None:
+    def time_points(
+        self,
+        pool: _Pool,
+        ms: Sequence[int],
+        tactics_for: Callable[[int], list[str]],
+        phase: str,
+        label: str | None = None,
+    ) -> None:
         def job(m: int) -> Callable[[Backend], Batch]:
             return lambda b: self.point_job(b, m, tactics_for(m), phase)
 
@@ -219,25 +243,76 @@ class _Sweep:
         for fut in _completed(futs):
             batch = fut.result()
             self.done += len(batch.measurements)
-            self.progress(self.label, self.done, max(self.estimate, self.done))
+            if label is None or self.done:  # a thorough sweep with every pair timed already says nothing
+                self.progress(label or self.label, self.done, max(self.estimate, self.done))
             if batch.measurements:
                 self.emit(batch)
                 self.new_blocked += batch.blocked
 
+    def anchors(self, points: tuple[int, ...]) -> tuple[int, ...]:
+        """The anchors among the token points; the first and last point where none is."""
+        return tuple(a for a in self.cfg.anchors if a in self.defaults) or tuple(sorted({points[0], points[-1]}))
+
     def anchor_survivors(self, pool: _Pool, passed: list[str], points: tuple[int, ...]) -> list[str]:
         """Time every passed candidate at the anchors; keep the best few of each anchor."""
         cfg = self.cfg
-        anchors = [a for a in cfg.anchors if a in self.defaults] or sorted({points[0], points[-1]})
+        anchors = self.anchors(points)
         self.estimate = self.done + len(anchors) * len(passed) + len(points) * (cfg.keep_per_anchor + 1)
         self.time_points(pool, anchors, lambda m: list(passed), "anchor")
-        survivors: dict[str, None] = {}
+        return self.survivors(passed, anchors)
+
+    def survivors(self, passed: Sequence[str], anchors: Sequence[int]) -> list[str]:
+        """The best ``keep_per_anchor`` timed candidates of each anchor, in ``passed`` order."""
+        cfg = self.cfg
+        kept: dict[str, None] = {}
         for m in anchors:
             ok = [t for t in passed if _ok(self.measurements.get((m, t)))]
             medians = {t: _median_us(self.measurements[(m, t)]) for t in ok}
             ok.sort(key=medians.__getitem__)
             for t in ok[: cfg.keep_per_anchor]:
-                survivors.setdefault(t, None)
-        return [t for t in passed if t in survivors]
+                kept.setdefault(t, None)
+        return [t for t in passed if t in kept]
+
+    # -- the thorough search's anchor phase ------------------------------------------------
+
+    def settled(self, t: str, anchors: Sequence[int]) -> bool:
+        """Whether ``t`` needs no more anchor timings: timed at each anchor, or failed."""
+        return t in self.failed or all((m, t) in self.measurements for m in anchors)
+
+    def group_job(self, b: Backend, tactics: Sequence[str], anchors: Sequence[int]) -> Batch:
+        """Time ``tactics`` at every anchor, one anchor after the other (a worker keeps one token
+        count's inputs at a time), as one batch: the unit a killed run keeps."""
+        out = Batch("anchor")
+        for m in anchors:
+            part = self.point_job(b, m, tactics, "anchor")
+            out.measurements += part.measurements
+            out.blocked += part.blocked
+            if self.incomplete:
+                break
+        return out
+
+    def measure_all_at_anchors(self, pool: _Pool, passed: list[str], anchors: Sequence[int]) -> list[str]:
+        """Time every passed candidate at every anchor, the defaults first (a run cut short by its
+        budget then still compares with them), in groups of ``anchor_group``; progress counts the
+        variants measured out of those passed. Returns the survivors."""
+        label = f"{self.label}: variants measured"
+        firsts = {t: None for t in self.defaults.values() if t in passed}
+        ordered = [*firsts, *(t for t in passed if t not in firsts)]
+        todo = [t for t in ordered if not self.settled(t, anchors)]
+        done = len(ordered) - len(todo)
+        self.progress(label, done, len(ordered))
+        size = max(1, self.cfg.anchor_group)
+        groups = [todo[i : i + size] for i in range(0, len(todo), size)]
+        futs = [pool.submit(functools.partial(self.group_job, tactics=g, anchors=anchors)) for g in groups]
+        group_of = dict(zip(futs, groups, strict=True))
+        for fut in _completed(futs):
+            batch = fut.result()
+            if batch.measurements:
+                self.emit(batch)
+                self.new_blocked += batch.blocked
+            done += sum(self.settled(t, anchors) for t in group_of[fut])
+            self.progress(label, done, len(ordered))
+        return self.survivors(passed, anchors)
 
 
 def sweep(
@@ -255,6 +330,7 @@ def sweep(
     extends_up_ok: Callable[[str], bool] = lambda tactic: True,
     clock: Callable[[], float] = time.monotonic,
     check_backends: Sequence[Backend] | None = None,
+    n_valid: int | None = None,
 ) -> SweepResult:
     """Run the procedure in the module docstring. Returns every record it made or reused.
 
@@ -264,7 +340,9 @@ def sweep(
     With several backends (GPUs), whole token points run in parallel, one backend each, so the
     candidates of one point are always compared on one device. ``check_backends`` (default: the
     timing backends) run the numerics phase: extra workers on one GPU compile candidates in
-    parallel and fill Triton's cache before timing starts.
+    parallel and fill Triton's cache before timing starts; a thorough search closes them when the
+    phase ends (each holds a layer on the GPU; a backend starts again on its next request).
+    ``n_valid``: the size of the variant space the candidates came from, for the coverage.
     """
     cfg = config or SweepConfig()
     points = tuple(sorted(set(cfg.points)))
@@ -285,21 +363,36 @@ def sweep(
     st = _Sweep(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None))
     n_reused = st.reuse(order, previous_measurements or {}, previous_checks or {})
 
+    anchors: tuple[int, ...] = ()
     pool = _Pool(backends)
     try:
         # 1. numerics, before any timing
         to_check = [t for t in cands if t not in st.checks]
-        st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
+        check_label = None
+        if cfg.thorough:  # progress: variants checked out of all candidates
+            check_label, st.done, st.estimate = f"{st.label}: variants checked", len(cands) - len(to_check), len(cands)
+        else:
+            st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
         cpool = _Pool(check_backends) if check_backends else pool
         try:
-            st.check_all(cpool, to_check)
+            st.check_all(cpool, to_check, check_label)
         finally:
             if cpool is not pool:
                 cpool.shutdown()
+                if cfg.thorough:
+                    for b in check_backends or ():
+                        b.close()
         passed = [t for t in cands if st.passed(t)]
 
         # 2. anchors: prune a large candidate set on a few token counts
-        keep = st.anchor_survivors(pool, passed, points) if len(passed) > cfg.keep_per_anchor else list(passed)
+        if len(passed) <= cfg.keep_per_anchor:
+            keep = list(passed)
+        elif cfg.thorough:
+            anchors = st.anchors(points)
+            keep = st.measure_all_at_anchors(pool, passed, anchors)
+        else:
+            anchors = st.anchors(points)
+            keep = st.anchor_survivors(pool, passed, points)
 
         # 3. every point: the survivors and that point's default, in the same run
         def for_point(m: int) -> list[str]:
@@ -307,7 +400,13 @@ def sweep(
             extra = [d] if st.passed(d) and d not in keep else []
             return extra + keep  # the default first: its timing anchors the comparison
 
-        st.time_points(pool, points, for_point, "point")
+        point_label = None
+        if cfg.thorough:  # progress: the pairs left to time
+            point_label, st.done = f"{st.label}: every point", 0
+            st.estimate = sum(
+                (m, t) not in st.measurements and t not in st.failed for m in points for t in for_point(m)
+            )
+        st.time_points(pool, points, for_point, "point", point_label)
     finally:
         pool.shutdown()
 
@@ -323,11 +422,16 @@ def sweep(
     winners = ranges_from_choices(
         points, choices, extends_up=complete and points[-1] >= cfg.extend_up_from, extends_up_ok=extends_up_ok
     )
+    coverage = Coverage(
+        search=cfg.search, activations=problem.act_dtype, valid=n_valid, candidates=len(order),
+        checked=sum(t in st.checks for t in order), failed=sum(t in st.failed or t in blocked_set for t in order),
+        measured=len({t for (_, t), x in st.measurements.items() if _ok(x)}), anchors=anchors,
+    )  # fmt: skip
     return SweepResult(
         problem=problem, points=points, choices=choices, winners=winners,
         measurements=list(st.measurements.values()), correctness=list(st.checks.values()),
         blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
-        n_reused=n_reused, notes=notes,
+        n_reused=n_reused, notes=notes, coverage=coverage,
     )  # fmt: skip
 
 
@@ -483,10 +587,12 @@ def tune_layer(
     compare_layer: bool = True,
     clock: Callable[[], float] = time.monotonic,
     check_backends: Sequence[Backend] | None = None,
+    valid_for: Callable[[ProblemKey], int] | None = None,
 ) -> LayerReport:
     """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
     budget over what is left; then, where the backend can, time the whole layer with the default
-    pair and with the tuned pair at every point (the number users feel)."""
+    pair and with the tuned pair at every point (the number users feel). ``valid_for``: the size
+    of each problem's variant space, for the coverage."""
     start = clock()
     results: list[SweepResult] = []
     for i, problem in enumerate(problems):
@@ -502,6 +608,7 @@ def tune_layer(
             previous_measurements=prev_m, previous_checks=prev_c, blocked=blocked,
             on_batch=functools.partial(on_batch, problem) if on_batch else None,
             on_progress=on_progress, clock=clock, check_backends=check_backends,
+            n_valid=valid_for(problem) if valid_for else None,
         )  # fmt: skip
         results.append(res)
         if on_result:

@@ -21,6 +21,13 @@ from prepkit.tune.candidates import key_layer
 if TYPE_CHECKING:
     from prepkit.kernels.tactic import GemmTactic
 
+# Token counts a numerics check runs the layer at: one token, a few, row blocks left partly
+# filled (33) and several rows per expert (256).
+CHECK_M: tuple[int, ...] = (1, 7, 33, 256)
+# The one shape of a thorough search's check: 33 tokens leave row blocks partly filled and route
+# to most experts, the cases where a variant's masking or indexing goes wrong.
+SINGLE_CHECK_M: tuple[int, ...] = (33,)
+
 
 def kernel_timing_scope() -> str:
     """``'gemm'`` when the kernel exposes its stages (each GEMM is timed alone), else ``'layer'``."""
@@ -37,7 +44,6 @@ class GpuBench:
     layout + kernel against the fp32 oracle of :mod:`prepkit.kernels.reference`.
     """
 
-    CHECK_M = (1, 7, 33, 256)
     TOLERANCE = 2e-2  # relative L2 error; bf16 activations and intermediate stay well below it
 
     def __init__(self, pk: Mapping[str, Any], seed: int) -> None:
@@ -97,13 +103,18 @@ class GpuBench:
         t = GemmTactic.from_json(tactic)
         return (t, g2) if self.problem.role == "gemm1" else (g1, t)
 
-    def check(self, tactic: str) -> dict[str, Any]:
+    def check(self, tactic: str, m_values: Sequence[int] | None = None) -> dict[str, Any]:
+        """Run the layer with ``tactic`` at each of ``m_values`` tokens (default :data:`CHECK_M`)
+        and compare it with the fp32 reference."""
         from prepkit.kernels.reference import moe_reference, relative_error
         from prepkit.runtime.moe import moe
 
         torch = self.torch
+        ms = tuple(int(m) for m in m_values) if m_values else CHECK_M
+        if any(m < 1 for m in ms):
+            raise ValueError(f"check token counts must be positive, got {list(ms)}")
         worst, max_abs, bad = 0.0, 0.0, 0
-        for m in self.CHECK_M:
+        for m in ms:
             if m not in self._refs:
                 x = torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
                 logits = torch.randn(m, self.E, device=self.dev, generator=self.gen)
@@ -117,7 +128,7 @@ class GpuBench:
             worst = max(worst, relative_error(out, ref))
             max_abs = max(max_abs, float((out.double() - ref.double()).abs().max()) if out.numel() else 0.0)
         return {
-            "passed": bad == 0 and worst <= self.TOLERANCE, "m_values": list(self.CHECK_M),
+            "passed": bad == 0 and worst <= self.TOLERANCE, "m_values": list(ms),
             "reference": f"fp32_source_dequant/{self.activations}", "max_abs_err": max_abs, "rel_err": worst,
             "nan_inf_count": bad, "tolerance": self.TOLERANCE,
         }  # fmt: skip
@@ -283,6 +294,35 @@ def _classify(err: BaseException) -> tuple[str, bool]:
     return status, False
 
 
+# Compiled GEMM variants a worker keeps loaded. Triton holds every kernel it launched in memory
+# with all its IR (megabytes each), and a thorough search runs thousands through one worker: past
+# this many, the caches are emptied and a later launch loads its binary from the on-disk cache.
+MAX_LOADED_VARIANTS = 256
+
+
+def trim_kernel_caches(kernels: Sequence[Any], limit: int = MAX_LOADED_VARIANTS) -> int:
+    """Empty the in-memory caches of the Triton ``kernels`` that hold more than ``limit`` compiled
+    variants between them; returns how many were dropped. A kernel without such a cache (an
+    interpreted one) is left alone."""
+    loaded = 0
+    for fn in kernels:
+        for entry in getattr(fn, "device_caches", {}).values():
+            loaded += len(entry[0]) if isinstance(entry, tuple) and isinstance(entry[0], dict) else 0
+    if loaded <= limit:
+        return 0
+    for fn in kernels:
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:
+            caches.clear()
+    return loaded
+
+
+def _gemm_kernels() -> list[Any]:
+    from prepkit.kernels.moe_mxfp4 import _gemm
+
+    return [_gemm._gemm1_swiglu_kernel, _gemm._gemm2_combine_kernel]
+
+
 def worker_main(seed: int) -> int:
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
@@ -309,7 +349,7 @@ def worker_main(seed: int) -> int:
             elif op == "bandwidth":
                 result = _bandwidth_only()
             elif op == "check":
-                result = bench(req["problem"]).check(req["tactic"])
+                result = bench(req["problem"]).check(req["tactic"], req.get("m_values"))
             elif op == "time":
                 result = bench(req["problem"]).time(req.get("tactic"), int(req["m"]), req.get("pair"))
             else:
@@ -323,6 +363,8 @@ def worker_main(seed: int) -> int:
         proto.flush()
         if not reply["ok"] and reply.get("fatal"):
             return 3
+        if op in ("check", "time"):
+            trim_kernel_caches(_gemm_kernels())
     return 0
 
 

@@ -130,3 +130,51 @@ def test_small_sweep_end_to_end(worker, tmp_path: Path) -> None:
         assert table.tier == "exact"
         for m in (1, 5, 300):
             assert json.loads(table.tactic_for(m))
+
+
+def test_thorough_sweep_checks_once_at_one_shape_and_times_every_variant(worker, tmp_path: Path) -> None:
+    """A thorough sweep of a slice of the space: check workers check at 33 tokens only, every
+    variant that passes is timed at every anchor, and the winners record the search."""
+    from prepkit.kernels.device import DeviceInfo
+    from prepkit.tactics.keys import Environment
+    from prepkit.tactics.store import RunRecorder, env_record, open_db
+    from prepkit.tune import SubprocessBackend, SweepConfig, kernel_defaults, tune_layer
+    from prepkit.tune.candidates import kernel_space
+    from prepkit.tune.worker import SINGLE_CHECK_M
+
+    info = DeviceInfo.from_torch()
+    env = Environment(**worker.describe()["environment"])
+    probs = list(_problems().values())
+    points = (1, 8, 64)
+
+    def candidates(p):
+        return list(dict.fromkeys([*kernel_space(p, info)[::997], *(kernel_defaults(p, info)(m) for m in points)]))
+
+    checkers = [SubprocessBackend(0, check_m=SINGLE_CHECK_M) for _ in range(2)]
+    db = tmp_path / "t.db"
+    try:
+        with open_db(db) as tdb:
+            env_hash = tdb.put_env(env_record(env, package_version="test"))
+            run = tdb.start_run(env_hash, timing_method={}, search_space={"search": "thorough"}, token_points=points)
+            rec = RunRecorder(tdb, run, env_hash, env, search="thorough")
+            report = tune_layer(
+                probs, [worker], candidates_for=candidates, default_for=lambda p: kernel_defaults(p, info),
+                config=SweepConfig(points=points, anchors=points, keep_per_anchor=2, budget_s=480, search="thorough"),
+                previous=rec.previous, on_batch=rec.batch, on_result=rec.result, check_backends=checkers,
+            )  # fmt: skip
+            tdb.finish_run(run, "complete")
+            shapes = {r[0] for r in tdb.conn.execute("SELECT m_values FROM correctness")}
+            searches = {r[0] for r in tdb.conn.execute("SELECT search FROM winner")}
+    finally:
+        for b in checkers:
+            b.close()
+    assert all(r.complete for r in report.results)
+    assert shapes == {json.dumps(list(SINGLE_CHECK_M))} and searches == {"thorough"}
+    for r, p in zip(report.results, probs, strict=True):
+        cov = r.coverage
+        assert cov is not None and cov.candidates == len(candidates(p)) and cov.checked == cov.candidates
+        assert cov.candidates - cov.failed <= cov.measured <= cov.candidates
+        ok = {(x.m, x.tactic) for x in r.measurements if x.status == "ok"}
+        timing_failed = {x.tactic for x in r.measurements if x.status != "ok"}
+        for t in {c.tactic for c in r.correctness if c.result.passed} - timing_failed:
+            assert all((m, t) in ok for m in points)  # every variant that passed, at every anchor

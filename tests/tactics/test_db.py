@@ -18,7 +18,7 @@ from prepkit.dims import ModelDims
 from prepkit.errors import TacticsError
 from prepkit.layer import rank_layer
 from prepkit.layouts.base import RankSpec
-from prepkit.tactics import keys, lookup, schema
+from prepkit.tactics import keys, lookup, schema, store
 from prepkit.tactics.keys import Environment, gpt_oss_problems, layer_problems
 from prepkit.tactics.lookup import (
     TOKEN_POINTS,
@@ -37,6 +37,8 @@ H100 = Environment(cc_major=9, cc_minor=0, name="NVIDIA H100 80GB HBM3", sm_coun
 PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3")
 G1, G2 = PROBS["gemm1"], PROBS["gemm2"]
 GPT_OSS_120B_TP1 = rank_layer(ModelDims(36, 128, 2880, 2880, 4))
+# Every schema step this prepkit applies, in order: a new file records each once.
+STEP_NAMES = ["create_v1", "add_winner_search"]
 
 
 def tac(bm: int, **kw: int) -> str:
@@ -70,8 +72,8 @@ def test_new_file_gets_schema_wal_and_application_id(tmp_path: Path) -> None:
         assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert set(tdb.counts()) >= {"env", "kernel", "problem", "measurement", "correctness", "winner"}
     with open_db(path) as tdb:  # reopening applies nothing twice
-        names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations")]
-    assert names == ["create_v1"]
+        names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
+    assert names == STEP_NAMES
 
 
 def test_in_memory_db_for_tests() -> None:
@@ -435,8 +437,8 @@ def test_two_processes_writing_one_db_lose_nothing(tmp_path: Path) -> None:
     with open_db(path) as tdb:
         assert tdb.counts()["measurement"] == 2 * n
         assert tdb.counts()["env"] == 2 and tdb.counts()["tuning_run"] == 2
-        names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations")]
-    assert names == ["create_v1"]
+        names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
+    assert names == STEP_NAMES
 
 
 def test_runtime_lookup_imports_only_the_standard_library() -> None:
@@ -471,15 +473,55 @@ def test_adding_a_column_is_one_schema_line(tmp_path: Path, monkeypatch: pytest.
     for p in (path, tmp_path / "new.db"):
         with open_db(p) as tdb:
             assert "act_block" in {c.name for c in tdb.db["problem"].columns}
-            assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == 2
+            assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == len(STEP_NAMES) + 1
             names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
-            assert names == ["create_v1", "add_problem_act_block"]
-            assert tdb.export()["schema_version"] == 2
+            assert names == [*STEP_NAMES, "add_problem_act_block"]
+            assert tdb.export()["schema_version"] == len(STEP_NAMES) + 1
     with open_db(path) as tdb:
         assert tdb.counts() == before
     monkeypatch.undo()
     with pytest.raises(TacticsError, match="newer"):
         open_db(path)
+
+
+def test_a_version_1_db_opens_and_its_winners_were_found_by_the_pruned_search(tmp_path: Path) -> None:
+    """A DB written before ``winner.search`` existed migrates in place (rows kept) and reads
+    read-only through a migrated copy (the file unchanged); its ranges came from the pruned sweep,
+    the only search then. New rows record the search they are written with."""
+    path = tmp_path / "v1.db"
+    fill(path)
+    with sqlite3.connect(path) as c:  # back to the file a version-1 prepkit wrote
+        c.execute("ALTER TABLE winner DROP COLUMN search")
+        c.execute("DELETE FROM _sqlite_migrations WHERE name = 'add_winner_search'")
+        c.execute("PRAGMA user_version = 1")
+    c.close()
+    before = path.read_bytes()
+    with store.open_db_readonly(path) as tdb:
+        assert {w["search"] for w in tdb.winners()} == {"pruned"} and len(tdb.winners()) == 3
+    assert path.read_bytes() == before
+    table = TacticTable.load(G1, H100, user_db=path, bundled_db=False)  # the runtime reads it unmigrated
+    assert json.loads(table.tactic_for(3))["block_m"] == 16
+    with open_db(path) as tdb:
+        assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert [r[0] for r in tdb.conn.execute("SELECT search FROM winner")] == [None] * 3
+        env_hash = tdb.conn.execute("SELECT env_hash FROM env").fetchone()[0]
+        run = tdb.start_run(env_hash, timing_method={}, search_space={}, token_points=TOKEN_POINTS)
+        tdb.put_problem(G2)
+        tdb.replace_winners(env_hash, G2.problem_hash(), run, [WinnerRow(1, 8, tac(32), True)], search="thorough")
+        by_role = {w["role"]: w["search"] for w in tdb.winners()}
+        with pytest.raises(ValueError, match="unknown search"):
+            tdb.replace_winners(env_hash, G2.problem_hash(), run, [], search="exhaustive")
+    assert by_role == {"gemm1": "pruned", "gemm2": "thorough"}
+
+
+def test_merge_refuses_a_winner_of_an_unknown_search(tmp_path: Path) -> None:
+    src = tmp_path / "src.db"
+    fill(src)
+    with sqlite3.connect(src) as c:
+        c.execute("UPDATE winner SET search = 'exhaustive' WHERE m_lo = 9")
+    with pytest.raises(TacticsError, match="search 'exhaustive' is none of pruned, thorough"):
+        store.merge_into(tmp_path / "dest.db", src)
+    assert not (tmp_path / "dest.db").exists()
 
 
 def test_curves_follow_the_lookup_rule_above_the_last_range(tmp_path: Path) -> None:

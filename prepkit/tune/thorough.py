@@ -1,0 +1,70 @@
+"""What ``prepkit tune --thorough`` changes in a run, and the sizes both searches start from.
+
+A thorough search measures every valid variant (:func:`prepkit.tune.candidates.kernel_space`: no
+pruning rules, no ``--max-candidates``) at the anchor token counts, then sweeps every token point
+with the best of each anchor, as the pruned search does. To keep the numerics checks from
+dominating, it checks each variant at one shape (:data:`prepkit.tune.worker.SINGLE_CHECK_M`) with
+as many check workers as the CPU and the GPU memory allow: a check compiles the variant, so the
+workers fill Triton's on-disk cache and the timing worker later loads binaries instead of
+compiling. docs/tuning.md ("Thorough mode") gives the cost model.
+
+Standard library only: nothing here touches a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from prepkit.tactics.keys import ProblemKey
+
+# Minutes a run measures before it stops and records what it has (a rerun resumes): the pruned
+# search's default fits a coffee break, the thorough one's a night.
+DEFAULT_BUDGET_MINUTES = 15.0
+THOROUGH_BUDGET_MINUTES = 720.0
+# Check workers of the pruned search (a few dozen candidates).
+DEFAULT_CHECK_WORKERS = 4
+# The most check workers a thorough search starts by itself (and --check-workers accepts).
+MAX_CHECK_WORKERS = 32
+# GPU memory a check worker holds besides two copies of the layer's weights (the checkpoint form
+# and the kernel's layout): CUDA context, reference, inputs. An out-of-memory check would put a
+# good variant on the blocklist, so the estimate errs high.
+WORKER_OVERHEAD_BYTES = 2 << 30
+# Share of the GPU memory the workers may fill together, the timing worker included.
+GPU_MEMORY_SHARE = 0.8
+
+
+def budget_minutes(given: float | None, *, thorough: bool) -> float:
+    """``--budget-minutes`` as given, else the search's default."""
+    if given is not None:
+        return given
+    return THOROUGH_BUDGET_MINUTES if thorough else DEFAULT_BUDGET_MINUTES
+
+
+def thorough_anchors(points: Sequence[int], anchors: Sequence[int]) -> tuple[int, ...]:
+    """The token counts a thorough search measures every variant at: every point when there are no
+    more points than anchors, else for each anchor the point nearest it on a log scale (the anchors
+    themselves on the full series). The pruned search uses the anchors that are points."""
+    pts = sorted(set(points))
+    if len(pts) <= len(anchors):
+        return tuple(pts)
+    return tuple(sorted({min(pts, key=lambda p: (abs(math.log2(p / a)), p)) for a in anchors}))
+
+
+def layer_weight_bytes(problem: ProblemKey) -> int:
+    """Bytes of the MXFP4 weights, scales and biases of the layer ``problem`` belongs to."""
+    hidden, inter = problem.layer_dims
+    values = problem.num_experts * 3 * hidden * inter  # gate and up (2 I x H), down (H x I)
+    return int(values * (1 / 2 + 1 / 32)) + problem.num_experts * (2 * inter + hidden) * 2
+
+
+def check_workers(cpu_count: int | None, gpu_mem_bytes: int, layer_bytes: int) -> int:
+    """Check workers of a thorough search: one per CPU core (compiling is CPU work), at most
+    :data:`MAX_CHECK_WORKERS`, and no more than the GPU memory holds next to the timing worker
+    (each worker holds the layer twice; ``gpu_mem_bytes`` 0: unknown, no memory bound)."""
+    by_cpu = max(1, min(cpu_count or 1, MAX_CHECK_WORKERS))
+    if gpu_mem_bytes <= 0:
+        return by_cpu
+    per_worker = 2 * layer_bytes + WORKER_OVERHEAD_BYTES
+    by_memory = int(gpu_mem_bytes * GPU_MEMORY_SHARE // per_worker) - 1  # one share for the timing worker
+    return max(1, min(by_cpu, by_memory))
