@@ -188,21 +188,19 @@ def logits_agreement(ref: torch.Tensor, out: torch.Tensor, margin: float = DEFAU
     )
 
 
-def small_gpt_oss_config(layers: int, experts: int, vocab: int) -> Any:
-    """gpt-oss-120b's attention and head dims with ``layers`` layers of ``experts`` experts."""
+def small_gpt_oss_config(layers: int, experts: int, vocab: int, **dims: int) -> Any:
+    """gpt-oss-120b's attention and head dims (or ``dims``' overrides, by config key) with
+    ``layers`` layers of ``experts`` experts, two routed per token."""
     from transformers import GptOssConfig
 
-    dims = load_recipe(MODEL).reference_dims
+    real = load_recipe(MODEL).reference_dims
+    keys = ("hidden_size", "intermediate_size", "head_dim", "num_attention_heads", "num_key_value_heads")
     return GptOssConfig(
         num_hidden_layers=layers,
         num_local_experts=experts,
         num_experts_per_tok=min(2, experts),
         vocab_size=vocab,
-        hidden_size=dims["hidden_size"],
-        intermediate_size=dims["intermediate_size"],
-        head_dim=dims["head_dim"],
-        num_attention_heads=dims["num_attention_heads"],
-        num_key_value_heads=dims["num_key_value_heads"],
+        **{key: dims.get(key, real[key]) for key in keys},
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         initializer_range=WEIGHT_STD,
     )
@@ -244,12 +242,12 @@ def teacher_forced_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch
 
 
 def model_agreement(
-    seed: int, formats: list[MxFormat], *, layers: int, experts: int, vocab: int, positions: int, margin: float
+    config: Any, seed: int, formats: list[MxFormat], *, positions: int, margin: float = DEFAULT_MARGIN
 ) -> dict[str, LogitsAgreement]:
     """Per format, the logits of the model with MX dense weights against its bf16 self, and
     those of a control with Gaussian noise of the format's relative size in the same weights."""
-    model = build_model(small_gpt_oss_config(layers, experts, vocab), seed)
-    tokens = torch.randint(vocab, (positions,), generator=torch.Generator().manual_seed(seed))
+    model = build_model(config, seed)
+    tokens = torch.randint(config.vocab_size, (positions,), generator=torch.Generator().manual_seed(seed))
     ref = teacher_forced_logits(model, tokens)
     linears = dense_linears(model)
     originals = {name: linear.weight.detach().clone() for name, linear in linears.items()}
@@ -344,15 +342,8 @@ def main() -> None:
     agreements: dict[int, dict[str, LogitsAgreement]] = {}
     if "model" in args.parts:
         for seed in args.seeds:
-            agreements[seed] = model_agreement(
-                seed,
-                formats,
-                layers=args.layers,
-                experts=args.experts,
-                vocab=args.vocab,
-                positions=args.positions,
-                margin=args.margin,
-            )
+            config = small_gpt_oss_config(args.layers, args.experts, args.vocab)
+            agreements[seed] = model_agreement(config, seed, formats, positions=args.positions, margin=args.margin)
         print(model_table(agreements), flush=True)
     print(f"\n{time.perf_counter() - started:.0f} s, torch {torch.__version__}, {torch.get_num_threads()} threads")
 
