@@ -199,3 +199,23 @@ def test_dense_default_splits_k_for_narrow_outputs(n: int, k: int, splits: dict[
         space = dense_sweep_space(fmt, H100, 1, n, k)
         assert space and all(t.block_m == 16 for t in space)
         assert (split == 1) == all(s.split_k == 1 for s in space)
+
+
+def test_k_splits_reduce_in_one_launch_and_reset_their_counters(device: str) -> None:
+    """The last split of a tile sums the partials and resets its counter: repeated calls agree
+    with the unsplit kernel (up to fp32 summation order) and leave every counter at zero."""
+    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.moe_mxfp4.dense import split_counters
+
+    st, w = stored("mxfp4")
+    weights = DenseMxWeights(st["blocks"].to(device), st["scales"].to(device), "mxfp4")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn((17, K), generator=g).to(torch.bfloat16).to(device)
+    bias = (torch.randn(N, generator=g) * 0.1).to(torch.bfloat16).to(device)
+    whole = mx_linear(x, weights, bias, tactic=GemmTactic(16, 32, 64, 4, 3, 1, "bits", "ptr"))
+    for split in (2, 4):
+        t = GemmTactic(16, 32, 64, 4, 3, split, "bits", "ptr")
+        first = mx_linear(x, weights, bias, tactic=t)
+        assert torch.equal(mx_linear(x, weights, bias, tactic=t), first)
+        assert float((first.float() - whole.float()).abs().max()) <= 2e-2 * float(whole.float().abs().max())
+        assert not bool(split_counters(x.device, 1).any())

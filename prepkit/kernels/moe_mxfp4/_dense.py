@@ -1,8 +1,9 @@
 """The dense MX linear, ``y[T, N] = x[T, K] @ W^T (+ bias)``: the MoE GEMM with one group and no
 routing. Each program runs the MoE layer's K loop (:mod:`~prepkit.kernels.moe_mxfp4._mainloop`)
 over one row block of ``x`` and one N tile of ``W``, the weights as a single expert whose panels
-hold ``N`` rows; a K split (decode shapes with few N tiles) adds its partial sums into a zeroed
-fp32 buffer with atomics.
+hold ``N`` rows. With a K split (decode shapes with few N tiles) each split stores its fp32
+partial sums and the last split of a tile to finish reduces them (a counter per tile, reset by
+that last split), all in one launch.
 
 Weights are :mod:`prepkit.layouts.dense_mx`'s stored form: ``[P, N, 128]`` uint8 K panels
 (mxfp4: the MoE weights' byte order, 256 elements a panel; mxfp8: e4m3 bytes in natural order,
@@ -32,6 +33,8 @@ def _dense_kernel(
     s_ptr,
     b_ptr,
     y_ptr,
+    part_ptr,
+    count_ptr,
     T,
     N,
     K,
@@ -57,7 +60,9 @@ def _dense_kernel(
 ):
     """Program (N tile, row block, K split). ``x`` is bf16 ``[T, K]`` (row stride ``stride_xt``)
     or, with an MX ACT, its codes (contiguous rows) and ``xs`` their scales ``[T, K/32]``. ``y``
-    is ``[T, N]`` in the output dtype, or the zeroed fp32 buffer the K splits add into. The
+    is ``[T, N]`` in the output dtype; with K splits, ``part`` holds their fp32 partial sums
+    ``[SPLIT_K, T, N]`` and ``count`` one arrival counter per (row block, N tile), zero between
+    calls. The
     weight may be rows of a wider one (q of a fused qkv): its panels hold ``N_STORED`` rows, its
     scales are ``stride_sk`` apart per group."""
     _chain_enter(PDL)
@@ -91,14 +96,6 @@ def _dense_kernel(
             a_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, K, acc,
             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K,
         )  # fmt: skip
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if SPLIT_K > 1:
-            bias = tl.where(pid_k == 0, bias, 0.0)
-        if SWAP:
-            acc += bias[:, None]
-        else:
-            acc += bias[None, :]
     if SWAP:
         ptrs = y_ptr + rows[None, :] * stride_yt + offs_n[:, None]
         mask = m_mask[None, :] & n_mask[:, None]
@@ -106,9 +103,39 @@ def _dense_kernel(
         ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        # Serial reduction in this launch: each split stores its partial sums; the last of the
+        # tile's splits to arrive adds them up and writes the output, then resets the tile's
+        # counter for the next call. No zeroed buffer, no cast launch after.
+        if SWAP:
+            part = part_ptr + rows[None, :] * N + offs_n[:, None]
+        else:
+            part = part_ptr + rows[:, None] * N + offs_n[None, :]
+        split_stride = (pid_k.to(tl.int64) * 0 + T) * N  # T may be a specialized constant
+        tl.store(part + pid_k * split_stride, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials issued before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            acc = _add_bias(acc, b_ptr, offs_n, n_mask, SWAP, HAS_BIAS)
+            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(count_ptr + tile, 0)
     else:
+        acc = _add_bias(acc, b_ptr, offs_n, n_mask, SWAP, HAS_BIAS)
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_bias(acc, b_ptr, offs_n, n_mask, SWAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if SWAP:
+            acc += bias[:, None]
+        else:
+            acc += bias[None, :]
+    return acc
 
 
 @triton.jit

@@ -6,8 +6,8 @@ by :mod:`prepkit.layouts.dense_mx` (``mxfp4`` or ``mxfp8``). Activation policies
 layer (:mod:`prepkit.kernels.activations`): ``bf16`` multiplies the widened weights; ``mxfp8``
 quantizes each row to e4m3 with one E8M0 scale per 32 values (one small launch before the GEMM)
 and runs ``tl.dot_scaled`` e4m3 x e4m3, SM12x's native block-scaled MMA; ``mxfp4`` (mxfp4 weights
-only) e2m1 x e2m1. With a K split the partial sums meet in a zeroed fp32 buffer, then one cast
-writes the output.
+only) e2m1 x e2m1. With a K split, the last split of each tile to finish reduces the others'
+fp32 partial sums and writes the output, in the same launch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from prepkit.kernels.moe_mxfp4._chain import chain_launch
 from prepkit.kernels.moe_mxfp4._dense import W_MXFP4, W_MXFP8, _dense_kernel, _quantize_rows_kernel
 from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
 from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
-from prepkit.kernels.moe_mxfp4._record import launch, zero
+from prepkit.kernels.moe_mxfp4._record import launch
 from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
 from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_BITS, UPCAST_DOT_SCALED
 from prepkit.kernels.tactic import GemmTactic
@@ -195,17 +195,16 @@ def launch_dense(
         x_in, xs_in, stride_x = xq.codes, xq.scales, xq.codes.stride(0)
     else:
         x_in, xs_in, stride_x = x, x, x.stride(0)
-    split = tactic.split_k > 1
-    y = torch.empty((T, N), dtype=torch.float32, device=x.device) if split else out
-    if split:
-        zero(y)
+    split = tactic.split_k
+    grid = (triton.cdiv(N, tactic.block_n), triton.cdiv(T, tactic.block_m), split)
+    part = torch.empty((split, T, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    counts = split_counters(x.device, grid[0] * grid[1]) if split > 1 else out
     w_desc = weight_descriptor(weights, tactic, activations)
-    grid = (triton.cdiv(N, tactic.block_n), triton.cdiv(T, tactic.block_m), tactic.split_k)
     launch(
         _dense_kernel,
         grid,
         x_in, xs_in, weights.blocks, weights.blocks if w_desc is None else w_desc, weights.scales,
-        bias if bias is not None else y, y, T, N, K, stride_x, y.stride(0),
+        bias if bias is not None else out, out, part, counts, T, N, K, stride_x, out.stride(0),
         weights.blocks.stride(0) // PANEL_BYTES, weights.scales.stride(0),
         BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
         UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=interpreting(), SWAP=swaps_operands(tactic, activations),
@@ -213,9 +212,21 @@ def launch_dense(
         PANEL_K=mx_format(weights.fmt).panel_k, ACT=act, WFMT=_WFMT_IDS[weights.fmt], HAS_BIAS=bias is not None,
         **chain_launch(x.device), num_warps=tactic.num_warps, num_stages=tactic.num_stages,
     )  # fmt: skip
-    if split:
-        out.copy_(y)
     return out
+
+
+# Per device: arrival counters of the K splits' tiles, zero between calls (each call's last split
+# resets its tile's). Calls on one stream run one after another (programmatic dependent launch
+# waits for the kernel before), so they can share one buffer.
+_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed int32 counters on ``device`` (grown, zeroed, when short)."""
+    counts = _SPLIT_COUNTERS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+    return counts
 
 
 def mx_linear(
