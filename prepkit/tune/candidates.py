@@ -56,7 +56,8 @@ def prune_candidates(
     """Arch-independent pruning of the kernel's valid variants to a sweepable set.
 
     Rules (docs/tuning.md): at least 2 stages (1 never hides the weight loads); split-K only for
-    GEMM2 and the dense linear with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
+    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU; a dense problem's
+    splits are chosen with its candidates, so they all stay); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
     ``bits`` stays for devices and interpreters without the PTX path); then, if more than
     ``max_count`` remain: first the ``seeds`` (the default tactics and earlier winners) and their
@@ -70,7 +71,9 @@ def prune_candidates(
         d = json.loads(t)
         if d.get("num_stages", 2) < 2:
             continue
-        if d.get("split_k", 1) > 1 and (role not in ("gemm2", DENSE_ROLE) or d.get("block_m", 16) > 32):
+        # A dense problem's candidates come with their K splits chosen by the SM fill
+        # (prepkit.kernels.variants.dense_sweep_space).
+        if d.get("split_k", 1) > 1 and role != DENSE_ROLE and (role != "gemm2" or d.get("block_m", 16) > 32):
             continue
         kept.append((d, canon(t)))
     asm_tiles = {_without_upcast(d) for d, _ in kept if d.get("upcast") == "asm"}
