@@ -159,7 +159,8 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
                 for w in workers:  # with no check workers the timing workers check
                     if isinstance(w.backend, SubprocessBackend):
                         w.backend.check_m = check_m
-                n = check_worker_count(opts, workers[0].env, (problems or [t.problem for t in dense])[0])
+                largest = max([*problems, *(t.problem for t in dense)], key=thorough.layer_weight_bytes)
+                n = check_worker_count(opts, workers[0].env, largest)
                 checkers = [
                     SubprocessBackend(first.gpu, argv=first.argv, env=first.extra_env, check_m=check_m)
                     for _ in range(n)

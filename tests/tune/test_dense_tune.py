@@ -328,3 +328,15 @@ def test_the_real_worker_checks_and_times_a_dense_problem() -> None:
     assert res.passed and res.m_values == (1, 33) and res.reference == "fp32_dequant/bf16"
     assert res.rel_err is not None and 0 < res.rel_err < 2e-2
     assert timing.median_us > 0 and timing.n_samples == 3
+
+
+def test_thorough_check_workers_fit_the_lm_head_in_gpu_memory() -> None:
+    """Each check worker holds the lm_head's MX weight and its bf16 copy: fewer fit than cores."""
+    from prepkit.tune import thorough
+
+    head = dense_problem(kernel="moe_mxfp4", kernel_version="1", weight_layout="dense_mx_v1", n=201088, k=2880,
+                         fmt="mxfp8")  # fmt: skip
+    assert thorough.layer_weight_bytes(head) > 201088 * 2880 * 3
+    workers = thorough.check_workers(32, 80 << 30, thorough.layer_weight_bytes(head))
+    assert 1 < workers < 32
+    assert workers * (2 * thorough.layer_weight_bytes(head) + thorough.WORKER_OVERHEAD_BYTES) < 80 << 30
