@@ -34,10 +34,10 @@ from prepkit.kernels.device import DeviceInfo  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.kernels.variants import dense_invalid_reason, dense_sweep_space  # noqa: E402
 from prepkit.layouts import dense_mx  # noqa: E402
+from prepkit.tune.dense_bench import weight_copies  # noqa: E402
 
 SHAPES = {"qkv": (5120, 2880), "o": (2880, 4096), "lm_head": (201088, 2880)}
 TOKENS = (1, 2, 4, 8, 64)
-ROTATE_BYTES = 256 * 2**20  # weights touched per graph replay: several times any L2
 
 
 def synth_mx(n: int, k: int, fmt: str, g: torch.Generator, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,14 +82,14 @@ class Shape:
             blocks, scales = synth_mx(n, k, fmt, g, device)
             w = DenseMxWeights(blocks, scales, fmt)
             self.bytes[fmt] = blocks.numel() + scales.numel()
-            copies = max(1, -(-ROTATE_BYTES // self.bytes[fmt]))
+            copies = weight_copies(self.bytes[fmt])
             self.mx[fmt] = [w] + [DenseMxWeights(blocks.clone(), scales.clone(), fmt) for _ in range(copies - 1)]
             if first is None:
                 first = dense_mx.dequantize_kernel_layout(blocks, scales, dense_mx.mx_format(fmt)).to(torch.bfloat16)
         dense = (
             first if first is not None else (torch.randn(n, k, generator=g, device=device) * 0.02).to(torch.bfloat16)
         )
-        copies = max(1, -(-ROTATE_BYTES // self.bytes["bf16"]))
+        copies = weight_copies(self.bytes["bf16"])
         self.bf16 = [dense] + [dense.clone() for _ in range(copies - 1)]
 
     def moved_bytes(self, kind: str, tokens: int) -> int:
@@ -117,12 +117,12 @@ def time_mx(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic: G
 
 def check_once(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic: GemmTactic) -> float:
     """Relative error of the kernel against the dequantized weight (activations quantized the same way)."""
-    from prepkit.kernels.activations import fake_quantize
     from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.reference import dense_reference
 
     w = shape.mx[fmt][0]
     ref_w = dense_mx.dequantize_kernel_layout(w.blocks, w.scales, dense_mx.mx_format(fmt))
-    ref = fake_quantize(x.float(), activations, torch.float32) @ ref_w.T + shape.bias.float()
+    ref = dense_reference(x, ref_w, shape.bias, activations)  # type: ignore[arg-type]
     y = mx_linear(x, w, shape.bias, activations=activations, tactic=tactic)  # type: ignore[arg-type]
     return float((y.float() - ref).abs().max() / ref.abs().max())
 

@@ -74,8 +74,7 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
         w0 = rows[0]
         acts = "" if w0["act_dtype"] in (None, "bf16") else f" act={w0['act_dtype']}"
         t = Table(
-            title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {w0['role']} "
-            f"N={w0['n']} K={w0['k']} E={w0['num_experts']} top_k={w0['top_k']}{acts} tp={w0['tp_size']}, "
+            title=f"{w0['gpu_name']} ({w0['arch']}, Triton {w0['triton_version']}): {_problem_title(w0, acts)}, "
             f"{w0['kernel']} v{w0['kernel_version']} {w0['weight_layout']}"
             + (" (served here)" if str(w0["kernel_version"]) == served else "")
             + f", {'/'.join(dict.fromkeys(w['search'] for w in rows))} search",
@@ -94,6 +93,17 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
                 _number(w["median_us"], "{:.1f}"), _number(sp, "{:.2f}x"),
             )  # fmt: skip
         console.result(t)
+
+
+def _problem_title(w: dict[str, Any], acts: str) -> str:
+    """``gemm1 N=5760 K=2880 E=128 top_k=4 tp=1``, or for a dense linear ``dense mxfp4 N=5120 K=2880``
+    (``acts``: the activation policy's note, empty for bf16)."""
+    from prepkit.tactics.keys import DENSE_ROLE, DENSE_W_DTYPES
+
+    if w["role"] == DENSE_ROLE:
+        fmt = {v: f for f, v in DENSE_W_DTYPES.items()}.get(w.get("w_dtype") or "", w.get("w_dtype"))
+        return f"dense {fmt} N={w['n']} K={w['k']}{acts}"
+    return f"{w['role']} N={w['n']} K={w['k']} E={w['num_experts']} top_k={w['top_k']}{acts} tp={w['tp_size']}"
 
 
 def _decoded_tactics(winners: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:

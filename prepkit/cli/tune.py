@@ -47,6 +47,19 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     show_default=True,
     help="Activation precision the layer runs with (a policy, never a tactic: each is tuned on its own).",
 )
+@click.option(
+    "--dense",
+    type=click.Choice(("none", "mxfp8", "mxfp4", "all")),
+    default=None,
+    help="Dense MX linears to tune besides the MoE layer (fused qkv, o, lm_head) in these weight formats.  "
+    "[default: all with --model; with --shards the format its manifest records, none for bf16]",
+)
+@click.option(
+    "--moe/--no-moe",
+    default=True,
+    show_default=True,
+    help="Tune the MoE layer's two GEMMs (--no-moe: only the --dense problems).",
+)
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
 @click.option(
     "--db",
@@ -58,8 +71,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     "--budget-minutes",
     type=click.FloatRange(min=0.1),
     default=None,
-    help="Stop measuring after this long; the run is recorded as partial and resumes next time.  "
-    "[default: 15; 720 with --thorough]",
+    help="Stop measuring after this long (the MoE layer; the dense problems then get as long again); the "
+    "run is recorded as partial and resumes next time.  [default: 15; 720 with --thorough]",
 )
 @click.option("--gpus", help="GPU indexes to use in parallel, e.g. 0,1 (default 0).")
 @click.option(
@@ -114,6 +127,8 @@ def tune_command(
     shards: Path | None,
     tp: int | None,
     activations: str,
+    dense: str | None,
+    moe: bool,
     tokens: str | None,
     db_path: Path | None,
     budget_minutes: float | None,
@@ -139,6 +154,10 @@ def tune_command(
     measured with the time left, and the summary states the coverage per GEMM. Compare it with
     a pruned run using benchmarks/tune_compare.py.
 
+    --dense also tunes the dense MX linears (fused qkv, o and lm_head of the model, per weight
+    format), each under a problem key of its own: the runtime's dense lookup finds them and a MoE
+    lookup never does. They run after the MoE layer, with a budget of their own.
+
     --compile-only needs no GPU and writes no DB: it compiles, through Triton's own compiler, the
     kernels a launch on the reference device of --arch (sm90: H100, sm120: RTX PRO 6000, sm121:
     GB10) would use: the default variant of each GEMM at every --tokens point, the routing
@@ -163,6 +182,7 @@ def tune_command(
         prepkit tune --arch sm90 --model gpt-oss-120b --tp 1
         prepkit tune --arch sm121 --shards shards/ --tokens 1-8,16,32 --gpus 0,1
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --thorough --db thorough.db
+        prepkit tune --arch sm90 --model gpt-oss-120b --tp 1 --dense mxfp4 --no-moe --db dense.db
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --compile-only --activations mxfp8
     """
     from prepkit import tune
@@ -185,7 +205,7 @@ def tune_command(
     opts = tune.TuneOptions(
         arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=db_path,
         budget_minutes=budget_minutes, gpus=_parse_gpus(gpus), max_candidates=max_candidates,
-        check_workers=check_workers, keep=keep, thorough=thorough,
+        check_workers=check_workers, keep=keep, thorough=thorough, dense=dense, moe=moe,
     )  # fmt: skip
     with console.progress(enabled=not quiet, unit="count", eta=thorough) as on_progress:
         result = tune.run_tune(opts, on_progress=on_progress)
@@ -207,7 +227,7 @@ def _print(summary: dict[str, Any]) -> None:
         gm = p["geomean_speedup"]
         console.result(
             Text.assemble(
-                (p["problem"], "bold"),
+                (p.get("name") or p["problem"], "bold"),
                 f": {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
                 f"{p['ranges']} ranges, {p['elapsed_s']} s" + (f", geomean {gm:.3f}x vs default" if gm else ""),
                 ("" if p["complete"] else " (partial: budget reached; rerun to resume)", "yellow"),
@@ -233,7 +253,9 @@ def _us(v: float | None) -> str:
 
 # Options of a measuring run that a compile-only run has no use for: given, they are refused
 # rather than ignored (a --db the run never writes would mislead).
-_GPU_OPTIONS = ("db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep", "thorough")
+_GPU_OPTIONS = (
+    "db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep", "thorough", "dense", "moe",
+)  # fmt: skip
 
 
 def _refuse_gpu_options(ctx: click.Context) -> None:

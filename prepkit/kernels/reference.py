@@ -5,7 +5,8 @@ so a kernel test compares layout + kernel together against the model's definitio
 (openai/gpt-oss ``gpt_oss/torch/model.py`` ``MLPBlock``; HF ``GptOssExperts``). With an
 activation policy other than bf16 it applies that policy's MX quantization where the kernel does
 (:mod:`prepkit.kernels.activations`): to each token row at GEMM1's input and to the SwiGLU output
-at GEMM2's input, then multiplies the dequantized values.
+at GEMM2's input, then multiplies the dequantized values. :func:`dense_reference` is the same
+for one dense MX linear.
 """
 
 from __future__ import annotations
@@ -84,6 +85,25 @@ def moe_reference(
             z = z + experts["down_proj_bias"][e].to(dtype)
         out.index_add_(0, tok, z * weights[tok, slot].to(dtype)[:, None])
     return out
+
+
+def dense_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activations: ActivationPolicy = "bf16",
+    *,
+    chunk: int = 1 << 15,
+) -> torch.Tensor:
+    """The dense MX linear in fp32: the policy's activations (quantized and dequantized as the
+    kernel sees them) times the dequantized ``weight [N, K]`` transposed, plus ``bias``; ``chunk``
+    output columns at a time, so an lm_head-sized weight never exists in fp32 at once."""
+    check_policy(activations)
+    xr = fake_quantize(x.float(), activations, torch.float32)
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    for lo in range(0, weight.shape[0], chunk):
+        out[:, lo : lo + chunk] = xr @ weight[lo : lo + chunk].float().T
+    return out if bias is None else out + bias.float()
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

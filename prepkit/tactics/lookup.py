@@ -57,6 +57,8 @@ from prepkit.constants import TACTICS_DB_NAME
 from prepkit.data import tactics_db
 from prepkit.errors import TacticsError
 from prepkit.tactics.keys import (
+    DENSE_ROLE,
+    DENSE_W_DTYPES,
     KERNEL_NAME,
     DeviceFacts,
     Environment,
@@ -216,11 +218,17 @@ def db_to_read(explicit: Path | None = None) -> Path:
 
 def suggest_tune_command(problem: ProblemKey, arch: str) -> str:
     """The command line that would fill the DB for ``problem`` on this device."""
+    acts = "" if problem.act_dtype == "bf16" else f" --activations {problem.act_dtype}"
+    if problem.role == DENSE_ROLE:
+        fmt = {w: f for f, w in DENSE_W_DTYPES.items()}.get(problem.w_dtype, "all")
+        # gpt-oss-120b and -20b share their dense shapes: fused qkv, o, lm_head.
+        gpt_oss = (problem.n, problem.k) in {(5120, 2880), (2880, 4096), (201088, 2880)}
+        src = "--model gpt-oss-120b" if gpt_oss else "--shards DIR"
+        return f"prepkit tune --arch {arch} {src} --dense {fmt} --no-moe{acts}"
     hidden, gemm1_i = problem.layer_dims
     models = {(128, 2880): "gpt-oss-120b", (32, 2880): "gpt-oss-20b"}
     model = models.get((problem.num_experts * problem.ep_size, hidden))
     src = f"--model {model}" if model and gemm1_i * problem.tp_size == 2880 else "--shards DIR"
-    acts = "" if problem.act_dtype == "bf16" else f" --activations {problem.act_dtype}"
     return f"prepkit tune --arch {arch} {src} --tp {problem.tp_size}{acts}"
 
 

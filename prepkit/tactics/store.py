@@ -394,7 +394,7 @@ class TacticsDB:
                 """
                 SELECT e.arch, e.gpu_name, e.triton_version, k.name AS kernel, k.kernel_version,
                        k.weight_layout, k.role, p.num_experts, p.top_k, p.n, p.k, p.tp_size, p.ep_size,
-                       p.act_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.tactic_hash, w.median_us,
+                       p.act_dtype, p.w_dtype, w.m_lo, w.m_hi, w.extends_up, t.params_json, w.tactic_hash, w.median_us,
                        w.default_median_us, w.speedup_vs_default, w.env_hash, w.problem_hash, w.run_id,
                        w.source, COALESCE(w.search, ?) AS search, e.mem_bw_gbps
                 FROM winner w

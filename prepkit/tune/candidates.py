@@ -8,11 +8,13 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prepkit.tactics.keys import ProblemKey, canon
+from prepkit.tactics.keys import DENSE_ROLE, ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS
+from prepkit.tune.dense import dense_format
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
+    from prepkit.kernels.variants import Gemm
     from prepkit.layer import MoeProblem, RankLayer
 
 
@@ -54,7 +56,8 @@ def prune_candidates(
     """Arch-independent pruning of the kernel's valid variants to a sweepable set.
 
     Rules (docs/tuning.md): at least 2 stages (1 never hides the weight loads); split-K only for
-    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU); no ``bits``
+    GEMM2 with small row blocks (it pays only when the grid under-fills the GPU; a dense problem's
+    splits are chosen with its candidates, so they all stay); no ``bits``
     upcast where the same tile exists with ``asm`` (the same arithmetic in fewer instructions;
     ``bits`` stays for devices and interpreters without the PTX path); then, if more than
     ``max_count`` remain: first the ``seeds`` (the default tactics and earlier winners) and their
@@ -68,7 +71,9 @@ def prune_candidates(
         d = json.loads(t)
         if d.get("num_stages", 2) < 2:
             continue
-        if d.get("split_k", 1) > 1 and (role != "gemm2" or d.get("block_m", 16) > 32):
+        # A dense problem's candidates come with their K splits chosen by the SM fill
+        # (prepkit.kernels.variants.dense_sweep_space).
+        if d.get("split_k", 1) > 1 and role != DENSE_ROLE and (role != "gemm2" or d.get("block_m", 16) > 32):
             continue
         kept.append((d, canon(t)))
     asm_tiles = {_without_upcast(d) for d, _ in kept if d.get("upcast") == "asm"}
@@ -123,9 +128,17 @@ def _without_upcast(d: Mapping[str, Any]) -> str:
 
 
 def kernel_defaults(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], str]:
-    """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role and activation policy."""
-    from prepkit.kernels.variants import default_tactics
+    """``m -> default tactic JSON`` of the bundled kernel for ``problem``'s role and activation
+    policy (a dense problem: :func:`prepkit.kernels.variants.dense_default` for its shape)."""
+    from prepkit.kernels.variants import default_tactics, dense_default
 
+    if problem.role == DENSE_ROLE:
+        fmt = dense_format(problem)
+
+        def dense_for(m: int) -> str:
+            return canon(dense_default(m, problem.n, problem.k, fmt, device, problem.act_dtype))
+
+        return dense_for
     idx = 0 if problem.role == "gemm1" else 1
 
     def default_for(m: int) -> str:
@@ -138,26 +151,51 @@ def kernel_defaults(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], 
 def kernel_space(problem: ProblemKey, device: DeviceInfo) -> tuple[str, ...]:
     """Every valid variant of the bundled kernel for ``problem`` on ``device`` under its activation
     policy (the validity rules of :func:`prepkit.kernels.variants.invalid_reason` only, at the most
-    tokens swept, so every row block counts), as canonical JSON in a stable order: what a thorough
-    search measures, and what the pruned search prunes."""
-    from prepkit.kernels.variants import enumerate_tactics
+    tokens swept, so every row block counts; a dense problem: those of
+    :func:`~prepkit.kernels.variants.dense_invalid_reason`), as canonical JSON in a stable order:
+    what a thorough search measures, and what the pruned search of a MoE GEMM prunes."""
+    from prepkit.kernels.variants import enumerate_dense_tactics, enumerate_tactics
 
+    if problem.role == DENSE_ROLE:
+        return tuple(canon(t) for t in enumerate_dense_tactics(dense_format(problem), device, None, problem.act_dtype))
+    gemm: Gemm = "gemm1" if problem.role == "gemm1" else "gemm2"
     return tuple(
         canon(t)
-        for t in enumerate_tactics(
-            problem.role, device, moe_problem(problem, MAX_TOKEN_POINT), activations=problem.act_dtype
-        )
+        for t in enumerate_tactics(gemm, device, moe_problem(problem, MAX_TOKEN_POINT), activations=problem.act_dtype)
     )
 
 
+@functools.lru_cache(maxsize=16)
+def dense_sweep_union(problem: ProblemKey, device: DeviceInfo, points: tuple[int, ...]) -> tuple[str, ...]:
+    """The variants :func:`prepkit.kernels.variants.dense_sweep_space` finds worth timing at any
+    of ``points`` (each token count's row tile, stages, K splits), in a stable order: what the
+    pruned search of a dense problem prunes."""
+    from prepkit.kernels.variants import dense_sweep_space
+
+    fmt = dense_format(problem)
+    out: dict[str, None] = {}
+    for m in points:
+        for t in dense_sweep_space(fmt, device, m, problem.n, problem.k, problem.act_dtype):
+            out.setdefault(canon(t), None)
+    return tuple(out)
+
+
 def kernel_candidates(
-    problem: ProblemKey, device: DeviceInfo, *, max_count: int | None = None, past_winners: Sequence[str] = ()
+    problem: ProblemKey,
+    device: DeviceInfo,
+    *,
+    max_count: int | None = None,
+    past_winners: Sequence[str] = (),
+    points: Sequence[int] = TOKEN_POINTS,
 ) -> list[str]:
     """The bundled kernel's valid variants for ``problem`` on ``device`` under its activation policy,
-    pruned for sweeping.
+    pruned for sweeping (a dense problem: the :func:`dense_sweep_union` of the token ``points``).
     ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
     the defaults where the current space still holds them; stale ones are dropped."""
-    space = kernel_space(problem, device)
+    if problem.role == DENSE_ROLE:
+        space = dense_sweep_union(problem, device, tuple(sorted(set(points))))
+    else:
+        space = kernel_space(problem, device)
     default_for = kernel_defaults(problem, device)
     in_space = set(space)
     seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))

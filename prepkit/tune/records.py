@@ -192,6 +192,7 @@ class SweepResult:
     n_reused: int
     notes: list[str] = field(default_factory=list)
     coverage: Coverage | None = None
+    label: str = ""  # what people call the problem ("dense mxfp4 qkv 5120x2880"); empty: its describe()
 
     def geomean_speedup(self) -> float | None:
         """Geometric mean over token points of default / chosen latency (1.0 where kept)."""
@@ -205,6 +206,7 @@ class SweepResult:
         return {
             "problem_hash": self.problem.problem_hash(),
             "problem": self.problem.describe(),
+            **({"label": self.label} if self.label else {}),
             "role": self.problem.role,
             "act_dtype": self.problem.act_dtype,
             "elapsed_s": round(self.elapsed_s, 3),

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from prepkit.errors import PrepkitError
+from prepkit.tactics.keys import DENSE_ROLE, DENSE_W_DTYPES
 from prepkit.tune.run import TuneReport
 
 # Tile knobs in launch order and their short names (``m16 n64 k256 w4 s3 sk1``).
@@ -19,7 +20,8 @@ _TILE_KNOBS = {"block_m": "m", "block_n": "n", "block_k": "k", "num_warps": "w",
 
 def summary(report: TuneReport) -> dict[str, Any]:
     """The run as plain data: what ``prepkit tune --json`` prints and the table is made from. A
-    thorough search adds each GEMM's ``coverage`` (:class:`~prepkit.tune.records.Coverage`)."""
+    thorough search adds each GEMM's ``coverage`` (:class:`~prepkit.tune.records.Coverage`); a
+    dense problem its ``name`` ("dense mxfp4 qkv 5120x2880")."""
     layer = report.layer
     thorough = report.search == "thorough"
     return {
@@ -34,6 +36,7 @@ def summary(report: TuneReport) -> dict[str, Any]:
             {
                 **({"coverage": r.coverage.record()} if thorough and r.coverage else {}),
                 "problem": r.problem.describe(),
+                **({"name": r.label} if r.label else {}),
                 "complete": r.complete,
                 "elapsed_s": round(r.elapsed_s, 1),
                 "timed": r.n_timed,
@@ -86,7 +89,11 @@ def winner_groups(winners: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 def floor_us(w: dict[str, Any], m: int, gbps: float, scope: str = "gemm") -> float:
     """Least time a call can take at ``m`` tokens when it only moves bytes: the touched experts'
     MXFP4 weights, scales and fp32 biases (uniform routing touches E*(1-(1-1/E)^(m*top_k))
-    experts) plus activations in and out; of the swept GEMM (``scope='gemm'``) or of the layer."""
+    experts) plus activations in and out; of the swept GEMM (``scope='gemm'``) or of the layer.
+    A dense linear moves its whole MX weight and scales, the bf16 rows in and out."""
+    if w["role"] == DENSE_ROLE:
+        per_value = 1.0 if w.get("w_dtype") == DENSE_W_DTYPES["mxfp8"] else 0.5
+        return (w["n"] * w["k"] * (per_value + 1 / 32) + m * (w["k"] + w["n"]) * 2) / (gbps * 1e3)
     E, top_k = w["num_experts"], w["top_k"]
     H, I = (w["k"], w["n"] // 2) if w["role"] == "gemm1" else (w["n"], w["k"])
     touched = E * (1.0 - (1.0 - 1.0 / E) ** (m * top_k))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit import __version__
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
-from prepkit.errors import DeviceError, TacticsError
+from prepkit.errors import DeviceError, RecipeError, TacticsError
 from prepkit.layer import resolve_layer
 from prepkit.tactics import store
 from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems
@@ -25,6 +25,7 @@ from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
 from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space
+from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
 from prepkit.tune.records import LayerReport
 from prepkit.tune.sweep import PreviousRecords, ProgressFn, SweepConfig, tune_layer
 from prepkit.tune.worker import CHECK_M, SINGLE_CHECK_M, kernel_timing_scope
@@ -52,6 +53,10 @@ class TuneOptions:
     check_workers: int | None = None  # None: 4, or sized from the CPU and GPU for a thorough search
     keep: int = 6
     thorough: bool = False
+    # The dense MX linears (prepkit.tune.dense): "none", "mxfp8", "mxfp4", "all", or None for the
+    # source's own (a model: both formats; a shard set: the format its manifest records).
+    dense: str | None = None
+    moe: bool = True  # False: the dense problems only
     cmdline: Sequence[str] = field(default_factory=lambda: ["prepkit", *sys.argv[1:]])
 
     @property
@@ -67,7 +72,8 @@ class TuneOptions:
 
 @dataclass
 class TuneReport:
-    """What a run measured and where it stored it."""
+    """What a run measured and where it stored it: ``layer`` holds the MoE GEMMs' sweeps (and the
+    whole-layer comparison), then each dense problem's."""
 
     layer: LayerReport
     env: Environment
@@ -131,10 +137,20 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         check_workers(workers, opts.arch)
         from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
 
-        problems = tune_problems(
-            model=opts.model, shards=opts.shards, tp=opts.tp, kernel_version=str(KERNEL_VERSION),
+        problems = (
+            tune_problems(
+                model=opts.model, shards=opts.shards, tp=opts.tp, kernel_version=str(KERNEL_VERSION),
+                activations=opts.activations,
+            )
+            if opts.moe
+            else []
+        )  # fmt: skip
+        dense = dense_targets(
+            model=opts.model, shards=opts.shards, choice=opts.dense, kernel_version=str(KERNEL_VERSION),
             activations=opts.activations,
         )  # fmt: skip
+        if not problems and not dense:
+            raise RecipeError("nothing to tune: --no-moe and no dense problem", hint="pass --dense, or drop --no-moe")
         path = opts.db_path or user_db_path()
         with store.open_db(path) as tdb:
             first = workers[0].backend
@@ -143,12 +159,13 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
                 for w in workers:  # with no check workers the timing workers check
                     if isinstance(w.backend, SubprocessBackend):
                         w.backend.check_m = check_m
-                n = check_worker_count(opts, workers[0].env, problems[0])
+                largest = max([*problems, *(t.problem for t in dense)], key=thorough.layer_weight_bytes)
+                n = check_worker_count(opts, workers[0].env, largest)
                 checkers = [
                     SubprocessBackend(first.gpu, argv=first.argv, env=first.extra_env, check_m=check_m)
                     for _ in range(n)
                 ]
-            layer, status = _sweep_into(tdb, workers, checkers, problems, opts, on_progress)
+            layer, status = _sweep_into(tdb, workers, checkers, problems, dense, opts, on_progress)
     finally:
         for b in [w.backend for w in workers] + checkers:
             b.close()
@@ -170,6 +187,7 @@ def _sweep_into(
     workers: Sequence[Worker],
     checkers: list[Backend],
     problems: list[ProblemKey],
+    dense: list[DenseTarget],
     opts: TuneOptions,
     on_progress: ProgressFn | None,
 ) -> tuple[LayerReport, str]:
@@ -179,8 +197,12 @@ def _sweep_into(
     env_hash = tdb.put_env(store.env_record(env, package_version=__version__, mem_bw_gbps=bw))
     budget_s = thorough.budget_minutes(opts.budget_minutes, thorough=opts.thorough) * 60
     config = SweepConfig(points=opts.points, keep_per_anchor=opts.keep, budget_s=budget_s, search=opts.search)
+    dense_config = SweepConfig(**{**config.__dict__, "anchors": DENSE_ANCHORS})
     if opts.thorough:
         config = SweepConfig(**{**config.__dict__, "anchors": thorough.thorough_anchors(opts.points, config.anchors)})
+        dense_config = SweepConfig(
+            **{**dense_config.__dict__, "anchors": thorough.thorough_anchors(opts.points, DENSE_ANCHORS)}
+        )
     run_id = tdb.start_run(
         env_hash,
         timing_method={
@@ -198,12 +220,14 @@ def _sweep_into(
             "min_gain": config.min_gain,
             "check_m": list(opts.check_m),
             "check_workers": len(checkers),
+            "dense": [t.label for t in dense],
+            "dense_anchors": list(dense_config.anchors),
         },
         token_points=opts.points,
         cmdline=shlex.join(opts.cmdline),
     )
     rec = store.RunRecorder(tdb, run_id, env_hash, env, search=opts.search)
-    past = past_winners(tdb, env.name, problems)
+    past = past_winners(tdb, env.name, [*problems, *(t.problem for t in dense)])
 
     def previous(p: ProblemKey) -> PreviousRecords:
         measured, checked, blocked = rec.previous(p)
@@ -211,20 +235,29 @@ def _sweep_into(
 
     status = "aborted"
     report: LayerReport | None = None
+    sweep_args: dict[str, Any] = dict(
+        candidates_for=lambda p: search_candidates(opts, p, info, past[p]),
+        default_for=lambda p: kernel_defaults(p, info),
+        previous=previous,
+        on_batch=rec.batch,
+        on_result=rec.result,
+        on_progress=on_progress,
+        check_backends=checkers or None,
+        valid_for=lambda p: len(kernel_space(p, info)),
+    )
     try:
-        report = tune_layer(
-            problems,
-            backends,
-            candidates_for=lambda p: search_candidates(opts, p, info, past[p]),
-            default_for=lambda p: kernel_defaults(p, info),
-            config=config,
-            previous=previous,
-            on_batch=rec.batch,
-            on_result=rec.result,
-            on_progress=on_progress,
-            check_backends=checkers or None,
-            valid_for=lambda p: len(kernel_space(p, info)),
-        )
+        # The MoE layer first, as a run without dense problems sweeps it (its budget, its
+        # whole-layer comparison); then the dense problems, with a budget of their own.
+        report = tune_layer(problems, backends, config=config, **sweep_args)
+        if dense:
+            labels = {t.problem: t.label for t in dense}
+            linears = tune_layer(
+                [t.problem for t in dense], backends, config=dense_config, compare_layer=False,
+                label_for=labels.get, **sweep_args,
+            )  # fmt: skip
+            report = LayerReport(
+                report.results + linears.results, report.layer_points, report.elapsed_s + linears.elapsed_s
+            )
         status = "complete" if all(r.complete for r in report.results) else "partial"
     finally:
         tdb.finish_run(run_id, status, notes=run_notes(report, opts.search) if report is not None else None)
@@ -236,7 +269,7 @@ def search_candidates(opts: TuneOptions, problem: ProblemKey, device: DeviceInfo
     pruned set seeded with the defaults and the ``past`` winners."""
     if opts.thorough:
         return list(kernel_space(problem, device))
-    return kernel_candidates(problem, device, max_count=opts.max_candidates, past_winners=past)
+    return kernel_candidates(problem, device, max_count=opts.max_candidates, past_winners=past, points=opts.points)
 
 
 def reusable_checks(checks: Mapping[str, Mapping[str, Any]], check_m: Sequence[int]) -> dict[str, Mapping[str, Any]]:

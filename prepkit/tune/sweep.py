@@ -133,6 +133,7 @@ class _Sweep:
         clock: Callable[[], float],
         emit: Callable[[Batch], None],
         progress: ProgressFn,
+        label: str | None = None,
     ) -> None:
         self.problem = problem
         self.defaults = defaults
@@ -141,7 +142,7 @@ class _Sweep:
         self.deadline = None if cfg.budget_s is None else clock() + cfg.budget_s
         self.emit = emit
         self.progress = progress
-        self.label = f"{problem.role} N={problem.n} K={problem.k}"
+        self.label = label or f"{problem.role} N={problem.n} K={problem.k}"
         self.measurements: dict[tuple[int, str], Measurement] = {}
         self.checks: dict[str, Correctness] = {}
         self.failed: dict[str, str] = {}
@@ -331,6 +332,7 @@ def sweep(
     clock: Callable[[], float] = time.monotonic,
     check_backends: Sequence[Backend] | None = None,
     n_valid: int | None = None,
+    label: str | None = None,
 ) -> SweepResult:
     """Run the procedure in the module docstring. Returns every record it made or reused.
 
@@ -343,6 +345,7 @@ def sweep(
     parallel and fill Triton's cache before timing starts; a thorough search closes them when the
     phase ends (each holds a layer on the GPU; a backend starts again on its next request).
     ``n_valid``: the size of the variant space the candidates came from, for the coverage.
+    ``label``: what progress and the result call the problem (default: its role and shape).
     """
     cfg = config or SweepConfig()
     points = tuple(sorted(set(cfg.points)))
@@ -360,7 +363,7 @@ def sweep(
     ]
     cands = [t for t in order if t not in blocked_set]
 
-    st = _Sweep(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None))
+    st = _Sweep(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None), label)
     n_reused = st.reuse(order, previous_measurements or {}, previous_checks or {})
 
     anchors: tuple[int, ...] = ()
@@ -431,7 +434,7 @@ def sweep(
         problem=problem, points=points, choices=choices, winners=winners,
         measurements=list(st.measurements.values()), correctness=list(st.checks.values()),
         blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
-        n_reused=n_reused, notes=notes, coverage=coverage,
+        n_reused=n_reused, notes=notes, coverage=coverage, label=label or "",
     )  # fmt: skip
 
 
@@ -588,11 +591,12 @@ def tune_layer(
     clock: Callable[[], float] = time.monotonic,
     check_backends: Sequence[Backend] | None = None,
     valid_for: Callable[[ProblemKey], int] | None = None,
+    label_for: Callable[[ProblemKey], str | None] | None = None,
 ) -> LayerReport:
     """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
     budget over what is left; then, where the backend can, time the whole layer with the default
     pair and with the tuned pair at every point (the number users feel). ``valid_for``: the size
-    of each problem's variant space, for the coverage."""
+    of each problem's variant space, for the coverage; ``label_for``: what progress calls each."""
     start = clock()
     results: list[SweepResult] = []
     for i, problem in enumerate(problems):
@@ -608,7 +612,7 @@ def tune_layer(
             previous_measurements=prev_m, previous_checks=prev_c, blocked=blocked,
             on_batch=functools.partial(on_batch, problem) if on_batch else None,
             on_progress=on_progress, clock=clock, check_backends=check_backends,
-            n_valid=valid_for(problem) if valid_for else None,
+            n_valid=valid_for(problem) if valid_for else None, label=label_for(problem) if label_for else None,
         )  # fmt: skip
         results.append(res)
         if on_result:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from prepkit.tactics.keys import ProblemKey
+from prepkit.tactics.keys import DENSE_ROLE, ProblemKey
 
 # Minutes a run measures before it stops and records what it has (a rerun resumes): the pruned
 # search's default fits a coffee break, the thorough one's a night.
@@ -52,7 +52,10 @@ def thorough_anchors(points: Sequence[int], anchors: Sequence[int]) -> tuple[int
 
 
 def layer_weight_bytes(problem: ProblemKey) -> int:
-    """Bytes of the MXFP4 weights, scales and biases of the layer ``problem`` belongs to."""
+    """Bytes of the MXFP4 weights, scales and biases of the layer ``problem`` belongs to; of a dense
+    problem, its MX weight (mxfp8 at most) and the bf16 copy its check compares with."""
+    if problem.role == DENSE_ROLE:
+        return int(problem.n * problem.k * (1 + 1 / 32 + 2))
     hidden, inter = problem.layer_dims
     values = problem.num_experts * 3 * hidden * inter  # gate and up (2 I x H), down (H x I)
     return int(values * (1 / 2 + 1 / 32)) + problem.num_experts * (2 * inter + hidden) * 2

@@ -1,5 +1,6 @@
-"""The GPU side of ``prepkit tune``: a process that builds one full-size random layer, checks
-candidates against the fp32 reference and times them with CUDA graphs, answering JSON lines.
+"""The GPU side of ``prepkit tune``: a process that builds one full-size random layer (or dense
+weight: :class:`~prepkit.tune.dense_bench.DenseBench`), checks candidates against the fp32
+reference and times them with CUDA graphs, answering JSON lines.
 
 Started by :class:`prepkit.tune.backend.SubprocessBackend` as ``python -m prepkit.tune.worker``.
 Without CUDA (``TRITON_INTERPRET=1``) the same code runs tiny problems on the CPU, so the whole
@@ -15,11 +16,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prepkit.tactics.keys import ProblemKey, canon, canonical_json
+from prepkit.tactics.keys import DENSE_ROLE, ProblemKey, canon, canonical_json
 from prepkit.tune.candidates import key_layer
 
 if TYPE_CHECKING:
     from prepkit.kernels.tactic import GemmTactic
+    from prepkit.tune.dense_bench import DenseBench
 
 # Token counts a numerics check runs the layer at: one token, a few, row blocks left partly
 # filled (33) and several rows per expert (256).
@@ -214,49 +216,56 @@ class GpuBench:
         return t
 
     def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
-        """Samples of one launch: a CUDA graph of ``reps`` launches cycling through fresh inputs,
-        replayed ``samples`` times; reps and samples scale with the launch's length."""
-        torch = self.torch
+        """Samples of one launch (:func:`graph_samples`) cycling through fresh inputs."""
         launch, scope = self._launcher(tactic, m, pair)
-        if self.dev.type != "cuda":
-            samples = []
-            for i in range(3):
-                t = time.perf_counter()
-                launch(i % self.ROTATE)
-                samples.append((time.perf_counter() - t) * 1e6)
-            return {"samples_us": samples, "reps": 1, "scope": scope}
-        for i in range(2):  # compile and warm up outside the graph
-            launch(i)
-        torch.cuda.synchronize()
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        launch(0)
-        t1.record()
-        torch.cuda.synchronize()
-        est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
-        reps = int(min(4 * self.ROTATE, max(1, 2000 // est_us)))
-        n_samples = int(min(30, max(7, 60_000 // (est_us * reps))))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for i in range(min(reps, self.ROTATE)):  # let the allocator see the shapes first
-                launch(i)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(reps):
-                launch(i % self.ROTATE)
-        graph.replay()
-        torch.cuda.synchronize()
+        return {**graph_samples(launch, self.ROTATE, self.dev), "scope": scope}
+
+
+def graph_samples(launch: Callable[[int], Any], rotate: int, device: Any) -> dict[str, Any]:
+    """Samples of one launch: a CUDA graph of ``reps`` launches, ``launch(i)`` for ``i`` cycling
+    through ``rotate`` input sets, replayed ``samples`` times; reps and samples scale with the
+    launch's length. Without CUDA, three plain calls timed on the host."""
+    import torch
+
+    if device.type != "cuda":
         samples = []
-        for _ in range(n_samples):
-            t0.record()
-            graph.replay()
-            t1.record()
-            t1.synchronize()
-            samples.append(t0.elapsed_time(t1) * 1e3 / reps)
-        del graph
-        return {"samples_us": samples, "reps": reps, "scope": scope}
+        for i in range(3):
+            t = time.perf_counter()
+            launch(i % rotate)
+            samples.append((time.perf_counter() - t) * 1e6)
+        return {"samples_us": samples, "reps": 1}
+    for i in range(2):  # compile and warm up outside the graph
+        launch(i % rotate)
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    launch(0)
+    t1.record()
+    torch.cuda.synchronize()
+    est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
+    reps = int(min(4 * GpuBench.ROTATE, max(1, 2000 // est_us)))
+    n_samples = int(min(30, max(7, 60_000 // (est_us * reps))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(reps, rotate)):  # let the allocator see the shapes first
+            launch(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            launch(i % rotate)
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(n_samples):
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        samples.append(t0.elapsed_time(t1) * 1e3 / reps)
+    del graph
+    return {"samples_us": samples, "reps": reps}
 
 
 def _describe() -> dict[str, Any]:
@@ -318,22 +327,27 @@ def trim_kernel_caches(kernels: Sequence[Any], limit: int = MAX_LOADED_VARIANTS)
 
 
 def _gemm_kernels() -> list[Any]:
-    from prepkit.kernels.moe_mxfp4 import _gemm
+    from prepkit.kernels.moe_mxfp4 import _dense, _gemm
 
-    return [_gemm._gemm1_swiglu_kernel, _gemm._gemm2_combine_kernel]
+    return [_gemm._gemm1_swiglu_kernel, _gemm._gemm2_combine_kernel, _dense._dense_kernel]
 
 
 def worker_main(seed: int) -> int:
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
-    benches: dict[str, GpuBench] = {}
+    benches: dict[str, GpuBench | DenseBench] = {}
 
-    def bench(pk: Mapping[str, Any]) -> GpuBench:
+    def bench(pk: Mapping[str, Any]) -> GpuBench | DenseBench:
         key = canonical_json(dict(pk))
         if key not in benches:
-            benches.clear()  # one layer's weights on the GPU at a time
-            benches[key] = GpuBench(pk, seed)
+            benches.clear()  # one problem's weights on the GPU at a time
+            if pk.get("role") == DENSE_ROLE:
+                from prepkit.tune.dense_bench import DenseBench
+
+                benches[key] = DenseBench(pk, seed)
+            else:
+                benches[key] = GpuBench(pk, seed)
         return benches[key]
 
     for line in sys.stdin:

@@ -79,6 +79,8 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
         TOKENS,
         "--max-candidates",
         "24",
+        "--dense",
+        "none",
         "--json",
         "-q",
     )
@@ -128,7 +130,7 @@ def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path,
         tdb.put_problem(old)
         tdb.replace_winners(env_hash, old.problem_hash(), run, [WinnerRow(1, 8192, past, True)])
         tdb.finish_run(run, "complete")
-    r = invoke("tune", "--db", str(db), "--tokens", "1,8", "--max-candidates", "8", "-q")
+    r = invoke("tune", "--db", str(db), "--tokens", "1,8", "--max-candidates", "8", "--dense", "none", "-q")
     assert r.exit_code == 0, r.output
     timed = {t for b in fake_gpu for op, t, _ in b.calls if op == "time"}
     assert past in timed
@@ -136,7 +138,9 @@ def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path,
 
 def test_tune_human_output_and_two_gpus(fake_gpu, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    r = invoke("tune", "--db", str(db), "--tokens", "1,2,8", "--gpus", "0,1", "--max-candidates", "8", "-q")
+    r = invoke(
+        "tune", "--db", str(db), "--tokens", "1,2,8", "--gpus", "0,1", "--max-candidates", "8", "--dense", "none", "-q"
+    )
     assert r.exit_code == 0, r.output
     assert str(db) in r.output and "gemm1" in r.output
     assert len(fake_gpu) == 2 and all(b.calls for b in fake_gpu)
@@ -153,7 +157,7 @@ def test_tune_shards_must_be_triton_moe(fake_gpu, tmp_path: Path) -> None:
 @pytest.fixture
 def filled(fake_gpu, tmp_path: Path) -> Path:
     db = tmp_path / "filled.db"
-    r = invoke("tune", "--db", str(db), "--tokens", TOKENS, "--max-candidates", "12", "-q")
+    r = invoke("tune", "--db", str(db), "--tokens", TOKENS, "--max-candidates", "12", "--dense", "none", "-q")
     assert r.exit_code == 0, r.output
     return db
 

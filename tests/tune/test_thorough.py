@@ -241,7 +241,7 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
 
     monkeypatch.setattr(tune_run, "open_gpu_workers", open_workers)
     db = tmp_path / "t.db"
-    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, check_workers=2, cmdline=["test"])
+    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, check_workers=2, dense="none", cmdline=["test"])
     tune_run.run_tune(TuneOptions(**{**opts.__dict__, "thorough": True}))
     reqs = [json.loads(line) for line in log.read_text().splitlines()]
     checks = [r for r in reqs if r["op"] == "check"]
@@ -310,7 +310,7 @@ def test_a_stopped_thorough_run_resumes_without_measuring_anything_twice(
     small, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     db = tmp_path / "t.db"
-    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, thorough=True, cmdline=["test"])
+    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, thorough=True, dense="none", cmdline=["test"])
     first = Recorder(fail_after=100)
     fake_gpu(monkeypatch, first)
     with pytest.raises(RuntimeError, match="went away"):
@@ -379,7 +379,9 @@ def test_the_summary_states_coverage_and_the_db_the_search(
 
     fake_gpu(monkeypatch, Recorder(timing_fails=slow_to_fail))
     db = tmp_path / "t.db"
-    r = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--json", "-q")
+    r = invoke(
+        "tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none", "--json", "-q"
+    )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["search"] == "thorough" and out["status"] == "complete"
@@ -397,7 +399,7 @@ def test_the_summary_states_coverage_and_the_db_the_search(
     assert json.loads(stored(db, "SELECT search_space FROM tuning_run")[0][0])["search"] == "thorough"
 
     # The text summary says the same; tactics show names the search.
-    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough").output
+    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none").output
     lines = [line for line in text.splitlines() if line.startswith("  thorough search, bf16:")]
     cov = out["problems"][0]["coverage"]
     assert len(lines) == 2 and lines[0] == (
@@ -410,11 +412,11 @@ def test_the_summary_states_coverage_and_the_db_the_search(
     assert rows and {w["search"] for w in rows} == {"thorough"}
 
     # A pruned run replaces the ranges, and says so; its summary is as before, with the search.
-    r = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--json", "-q")
+    r = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense", "none", "--json", "-q")
     pruned = json.loads(r.output)
     assert pruned["search"] == "pruned" and all("coverage" not in p for p in pruned["problems"])
     assert {s for (s,) in stored(db, "SELECT search FROM winner")} == {"pruned"}
-    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS).output
+    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense", "none").output
     assert "search," not in text and "valid variants" not in text
     assert invoke("tactics", "show", "--db", str(db)).output.count("pruned search") == 2
 
@@ -431,7 +433,7 @@ def test_a_thorough_run_out_of_budget_says_so_and_the_next_one_finishes(
 
     fake_gpu(monkeypatch, Slow())
     db = tmp_path / "t.db"
-    args = ("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough")
+    args = ("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none")
     r = invoke(*args, "--budget-minutes", "0.1")
     assert r.exit_code == 0, r.output
     assert "(partial: budget reached; rerun to resume)" in r.output
@@ -472,7 +474,7 @@ def test_progress_lines_count_variants_and_estimate_the_time_left(
 
 def tune_both(monkeypatch: pytest.MonkeyPatch, pruned_db: Path, thorough_db: Path) -> None:
     fake_gpu(monkeypatch, Recorder())
-    base = ("tune", "--arch", "sm90", "--tokens", TOKENS, "-q")
+    base = ("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense", "none", "-q")
     assert invoke(*base, "--db", str(pruned_db), "--max-candidates", "8").exit_code == 0
     assert invoke(*base, "--db", str(thorough_db), "--thorough").exit_code == 0
 
@@ -543,11 +545,13 @@ def test_the_comparison_counts_every_leg_of_a_resumed_search(
     assert tune_compare.main([str(db)]) == 3  # no such DB: a clear error
     assert "no such tactics DB" in capsys.readouterr().err
     fake_gpu(monkeypatch, Recorder())
-    assert invoke("tune", "--arch", "sm90", "--tokens", TOKENS, "-q", "--db", str(db)).exit_code == 0
+    assert invoke("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense", "none", "-q", "--db", str(db)).exit_code == 0
     assert tune_compare.main([str(db)]) == 3  # a pruned run alone
     assert "no finished thorough run" in capsys.readouterr().err
 
-    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, thorough=True, cmdline=["prepkit", "--thorough"])
+    opts = TuneOptions(
+        arch="sm90", points=POINTS, db_path=db, thorough=True, dense="none", cmdline=["prepkit", "--thorough"]
+    )
     fake_gpu(monkeypatch, Recorder(fail_after=60))
     with pytest.raises(RuntimeError):
         tune_run.run_tune(opts)  # a first leg, stopped
