@@ -15,6 +15,9 @@ from typing import Any
 from prepkit.tactics.keys import ProblemKey
 
 OK = "ok"
+# A check the GPU had no memory for (other workers held it): says nothing of the variant, which is
+# neither recorded nor blocklisted; the run stays partial and a rerun checks it again.
+OUT_OF_MEMORY = "out_of_memory"
 # Statuses of a failed candidate; all of them put the tactic on the blocklist.
 FAILURES = (
     "numerics_fail", "compile_error", "out_of_resources", "launch_error", "sticky_cuda_error",

@@ -42,6 +42,7 @@ from prepkit.tactics.schema import SEARCHES
 from prepkit.tune.backend import Backend
 from prepkit.tune.records import (
     OK,
+    OUT_OF_MEMORY,
     Batch,
     CandidateError,
     CheckResult,
@@ -189,6 +190,9 @@ class _Sweep:
             self.incomplete = True
             return out
         res = _safe_check(b, self.problem, t)
+        if res.status == OUT_OF_MEMORY:
+            self.incomplete = True  # not the variant's fault: checked again by the next run
+            return out
         c = Correctness(t, res)
         out.correctness.append(c)
         with self.lock:

@@ -26,9 +26,11 @@ THOROUGH_BUDGET_MINUTES = 720.0
 DEFAULT_CHECK_WORKERS = 4
 # The most check workers a thorough search starts by itself (and --check-workers accepts).
 MAX_CHECK_WORKERS = 32
-# GPU memory a check worker holds besides two copies of the layer's weights (the checkpoint form
-# and the kernel's layout): CUDA context, reference, inputs. An out-of-memory check would put a
-# good variant on the blocklist, so the estimate errs high.
+# GPU memory of a check worker: the layer's weights in both forms (checkpoint and kernel layout),
+# the reference's working set, inputs and outputs, measured at 4.4 layer-bytes (7.28 GiB for
+# gpt-oss-120b's 1.65 GB layer on an H100), plus the CUDA context. Rounded up: an estimate short
+# of the truth runs the GPU out of memory.
+WORKER_BYTES_PER_LAYER_BYTE = 4.5
 WORKER_OVERHEAD_BYTES = 2 << 30
 # Share of the GPU memory the workers may fill together, the timing worker included.
 GPU_MEMORY_SHARE = 0.8
@@ -64,10 +66,10 @@ def layer_weight_bytes(problem: ProblemKey) -> int:
 def check_workers(cpu_count: int | None, gpu_mem_bytes: int, layer_bytes: int) -> int:
     """Check workers of a thorough search: one per CPU core (compiling is CPU work), at most
     :data:`MAX_CHECK_WORKERS`, and no more than the GPU memory holds next to the timing worker
-    (each worker holds the layer twice; ``gpu_mem_bytes`` 0: unknown, no memory bound)."""
+    (:data:`WORKER_BYTES_PER_LAYER_BYTE`; ``gpu_mem_bytes`` 0: unknown, no memory bound)."""
     by_cpu = max(1, min(cpu_count or 1, MAX_CHECK_WORKERS))
     if gpu_mem_bytes <= 0:
         return by_cpu
-    per_worker = 2 * layer_bytes + WORKER_OVERHEAD_BYTES
+    per_worker = WORKER_BYTES_PER_LAYER_BYTE * layer_bytes + WORKER_OVERHEAD_BYTES
     by_memory = int(gpu_mem_bytes * GPU_MEMORY_SHARE // per_worker) - 1  # one share for the timing worker
     return max(1, min(by_cpu, by_memory))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import DENSE_ROLE, ProblemKey, canon, canonical_json
 from prepkit.tune.candidates import key_layer
+from prepkit.tune.records import OUT_OF_MEMORY
 
 if TYPE_CHECKING:
     from prepkit.kernels.tactic import GemmTactic
@@ -286,7 +287,9 @@ def _classify(err: BaseException) -> tuple[str, bool]:
     """Status of a failed request and whether the CUDA context is unusable (restart the worker)."""
     name = type(err).__name__
     text = str(err)
-    if name == "OutOfResources" or "out of resource" in text.lower():
+    if name == "OutOfMemoryError" or "CUDA out of memory" in text:
+        status = OUT_OF_MEMORY
+    elif name == "OutOfResources" or "out of resource" in text.lower():
         status = "out_of_resources"
     elif "Compil" in name or "PassManager" in text or "ptxas" in text:
         status = "compile_error"

@@ -229,6 +229,29 @@ def test_failures_go_to_the_blocklist_never_to_winners() -> None:
     assert sum(len(b.blocked) for b in batches) == 2
 
 
+def test_a_check_out_of_gpu_memory_blocks_nothing_and_leaves_the_run_partial() -> None:
+    # Other check workers held the memory: the variant is fine, so it must be checked again later.
+    starved, good = tac(32), tac(128)
+
+    def checker(t: str) -> CheckResult:
+        if t == starved:
+            raise CandidateError("out_of_memory", "CUDA out of memory. Tried to allocate 1.98 GiB")
+        return CheckResult(passed=True)
+
+    batches = []
+    res = sweep(
+        PROB,
+        [starved, good],
+        default_for,
+        [FunctionBackend(lambda t, m: samples({good: 8.0}.get(t, 10.0)), checker)],
+        config=SweepConfig(points=POINTS),
+        on_batch=batches.append,
+    )
+    assert not res.blocked and not res.complete
+    assert not any(c.tactic == starved for b in batches for c in b.correctness)
+    assert not any(x.tactic == starved for b in batches for x in b.measurements)
+
+
 def test_default_failing_its_check_is_replaced() -> None:
     res = sweep(
         PROB,
