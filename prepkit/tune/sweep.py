@@ -227,6 +227,8 @@ class _Sweep:
     def check_all(self, pool: _Pool, to_check: Sequence[str], label: str | None = None) -> None:
         for fut in _completed([pool.submit(functools.partial(self.check_job, t=t)) for t in to_check]):
             batch = fut.result()
+            if not batch.correctness:
+                continue  # skipped (budget spent, or no GPU memory): not checked, not counted
             self.done += 1
             self.progress(label or self.label, self.done, self.estimate)
             if batch.correctness:  # stored at once: a killed tune keeps every finished check

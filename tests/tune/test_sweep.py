@@ -238,7 +238,7 @@ def test_a_check_out_of_gpu_memory_blocks_nothing_and_leaves_the_run_partial() -
             raise CandidateError("out_of_memory", "CUDA out of memory. Tried to allocate 1.98 GiB")
         return CheckResult(passed=True)
 
-    batches = []
+    batches, progress = [], []
     res = sweep(
         PROB,
         [starved, good],
@@ -246,8 +246,13 @@ def test_a_check_out_of_gpu_memory_blocks_nothing_and_leaves_the_run_partial() -
         [FunctionBackend(lambda t, m: samples({good: 8.0}.get(t, 10.0)), checker)],
         config=SweepConfig(points=POINTS),
         on_batch=batches.append,
+        on_progress=lambda label, done, total: progress.append((label, done)),
     )
     assert not res.blocked and not res.complete
+    # Progress counts the checks that ran: the starved one is not among them.
+    checks_run = {t for b in batches for t in (c.tactic for c in b.correctness)}
+    timings = sum(len(b.measurements) for b in batches)
+    assert progress[-1][1] == len(checks_run) + timings, progress
     assert not any(c.tactic == starved for b in batches for c in b.correctness)
     assert not any(x.tactic == starved for b in batches for x in b.measurements)
 
