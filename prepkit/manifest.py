@@ -299,6 +299,20 @@ class Manifest:
         in place of each ``X.weight``; :attr:`dense` lists them)."""
         return self.dense.format if self.dense is not None else DEFAULT_DENSE_FORMAT
 
+    def rank_shared_files(self, rank: int) -> list[str]:
+        """The rank folder's copies (links) of the non-expert files, relative to the output folder.
+
+        Raises:
+            VerifyError: the manifest does not list one of them for ``rank``.
+        """
+        record = self.rank_record(rank)
+        held = set(record.files) if record is not None else set()
+        wanted = [f"rank{rank}/{Path(rel).name}" for rel in self.shared_files]
+        missing = [rel for rel in wanted if rel not in held]
+        if missing:
+            raise VerifyError(f"manifest.json: rank {rank} does not list {missing[0]}", hint="prepare the shards again")
+        return wanted
+
     def rank_record(self, rank: int) -> RankRecord | None:
         return next((r for r in self.ranks if r.rank == rank), None)
 

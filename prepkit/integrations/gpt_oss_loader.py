@@ -83,7 +83,7 @@ def from_prepared(
     manifest = Manifest.read(root)
     config = gpt_oss_config(manifest)
     check_manifest_against_config(manifest, config, rank=rank)
-    non_expert = non_expert_files(manifest, rank)
+    non_expert = manifest.rank_shared_files(rank)
     for rel in [*non_expert, *(experts_file(rank, i) for i in range(config.num_hidden_layers))]:
         check_file(root, manifest, rel, check_hashes=check_hashes)
 
@@ -118,17 +118,6 @@ def gpt_oss_config(manifest: Manifest) -> GptOssConfig:
         raise RecipeError("; ".join(problems), hint="prepare the shards again from the model's checkpoint")
     raw.pop("quantization_config", None)
     return GptOssConfig.from_dict(raw)
-
-
-def non_expert_files(manifest: Manifest, rank: int) -> list[str]:
-    """The rank folder's copies (links) of the non-expert files, relative to the output folder."""
-    record = manifest.rank_record(rank)
-    held = set(record.files) if record is not None else set()
-    wanted = [f"rank{rank}/{Path(rel).name}" for rel in manifest.shared_files]
-    missing = [rel for rel in wanted if rel not in held]
-    if missing:
-        raise VerifyError(f"manifest.json: rank {rank} does not list {missing[0]}", hint="prepare the shards again")
-    return wanted
 
 
 def check_file(root: Path, manifest: Manifest, rel: str, *, check_hashes: bool = False) -> None:

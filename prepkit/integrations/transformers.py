@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from prepkit.constants import DEFAULT_DENSE_FORMAT
 from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest
@@ -160,6 +161,8 @@ def use_prepkit_moe(
     kernel on ``prepared_dir`` (``prepkit prepare --layout triton-moe``, tp=1 ep=1), and return
     the model. The experts load onto the device of each layer's router; on a CPU the kernel
     runs only under the Triton interpreter (``TRITON_INTERPRET=1`` before triton is imported).
+    A shard set prepared with ``--dense mxfp8|mxfp4`` also replaces the model's q/k/v/o
+    projections and lm_head with its MX linears (same policy), on the first router's device.
 
     Raises:
         DependencyError: transformers is missing or of an unsupported version.
@@ -175,13 +178,20 @@ def use_prepkit_moe(
     config = model.config
     manifest = Manifest.read(prepared_dir)
     check_manifest_against_config(manifest, config, rank=rank)
-    for device in {_router_device(_router_of(layer, i)) for i, layer in enumerate(decoder_layers)}:
+    devices = [_router_device(_router_of(layer, i)) for i, layer in enumerate(decoder_layers)]
+    for device in set(devices):
         require_kernel_device(device)
     for index, decoder in enumerate(decoder_layers):
         router = _router_of(decoder, index)
         loaded = load_moe_layers(prepared_dir, rank, _router_device(router), layers=[index], activations=activations)
         # Assigning the new block drops the last reference to the old experts' parameters.
         decoder.mlp = PrepkitMoeBlock(router, loaded[index], index)
+    if manifest.dense_format != DEFAULT_DENSE_FORMAT:
+        from prepkit.integrations.dense_swap import read_mx_parts, swap_in_mx_linears
+
+        # The prepared set's MX dense weights replace the model's own (freed as each goes).
+        parts = read_mx_parts(Path(prepared_dir), manifest.rank_shared_files(rank), devices[0])
+        swap_in_mx_linears(model, parts, manifest.dense_format, activations)
     return model
 
 

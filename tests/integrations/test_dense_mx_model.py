@@ -128,3 +128,19 @@ def test_a_manifest_that_disagrees_with_the_files_is_named(source: Path, prepare
     (copy / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(VerifyError, match="records bf16 dense weights"):
         load(copy)
+
+
+def test_use_prepkit_moe_swaps_in_the_mx_dense_weights_too(source: Path, prepared: Path, interpreter: None) -> None:
+    from prepkit.integrations.transformers import use_prepkit_moe
+
+    model = load_reference(source, DEVICE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        use_prepkit_moe(model, prepared)
+    assert isinstance(model.lm_head, MxLinear)
+    assert all(isinstance(getattr(layer.self_attn, n), MxLinear) for layer in model.model.layers for n in DENSE)
+    ids = torch.tensor(PROMPT, device=DEVICE)
+    with torch.no_grad():
+        got = model(ids).logits.float()
+        want = load(prepared)(ids).logits.float()
+    assert relative_error(got, want) < 1e-3  # the same kernels on the same weights
