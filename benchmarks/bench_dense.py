@@ -17,7 +17,6 @@ Weights are random codes with gpt-oss-like scales, made on the GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_kernel import copy_bandwidth, events_median  # noqa: E402
+from benchmarks.bench_kernel import copy_bandwidth, events_median, precompile  # noqa: E402
 from prepkit.kernels.activations import check_policy  # noqa: E402
 from prepkit.kernels.device import DeviceInfo  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
@@ -127,19 +126,6 @@ def check_once(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
 
-def _precompile(fns: list[Callable[[], object]]) -> None:
-    """Compile variants in parallel threads (ptxas runs outside the GIL); errors surface later."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def run(fn: Callable[[], object]) -> None:
-        with contextlib.suppress(Exception):  # the timed call reports it
-            fn()
-
-    with ThreadPoolExecutor(max_workers=12) as pool:
-        list(pool.map(run, fns))
-    torch.cuda.synchronize()
-
-
 def sweep(
     shape: Shape, fmt: str, x: torch.Tensor, activations: str, info: DeviceInfo, log: Callable[[str], None]
 ) -> tuple[GemmTactic | None, float, int]:
@@ -148,7 +134,7 @@ def sweep(
 
     space = dense_sweep_space(fmt, info, x.shape[0], shape.n, shape.k, activations)  # type: ignore[arg-type]
     w = shape.mx[fmt][0]
-    _precompile([lambda t=t: mx_linear(x, w, shape.bias, activations=activations, tactic=t) for t in space])  # type: ignore[misc]
+    precompile([lambda t=t: mx_linear(x, w, shape.bias, activations=activations, tactic=t) for t in space])  # type: ignore[misc]
     best: tuple[GemmTactic | None, float] = (None, float("inf"))
     timed = 0
     for t in space:

@@ -215,7 +215,7 @@ def sweep_candidates(T: int, gemm: str) -> list[GemmTactic]:
     return out
 
 
-def _precompile(fns: list[Callable[[], object]]) -> None:
+def precompile(fns: list[Callable[[], object]]) -> None:
     """Compile variants in parallel threads (ptxas runs outside the GIL); errors surface later."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -281,7 +281,7 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
                     )
 
             fns.append((t, fn))
-        _precompile([fn for _, fn in fns])
+        precompile([fn for _, fn in fns])
         for t, fn in fns:
             try:
                 us = triton.testing.do_bench(fn, warmup=5, rep=25, return_mode="median") * 1e3

@@ -11,14 +11,13 @@ once, weakly. The tactic of each token count is chosen once and cached.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.runtime.registry import WeakRegistry
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
@@ -35,18 +34,7 @@ class DenseTacticLookup(Protocol):
     ) -> GemmTactic | None: ...
 
 
-_MODULES: dict[int, weakref.ref[MxLinear]] = {}
-_NEXT_ID = itertools.count()
-
-
-def _register(module: MxLinear) -> int:
-    module_id = next(_NEXT_ID)
-
-    def forget(_ref: weakref.ref[MxLinear]) -> None:
-        _MODULES.pop(module_id, None)
-
-    _MODULES[module_id] = weakref.ref(module, forget)
-    return module_id
+_MODULES: WeakRegistry[MxLinear] = WeakRegistry("torch.ops.prepkit.mx_linear", "MxLinear")
 
 
 def registered_linear(module_id: int) -> MxLinear:
@@ -55,11 +43,7 @@ def registered_linear(module_id: int) -> MxLinear:
     Raises:
         KeyError: no live MxLinear has that id.
     """
-    ref = _MODULES.get(module_id)
-    module = ref() if ref is not None else None
-    if module is None:
-        raise KeyError(f"torch.ops.prepkit.mx_linear: no live MxLinear has id {module_id}")
-    return module
+    return _MODULES.get(module_id)
 
 
 class MxLinear(nn.Module):
@@ -102,7 +86,7 @@ class MxLinear(nn.Module):
         self._tactics: dict[tuple[int, torch.device], GemmTactic] = {}
         self._weights: DenseMxWeights | None = None
         self._device_info: DeviceInfo | None = None
-        self.op_id = _register(self)
+        self.op_id = _MODULES.add(self)
 
     def extra_repr(self) -> str:
         return (

@@ -11,28 +11,21 @@ holds weak references, so registering keeps no layer alive.
 
 from __future__ import annotations
 
-import itertools
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
 
+from prepkit.runtime.registry import WeakRegistry
+
 if TYPE_CHECKING:
     from prepkit.runtime.moe import MoeLayer
 
-_LAYERS: dict[int, weakref.ref[MoeLayer]] = {}
-_NEXT_ID = itertools.count()
+_LAYERS: WeakRegistry[MoeLayer] = WeakRegistry("torch.ops.prepkit.moe", "MoeLayer")
 
 
 def register(layer: MoeLayer) -> int:
     """A new id under which the op finds ``layer`` (held weakly; the id is dropped with it)."""
-    layer_id = next(_NEXT_ID)
-
-    def forget(_ref: weakref.ref[MoeLayer]) -> None:
-        _LAYERS.pop(layer_id, None)
-
-    _LAYERS[layer_id] = weakref.ref(layer, forget)
-    return layer_id
+    return _LAYERS.add(layer)
 
 
 def registered_layer(layer_id: int) -> MoeLayer:
@@ -41,11 +34,7 @@ def registered_layer(layer_id: int) -> MoeLayer:
     Raises:
         KeyError: no live layer has that id (it was never registered, or has been freed).
     """
-    ref = _LAYERS.get(layer_id)
-    layer = ref() if ref is not None else None
-    if layer is None:
-        raise KeyError(f"torch.ops.prepkit.moe: no live MoeLayer has id {layer_id}")
-    return layer
+    return _LAYERS.get(layer_id)
 
 
 @torch.library.custom_op("prepkit::moe", mutates_args=())

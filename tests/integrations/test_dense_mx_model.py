@@ -27,7 +27,13 @@ from prepkit.kernels.reference import relative_error  # noqa: E402
 from prepkit.layouts import dense_mx  # noqa: E402
 from prepkit.runtime.dense import MxLinear  # noqa: E402
 from prepkit.synth import write_synthetic_checkpoint  # noqa: E402
-from tests.integrations.test_transformers import LOGITS_TOL, PROMPT, TINY, _prepare, load_reference  # noqa: E402
+from tests.integrations.test_transformers import (  # noqa: E402
+    LOGITS_TOL,
+    PROMPT,
+    TINY,
+    _prepare,
+    load_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DENSE = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -37,13 +43,6 @@ def load(prepared: Path, **kwargs: Any) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tuned tactic for tiny dims; the default serves
         return from_prepared(prepared, device=DEVICE, **kwargs)
-
-
-@pytest.fixture(scope="module")
-def interpreter() -> None:
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
 
 
 @pytest.fixture(scope="module")

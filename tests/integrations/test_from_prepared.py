@@ -56,13 +56,6 @@ def load(prepared: Path, **kwargs: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def interpreter() -> None:
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
-
-
-@pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = write_synthetic_checkpoint(tmp_path_factory.mktemp("fp") / "model", num_shards=2, seed=7, **TINY)
     write_tokenizer_files(src, TINY["vocab_size"])

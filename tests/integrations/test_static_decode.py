@@ -103,15 +103,6 @@ def test_a_prompt_past_max_len_is_refused(source: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def interpreter() -> None:
-    import os
-
-    pytest.importorskip("triton")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
-
-
-@pytest.fixture(scope="module")
 def real_model(tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
     root = tmp_path_factory.mktemp("dec-real")
     src = write_synthetic_checkpoint(root / "model", seed=17, **REAL)

@@ -65,13 +65,6 @@ def swapped(src: Path, prepared: Path, device: str = "cpu", **kwargs: str) -> to
 
 
 @pytest.fixture(scope="module")
-def interpreter() -> None:
-    pytest.importorskip("triton")
-    if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
-
-
-@pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("tf") / "model", num_shards=2, seed=7, **TINY)
 

@@ -1,0 +1,17 @@
+"""Fixtures of the transformers integration tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def interpreter() -> None:
+    """Skip unless the kernel can run here: a CUDA device, or the Triton interpreter on the CPU
+    (each test module sets ``TRITON_INTERPRET=1`` before triton is imported when there is no GPU)."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
