@@ -120,14 +120,14 @@ def _mxfp4_step(
 
 
 @triton.jit
-def _panel_step(k, panel_rows, PANEL_K: tl.constexpr):
+def _panel_step(k, panel_rows, PANEL_K: tl.constexpr, PER_BYTE: tl.constexpr = 2):
     """Where the K step starting at element ``k`` lies in one expert's panels
-    (``[K/PANEL_K, panel_rows, PANEL_K/2]`` bytes): its byte offset, and the TMA box's row offset
-    and column. The hint keeps pointer loads 16 bytes wide: the compiler cannot see that the
-    offset stays group-aligned."""
+    (``[K/PANEL_K, panel_rows, PANEL_K/PER_BYTE]`` bytes; ``PER_BYTE`` elements a byte: 2 for
+    e2m1, 1 for e4m3): its byte offset, and the TMA box's row offset and column. The hint keeps
+    pointer loads 16 bytes wide: the compiler cannot see that the offset stays group-aligned."""
     panel = k // PANEL_K
-    col = (k % PANEL_K) // 2
-    return tl.multiple_of(panel * panel_rows * (PANEL_K // 2) + col, 16), panel * panel_rows, col
+    col = (k % PANEL_K) // PER_BYTE
+    return tl.multiple_of(panel * panel_rows * (PANEL_K // PER_BYTE) + col, 16), panel * panel_rows, col
 
 
 @triton.jit
@@ -475,22 +475,18 @@ def _e4m3_mainloop(
     k_hi = tl.maximum(k_hi, k_lo)
     k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     for k0 in range(k_lo, k_full, BLOCK_K):
-        panel = k0 // PANEL_K
-        col = k0 % PANEL_K
-        w_off = tl.multiple_of(panel * panel_rows * PANEL_K + col, 16)
+        w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K, 1)
         acc = _e4m3_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + panel * panel_rows, col, s_ptrs, n_mask,
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask,
             k_hi - k0, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, MASK_ALL, W_TMA,
         )  # fmt: skip
         a_ptrs += BLOCK_K
         as_ptrs += G
         s_ptrs += G * stride_sk
     if k_full < k_hi:
-        panel = k_full // PANEL_K
-        col = k_full % PANEL_K
-        w_off = tl.multiple_of(panel * panel_rows * PANEL_K + col, 16)
+        w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K, 1)
         acc = _e4m3_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + panel * panel_rows, col, s_ptrs, n_mask,
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask,
             k_hi - k_full, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, True, W_TMA,
         )  # fmt: skip
     return acc
