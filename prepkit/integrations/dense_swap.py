@@ -57,7 +57,7 @@ def swap_in_mx_linears(model: nn.Module, parts: MxParts, fmt: str, activations: 
         VerifyError: a weight with blocks but no scales (or the reverse), one with no Linear in
             the model, or stored shapes that disagree with the Linear's (each named).
     """
-    from prepkit.runtime.dense import MxLinear
+    from prepkit.runtime.dense import MxLinear, db_tactic_lookup
 
     mx = mx_format(fmt)
     for weight, stored in sorted(parts.items()):
@@ -83,7 +83,11 @@ def swap_in_mx_linears(model: nn.Module, parts: MxParts, fmt: str, activations: 
         bias = None if linear.bias is None else linear.bias.detach()
         parent_name, _, child = owner_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, MxLinear(blocks, scales, bias, fmt, activations=activations))
+        setattr(
+            parent,
+            child,
+            MxLinear(blocks, scales, bias, fmt, activations=activations, tactic_lookup=db_tactic_lookup()),
+        )
     fuse_attention_inputs(model)
     return len(parts)
 

@@ -11,6 +11,7 @@ once, weakly. The tactic of each token count is chosen once and cached.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -141,11 +142,7 @@ class MxLinear(nn.Module):
 
     def device_info(self) -> DeviceInfo:
         if self._device_info is None:
-            from prepkit.kernels.device import H100, DeviceInfo
-
-            dev = self.weight_blocks.device
-            # CPU tensors run only under the Triton interpreter; describe a Hopper part.
-            self._device_info = DeviceInfo.from_torch(dev) if dev.type == "cuda" else H100
+            self._device_info = kernel_device(self.weight_blocks.device)
         return self._device_info
 
     def tactic(self, num_tokens: int) -> GemmTactic:
@@ -154,20 +151,10 @@ class MxLinear(nn.Module):
         t = self._tactics.get(key)
         if t is not None:
             return t
-        from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
-
-        device = self.device_info()
-        if self.tactic_lookup is not None:
-            t = self.tactic_lookup(num_tokens, self.out_features, self.in_features, self.fmt, self.activations, device)
-        if t is None:
-            t = default_dense_tactic(
-                num_tokens, self.out_features, self.in_features, self.fmt, device.capability,
-                activations=self.activations, sm_count=device.sm_count,
-            )  # fmt: skip
-        if t.upcast == "asm" and self.weight_blocks.device.type != "cuda":
-            from dataclasses import replace
-
-            t = replace(t, upcast="bits")  # the interpreter runs no inline PTX
+        t = choose_tactic(
+            self.tactic_lookup, num_tokens, self.out_features, self.in_features, self.fmt, self.activations,
+            self.device_info(), on_cuda=self.weight_blocks.device.type == "cuda",
+        )  # fmt: skip
         self._tactics[key] = t
         return t
 
@@ -213,6 +200,50 @@ def fuse_sharing(parts: list[MxLinear]) -> MxLinear:
     return fused
 
 
+def kernel_device(device: torch.device) -> DeviceInfo:
+    """The kernels' description of ``device``; CPU tensors run only under the Triton interpreter,
+    described as a Hopper part."""
+    from prepkit.kernels.device import H100, DeviceInfo
+
+    return DeviceInfo.from_torch(device) if device.type == "cuda" else H100
+
+
+def choose_tactic(
+    lookup: DenseTacticLookup | None,
+    num_tokens: int,
+    n: int,
+    k: int,
+    fmt: str,
+    activations: ActivationPolicy,
+    device: DeviceInfo,
+    *,
+    on_cuda: bool,
+) -> GemmTactic:
+    """``lookup``'s variant for the call, else the built-in default; off CUDA (the interpreter,
+    which runs no inline PTX) the PTX upcast becomes its integer-op twin."""
+    from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+
+    t = lookup(num_tokens, n, k, fmt, activations, device) if lookup is not None else None
+    if t is None:
+        t = default_dense_tactic(
+            num_tokens, n, k, fmt, device.capability, activations=activations, sm_count=device.sm_count
+        )
+    if t.upcast == "asm" and not on_cuda:
+        from dataclasses import replace
+
+        t = replace(t, upcast="bits")
+    return t
+
+
+@functools.cache
+def db_tactic_lookup() -> DenseTacticLookup:
+    """One lookup in the tactic DBs for every MX linear of the process (it caches problem keys
+    and warns once per untuned problem)."""
+    from prepkit.tactics.lookup import make_dense_tactic_lookup
+
+    return make_dense_tactic_lookup()
+
+
 _STORED_TACTICS: dict[tuple[int, int, int, str, str, torch.device], GemmTactic] = {}
 
 
@@ -222,20 +253,10 @@ def stored_tactic(tokens: int, blocks: torch.Tensor, scales: torch.Tensor, fmt: 
     key = (tokens, n, k, fmt, activations, blocks.device)
     t = _STORED_TACTICS.get(key)
     if t is None:
-        from prepkit.kernels.device import H100, DeviceInfo
-        from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
-        from prepkit.tactics.lookup import make_dense_tactic_lookup
-
-        device = DeviceInfo.from_torch(blocks.device) if blocks.device.type == "cuda" else H100
-        policy = check_policy(activations)
-        t = make_dense_tactic_lookup()(tokens, n, k, fmt, policy, device) or default_dense_tactic(
-            tokens, n, k, fmt, device.capability, activations=policy, sm_count=device.sm_count
-        )
-        if t.upcast == "asm" and blocks.device.type != "cuda":
-            from dataclasses import replace
-
-            t = replace(t, upcast="bits")  # the interpreter runs no inline PTX
-        _STORED_TACTICS[key] = t
+        t = _STORED_TACTICS[key] = choose_tactic(
+            db_tactic_lookup(), tokens, n, k, fmt, check_policy(activations), kernel_device(blocks.device),
+            on_cuda=blocks.device.type == "cuda",
+        )  # fmt: skip
     return t
 
 

@@ -25,7 +25,7 @@ from prepkit.integrations.static_decode import PrepkitDecoder  # noqa: E402
 from prepkit.integrations.transformers import from_prepared  # noqa: E402
 from prepkit.kernels.reference import relative_error  # noqa: E402
 from prepkit.layouts import dense_mx  # noqa: E402
-from prepkit.runtime.dense import MxLinear  # noqa: E402
+from prepkit.runtime.dense import MxLinear, db_tactic_lookup  # noqa: E402
 from prepkit.synth import write_synthetic_checkpoint  # noqa: E402
 from tests.integrations.test_transformers import (  # noqa: E402
     LOGITS_TOL,
@@ -79,6 +79,7 @@ def test_mx_dense_weights_run_as_mx_linears(source: Path, prepared: Path, interp
     model = load(prepared)
     reference = dequantized_reference(source, prepared)
     assert isinstance(model.lm_head, MxLinear)
+    assert model.lm_head.tactic_lookup is db_tactic_lookup()  # tuned rows serve every path
     for layer in model.model.layers:
         attn = layer.self_attn
         assert all(isinstance(getattr(attn, name), MxLinear) for name in DENSE)
