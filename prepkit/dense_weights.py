@@ -19,7 +19,6 @@ from prepkit.layouts import LAYOUTS, Layout
 from prepkit.layouts.dense_mx import (
     MX_DENSE_LAYOUT_IDS,
     MxFormat,
-    block_exponents,
     dequantize_kernel_layout,
     is_dense_weight,
     mx_format,
@@ -28,7 +27,7 @@ from prepkit.layouts.dense_mx import (
     to_kernel_layout,
 )
 from prepkit.layouts.triton_moe import PANEL_BYTES
-from prepkit.mxfp4 import BLOCK_ELEMS, E8M0_BIAS
+from prepkit.mxfp4 import BLOCK_ELEMS
 
 # Elements quantized at once: mxfp4's nearest-code search holds 8 float32 distances an element.
 ROW_SLICE_ELEMENTS = 1 << 21
@@ -132,9 +131,9 @@ def check_stored_weight(
             return str(err)
         if got.shape != want.shape:
             return f"{name}: the stored blocks and scales hold rows of {got.shape[1]} values, the source {k}"
-        rule_scales = (block_exponents(want, fmt) + E8M0_BIAS).to(torch.uint8)
+        rule = to_kernel_layout(want, fmt, name)
         error = (got - want).abs()
-        bound = rounding_bound(want, rule_scales, fmt)
+        bound = rounding_bound(want, rule["scales"].transpose(0, 1), fmt)
         beyond = ~(error <= bound)  # NaN counts as beyond
         if bool(beyond.any()):
             i, j = (int(x) for x in beyond.nonzero()[0])
@@ -143,7 +142,6 @@ def check_stored_weight(
                 f"{float(want[i, j]):.6g}: off by {float(error[i, j]):.3g}, beyond the {fmt.name} rounding "
                 f"bound {float(bound[i, j]):.3g}"
             )
-        rule = to_kernel_layout(want, fmt, name)
         for stored_name, stored, expected in (
             (blocks_name, got_blocks, rule["blocks"]),
             (scales_name, got_scales, rule["scales"]),
