@@ -169,8 +169,7 @@ def stream_tensors(
     try:
         with safe_open(str(root / rel), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118  (safe_open handles are not dicts)
-                found = mx_part_of(name) if mx_parts is not None else None
-                if mx_parts is not None and found is not None:
+                if mx_parts is not None and (found := mx_part_of(name)) is not None:
                     tensor = f.get_tensor(name)
                     add_part(mx_parts, rel, name, found, tensor.to(device))
                     loaded += tensor.numel()
