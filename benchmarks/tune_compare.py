@@ -2,6 +2,7 @@
 
     python benchmarks/tune_compare.py pruned.db thorough.db [--tokens 1,8,64] [--gpu NAME] [--json]
     python benchmarks/tune_compare.py both.db
+    python benchmarks/tune_compare.py pruned.db thorough.db --retime   # on that GPU: time the picks again
 
 Per GEMM and token count: the default's median, the pruned and the thorough pick with their
 medians, the miss in % (how much slower the pruned pick is), and how long each search took, as a
@@ -15,6 +16,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", help="token counts to show, e.g. 1,8,64 or 1-8 (default: every point swept)")
     parser.add_argument("--gpu", help="GPU name (default: the GPU of the latest thorough run)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    parser.add_argument(
+        "--retime",
+        action="store_true",
+        help="time each row's default and both picks again side by side on GPU 0 (needs the GPU the searches ran on)",
+    )
     args = parser.parse_args(argv)
     try:
         tokens = parse_tokens(args.tokens) if args.tokens else None
@@ -43,11 +50,31 @@ def main(argv: list[str] | None = None) -> int:
                 hint="run `prepkit tune` (pruned) and `prepkit tune --thorough` on it first",
             )
         doc = compare.compare(found["pruned"], found["thorough"], tokens)
+        if args.retime:
+            retime(doc, found["thorough"].db)
     except PrepkitError as err:
         print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
         return err.exit_code
     sys.stdout.write(json.dumps(doc, indent=2) + "\n" if args.json else compare.markdown(doc))
     return 0
+
+
+def retime(doc: dict[str, Any], db: str) -> None:
+    """Time the picks again on GPU 0 (:func:`prepkit.tune.compare.retime`); refuses another GPU."""
+    from prepkit.errors import DeviceError
+    from prepkit.tactics import store
+    from prepkit.tune.backend import open_gpu_workers
+
+    with store.open_db_readonly(db) as tdb:
+        problems = {g["problem_hash"]: tdb.problem_key(g["problem_hash"]) for g in doc["gemms"]}
+    worker = open_gpu_workers([0])[0]
+    try:
+        if worker.env.name != doc["gpu"]:
+            raise DeviceError(f"the searches ran on {doc['gpu']}, this GPU is {worker.env.name}")
+        n = compare.retime(doc, problems, worker.backend)
+        print(f"retimed {n} rows on {worker.env.name}", file=sys.stderr)
+    finally:
+        worker.backend.close()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -108,11 +108,13 @@ class ProblemKey:
     def kernel_hash(self) -> str:
         return digest(self.kernel_fields())
 
+    @classmethod
+    def shape_field_names(cls) -> tuple[str, ...]:
+        """The fields :meth:`shape_fields` holds (the problem table's columns)."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("kernel", "kernel_version", "weight_layout", "role"))
+
     def shape_fields(self) -> dict[str, Any]:
-        d = asdict(self)
-        for name in ("kernel", "kernel_version", "weight_layout", "role"):
-            d.pop(name)
-        return d
+        return {name: getattr(self, name) for name in self.shape_field_names()}
 
     def problem_hash(self) -> str:
         # tp/ep are recorded but not hashed: the kernel sees only per-rank sizes (n, k, local

@@ -180,6 +180,8 @@ STEPS: tuple[Step, ...] = (
     CreateTables("create_v1", _V1),
     # Which search found a winner range: one of SEARCHES (NULL in rows written before the column).
     AddColumn("winner", "search", "TEXT"),
+    # How a timing was taken: NULL a full measurement, 'screen' a thorough search's quick one.
+    AddColumn("measurement", "kind", "TEXT"),
 )
 
 # PRAGMA user_version written after the newest step; readers refuse newer files.
@@ -191,6 +193,9 @@ TABLES: tuple[str, ...] = tuple(t.name for t in _V1)
 
 # The searches ``prepkit tune`` runs: the pruned sweep, and ``--thorough`` (every valid variant).
 SEARCHES: tuple[str, ...] = ("pruned", "thorough")
+# A thorough search's quick timing (few samples, cut short when far slower than the best so far):
+# good for ranking variants, never for choosing a winner (the ``kind`` of a measurement row).
+SCREEN_KIND = "screen"
 # What a winner row without ``search`` was found by: before the column only the pruned sweep existed.
 LEGACY_SEARCH = "pruned"
 

@@ -239,7 +239,7 @@ class TacticsDB:
                     "median_us": r.get("median_us"), "p10_us": r.get("p10_us"), "p90_us": r.get("p90_us"),
                     "mean_us": r.get("mean_us"), "n_samples": r.get("n_samples"),
                     "samples_json": json.dumps([round(s, 4) for s in samples]) if samples else None,
-                    "measured_at": _now(),
+                    "measured_at": _now(), "kind": r.get("kind"),
                 }
             )  # fmt: skip
         with self.write() as db:
@@ -319,12 +319,13 @@ class TacticsDB:
     # -- reads for resume ------------------------------------------------------------------------
 
     def measured(self, env_hash: str, problem_hash: str) -> dict[tuple[int, str], dict[str, Any]]:
-        """Latest measurement per (m, tactic JSON) in this environment: what a rerun skips."""
+        """Latest measurement per (m, tactic JSON) in this environment: what a rerun skips. A full
+        measurement wins over a screen (:data:`~prepkit.tactics.schema.SCREEN_KIND`) of any age."""
         out: dict[tuple[int, str], dict[str, Any]] = {}
         for r in self.db.query(
             """
             SELECT m.*, t.params_json FROM measurement m JOIN tactic t USING (tactic_hash)
-            WHERE m.env_hash = ? AND m.problem_hash = ? ORDER BY m.measured_at
+            WHERE m.env_hash = ? AND m.problem_hash = ? ORDER BY m.kind IS NULL, m.measured_at
             """,
             [env_hash, problem_hash],
         ):
@@ -438,6 +439,31 @@ class TacticsDB:
             if d is not None and t is not None:
                 out.append({"m": m, "default_us": d, "tuned_us": t})
         return out
+
+    def problem_key(self, problem_hash: str) -> ProblemKey:
+        """The problem stored under ``problem_hash``, as the key that hashes to it.
+
+        Raises:
+            TacticsError: no such problem, or its row does not hash back to ``problem_hash``.
+        """
+        rows = list(
+            self.db.query(
+                "SELECT p.*, k.name, k.role, k.kernel_version, k.weight_layout FROM problem p "
+                "JOIN kernel k USING (kernel_hash) WHERE p.problem_hash = ?",
+                [problem_hash],
+            )
+        )
+        if not rows:
+            raise TacticsError(f"{self.path}: no problem {problem_hash}")
+        r = rows[0]
+        shape = ProblemKey.shape_field_names()
+        key = ProblemKey(
+            kernel=r["name"], kernel_version=r["kernel_version"], weight_layout=r["weight_layout"], role=r["role"],
+            **{name: r[name] for name in shape if r.get(name) is not None},
+        )  # fmt: skip
+        if key.problem_hash() != problem_hash:
+            raise TacticsError(f"{self.path}: problem {problem_hash} does not hash back to itself")
+        return key
 
     def runs(self) -> list[dict[str, Any]]:
         """Every tuning run, oldest first, with its GPU and when it last stored a row

@@ -14,12 +14,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prepkit.errors import DeviceError
 from prepkit.tactics.keys import Environment, ProblemKey
-from prepkit.tune.records import CandidateError, CheckResult, Timing
+from prepkit.tune.records import CandidateError, CheckResult, Screen, Timing
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
@@ -30,7 +30,7 @@ class Backend(Protocol):
 
     def check(self, problem: ProblemKey, tactic: str) -> CheckResult: ...
 
-    def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing: ...
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing: ...
 
     def close(self) -> None: ...
 
@@ -55,8 +55,8 @@ class FunctionBackend:
         r = self.checker(tactic)
         return r if isinstance(r, CheckResult) else CheckResult(passed=bool(r), reference="stand-in")
 
-    def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:
-        self.calls.append(("time", tactic, m))
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
+        self.calls.append(("screen" if screen else "time", tactic, m))
         r = self.timer(tactic, m)
         return r if isinstance(r, Timing) else Timing.from_samples(r)
 
@@ -184,8 +184,11 @@ class SubprocessBackend:
         r = self.request(req, self.check_timeout_s)
         return CheckResult(**{**r, "m_values": tuple(r.get("m_values", ()))})
 
-    def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:
-        r = self.request({"op": "time", "problem": _pk(problem), "tactic": tactic, "m": m}, self.time_timeout_s)
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
+        req: dict[str, Any] = {"op": "time", "problem": _pk(problem), "tactic": tactic, "m": m}
+        if screen is not None:
+            req["screen"] = asdict(screen)
+        r = self.request(req, self.time_timeout_s)
         return Timing.from_samples(r["samples_us"])
 
     def time_layer(self, problem: ProblemKey, pair: tuple[str, str], m: int) -> Timing:
@@ -222,9 +225,9 @@ class Worker:
     device: DeviceInfo
 
 
-def open_gpu_workers(gpus: Sequence[int] | None) -> list[Worker]:
-    """One worker process per GPU (GPU 0 when ``gpus`` is empty). The parent never initializes
-    CUDA: each worker describes its own device.
+def open_gpu_workers(gpus: Sequence[int] | None, env: Mapping[str, str] | None = None) -> list[Worker]:
+    """One worker process per GPU (GPU 0 when ``gpus`` is empty), with ``env`` added to its
+    environment. The parent never initializes CUDA: each worker describes its own device.
 
     Raises:
         DeviceError: no CUDA device, or a listed GPU does not exist.
@@ -245,7 +248,7 @@ def open_gpu_workers(gpus: Sequence[int] | None) -> list[Worker]:
 
     out = []
     for g in ids:
-        b = SubprocessBackend(g)
+        b = SubprocessBackend(g, env=env)
         facts = b.describe()
         info = {**facts["device_info"], "capability": tuple(facts["device_info"]["capability"])}
         out.append(Worker(b, Environment(**facts["environment"]), DeviceInfo(**info)))

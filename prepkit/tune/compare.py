@@ -29,7 +29,10 @@ from typing import Any
 from prepkit.errors import TacticsError
 from prepkit.fsutil import format_duration
 from prepkit.tactics import store
+from prepkit.tactics.keys import ProblemKey
 from prepkit.tactics.schema import LEGACY_SEARCH
+from prepkit.tune.backend import Backend
+from prepkit.tune.records import CandidateError
 from prepkit.tune.report import short_tactic
 
 
@@ -97,13 +100,14 @@ def search_legs(
     for leg in legs:
         for s in _json(leg["notes"]).get("sweeps", []):
             elapsed[s["problem_hash"]] = elapsed.get(s["problem_hash"], 0.0) + float(s.get("elapsed_s") or 0.0)
-    # The timings the search compared: its own and those it took over from earlier runs.
+    # The timings the search compared: its own and those it took over from earlier runs; full
+    # timings only (a thorough search's screens rank variants and are too short to compare).
     end = legs[-1]["finished_at"] or legs[-1]["last_row_at"] or ""
     timed = {
         (ph, int(m), tactic): float(row["median_us"])
         for ph in records
         for (m, tactic), row in tdb.measured(env_hash, ph).items()
-        if row["status"] == "ok" and row["median_us"] is not None and row["measured_at"] <= end
+        if row["status"] == "ok" and row["median_us"] is not None and row["measured_at"] <= end and not row.get("kind")
     }
     return SearchLegs(search, tdb.path, gpu_name, env_hash, legs, records, elapsed, timed)
 
@@ -176,6 +180,7 @@ def compare(pruned: SearchLegs, thorough: SearchLegs, tokens: Iterable[int] | No
             rows.append(
                 {
                     "m": m,
+                    "default": (t or p or {}).get("default"),
                     "default_us": (t or p or {}).get("default_us"),
                     "pruned_us": p["winner_us"] if p else None,
                     "pruned": p["winner"] if p else None,
@@ -214,6 +219,34 @@ def compare(pruned: SearchLegs, thorough: SearchLegs, tokens: Iterable[int] | No
         },
         "gemms": gemms,
     }
+
+
+SIDE_BY_SIDE = "side by side"
+
+
+def retime(doc: dict[str, Any], problems: Mapping[str, ProblemKey], backend: Backend) -> int:
+    """Time every row's default, pruned pick and thorough pick again, fully and one after the
+    other on ``backend``, and take each row's times and miss from these (basis ``side by side``):
+    the fairest comparison, since both searches' own timings come from different runs. Rows whose
+    timings fail keep what the DBs said. Returns how many rows were retimed."""
+    n = 0
+    for g in doc["gemms"]:
+        problem = problems[g["problem_hash"]]
+        for row in g["points"]:
+            picks = [t for t in (row["default"], row["pruned"], row["thorough"]) if t]
+            try:
+                us = {t: backend.time(problem, t, row["m"]).median_us for t in dict.fromkeys(picks)}
+            except CandidateError:
+                continue
+            if row["default"]:
+                row["default_us"] = us[row["default"]]
+            if row["pruned"] and row["thorough"]:
+                row["pruned_us"], row["thorough_us"] = us[row["pruned"]], us[row["thorough"]]
+                row["miss_pct"] = round(100 * (row["pruned_us"] / row["thorough_us"] - 1.0), 2)
+                row["miss_basis"] = SIDE_BY_SIDE
+            n += 1
+    doc["retimed"] = n
+    return n
 
 
 def _us(value: float | None) -> str:
@@ -258,10 +291,16 @@ def markdown(doc: Mapping[str, Any]) -> str:
             f"Thorough: {format_duration(g['thorough']['elapsed_s'])}, {_coverage(g['thorough']['coverage'])}.",
             "",
         ]
-    out.append(
-        "miss %: how much slower the pruned pick is than the thorough pick, both as the thorough search "
-        "timed them; * where it did not time the pruned pick there: each pick relative to its own run's default."
-    )
+    if doc.get("retimed"):
+        out.append(
+            "µs and miss %: the default and both picks timed again side by side in one worker (`--retime`); "
+            "miss %: how much slower the pruned pick is than the thorough pick."
+        )
+    else:
+        out.append(
+            "miss %: how much slower the pruned pick is than the thorough pick, both as the thorough search "
+            "timed them; * where it did not time the pruned pick there: each pick relative to its own run's default."
+        )
     out.append("")
     for name, s in doc["searches"].items():
         legs = len(s["runs"])

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import ProblemKey
 from prepkit.tune.dense import dense_format
+from prepkit.tune.records import Screen
 from prepkit.tune.worker import CHECK_M, GpuBench, graph_samples
 
 if TYPE_CHECKING:
@@ -132,7 +133,9 @@ class DenseBench:
 
         return launch
 
-    def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
+    def time(
+        self, tactic: str | None, m: int, pair: Sequence[str] | None = None, screen: Screen | None = None
+    ) -> dict[str, Any]:
         """Samples of one call (:func:`~prepkit.tune.worker.graph_samples`) over the weight copies.
 
         Raises:
@@ -140,4 +143,4 @@ class DenseBench:
         """
         if pair is not None or tactic is None:
             raise ValueError("a dense problem times one tactic; it has no GEMM pair")
-        return {**graph_samples(self.launcher(tactic, m), len(self.copies()), self.dev), "scope": "dense"}
+        return {**graph_samples(self.launcher(tactic, m), len(self.copies()), self.dev, screen), "scope": "dense"}

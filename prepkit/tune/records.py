@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prepkit.tactics.keys import ProblemKey
+from prepkit.tactics.schema import SCREEN_KIND
 
 OK = "ok"
 # A check the GPU had no memory for (other workers held it): says nothing of the variant, which is
@@ -61,6 +62,28 @@ def _quantile(sorted_vals: Sequence[float], q: float) -> float:
 
 
 @dataclass(frozen=True)
+class Screen:
+    """A quick timing that ranks variants (a thorough search's anchors): a few samples, and none
+    past the first launch when that launch is far slower than ``cutoff_us``, the best so far."""
+
+    cutoff_us: float | None = None
+    samples: int = 3
+    # Cut only a launch this much slower than the cutoff, and only where one plain launch is long
+    # enough that the host's share of it (argument checks, descriptors: up to a few hundred µs,
+    # which a graph hides) cannot be what makes it slower. A 100 µs floor cut nearly every variant
+    # at 1 token on an H100, the fastest among them.
+    cut_ratio: float = 1.5
+    cut_min_us: float = 1000.0
+
+    def cuts(self, first_launch_us: float) -> bool:
+        return (
+            self.cutoff_us is not None
+            and first_launch_us >= self.cut_min_us
+            and first_launch_us > self.cut_ratio * self.cutoff_us
+        )
+
+
+@dataclass(frozen=True)
 class CheckResult:
     """Outcome of comparing one candidate with the reference."""
 
@@ -93,12 +116,14 @@ class Measurement:
     error: str | None = None
     is_default: bool = False
     reused: bool = False  # read back from the DB, not measured in this run
+    # A thorough search's quick timing: ranks variants, never chooses a winner (SCREEN_KIND).
+    screen: bool = False
 
     def row(self) -> dict[str, Any]:
         t = self.timing
         return {
             "m": self.m, "params_json": self.tactic, "status": self.status, "error_text": self.error,
-            "is_default": self.is_default,
+            "is_default": self.is_default, "kind": SCREEN_KIND if self.screen else None,
             "median_us": t.median_us if t else None, "p10_us": t.p10_us if t else None,
             "p90_us": t.p90_us if t else None, "mean_us": t.mean_us if t else None,
             "n_samples": t.n_samples if t else None, "samples_us": list(t.samples_us) if t else None,

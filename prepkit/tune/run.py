@@ -10,6 +10,7 @@ import json
 import os
 import shlex
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_s
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
 from prepkit.tune.records import LayerReport
 from prepkit.tune.sweep import PreviousRecords, ProgressFn, SweepConfig, tune_layer
-from prepkit.tune.worker import CHECK_M, SINGLE_CHECK_M, kernel_timing_scope
+from prepkit.tune.worker import BUILD_LOCK_ENV, CHECK_M, NICE_ENV, SINGLE_CHECK_M, kernel_timing_scope
 
 if TYPE_CHECKING:
     from prepkit.kernels.activations import ActivationPolicy
@@ -131,7 +132,10 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         RecipeError: the problem cannot be built from the model or shards.
         TacticsError: the DB cannot be opened or written.
     """
-    workers = open_gpu_workers(opts.gpus)
+    lock_dir = tempfile.TemporaryDirectory(prefix="prepkit-tune-")
+    # Workers build their layers one at a time (worker.build_lock): a build's peak is several layers.
+    worker_env = {BUILD_LOCK_ENV: os.path.join(lock_dir.name, "build.lock")}
+    workers = open_gpu_workers(opts.gpus, worker_env)
     checkers: list[Backend] = []
     try:
         check_workers(workers, opts.arch)
@@ -161,14 +165,16 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
                         w.backend.check_m = check_m
                 largest = max([*problems, *(t.problem for t in dense)], key=thorough.layer_weight_bytes)
                 n = check_worker_count(opts, workers[0].env, largest)
+                # Compiling yields the CPU to the timing worker (whose launches are timed).
+                check_env = {**first.extra_env, NICE_ENV: str(thorough.CHECK_WORKER_NICENESS)}
                 checkers = [
-                    SubprocessBackend(first.gpu, argv=first.argv, env=first.extra_env, check_m=check_m)
-                    for _ in range(n)
+                    SubprocessBackend(first.gpu, argv=first.argv, env=check_env, check_m=check_m) for _ in range(n)
                 ]
             layer, status = _sweep_into(tdb, workers, checkers, problems, dense, opts, on_progress)
     finally:
         for b in [w.backend for w in workers] + checkers:
             b.close()
+        lock_dir.cleanup()
     return TuneReport(layer, workers[0].env, path, status, opts.search)
 
 

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 
 from prepkit.tactics.keys import JsonTactic, ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS, merge_points
-from prepkit.tactics.schema import SEARCHES
+from prepkit.tactics.schema import SCREEN_KIND, SEARCHES
 from prepkit.tune.backend import Backend
 from prepkit.tune.records import (
     OK,
@@ -52,6 +52,7 @@ from prepkit.tune.records import (
     LayerReport,
     Measurement,
     PointChoice,
+    Screen,
     SweepResult,
     Timing,
     WinnerRange,
@@ -145,6 +146,7 @@ class _Sweep:
         self.progress = progress
         self.label = label or f"{problem.role} N={problem.n} K={problem.k}"
         self.measurements: dict[tuple[int, str], Measurement] = {}
+        self.fastest: dict[int, float] = {}  # the fastest median timed at each token count
         self.checks: dict[str, Correctness] = {}
         self.failed: dict[str, str] = {}
         self.new_blocked: list[tuple[str, str]] = []
@@ -164,7 +166,7 @@ class _Sweep:
         for (m, t), row in measurements.items():
             tc = canon(t)
             if int(m) in self.defaults and tc in order:
-                self.measurements[(int(m), tc)] = _measurement_from_row(int(m), tc, row, self.defaults[int(m)] == tc)
+                self.record(_measurement_from_row(int(m), tc, row, self.defaults[int(m)] == tc))
         for t, row in checks.items():
             tc = canon(t)
             if tc in order:
@@ -202,20 +204,27 @@ class _Sweep:
                 out.blocked.append((t, self.failed[t]))
         return out
 
-    def point_job(self, b: Backend, m: int, tactics: Sequence[str], phase: str) -> Batch:
+    def point_job(self, b: Backend, m: int, tactics: Sequence[str], phase: str, screen: bool = False) -> Batch:
+        """Time ``tactics`` at ``m``: fully, or with a quick :class:`Screen` cut against the best
+        timing at ``m`` so far. A pair timed before is skipped, but a screen is no full timing."""
         out = Batch(phase, m)
         for t in tactics:
             with self.lock:
-                if (m, t) in self.measurements or t in self.failed:
+                had = self.measurements.get((m, t))
+                if t in self.failed or (had is not None and (screen or not had.screen)):
                     continue
+                cutoff = self.best_us(m) if screen else None
             if self.over_budget():
                 self.incomplete = True
                 break
-            meas = _safe_time(b, self.problem, t, m)
+            meas = _safe_time(b, self.problem, t, m, Screen(cutoff) if screen else None)
+            if meas.status == OUT_OF_MEMORY:  # other workers hold the memory: timed again by the next run
+                self.incomplete = True
+                break
             meas.is_default = self.defaults[m] == t
             out.measurements.append(meas)
             with self.lock:
-                self.measurements[(m, t)] = meas
+                self.record(meas)
                 self.n_timed += 1
                 if meas.status != OK and t not in self.failed:
                     self.failed[t] = f"{meas.status} at M={m}: {meas.error or ''}".strip()
@@ -224,13 +233,13 @@ class _Sweep:
 
     # -- phases (caller's thread) ----------------------------------------------------------
 
-    def check_all(self, pool: _Pool, to_check: Sequence[str], label: str | None = None) -> None:
+    def check_all(self, pool: _Pool, to_check: Sequence[str]) -> None:
         for fut in _completed([pool.submit(functools.partial(self.check_job, t=t)) for t in to_check]):
             batch = fut.result()
             if not batch.correctness:
                 continue  # skipped (budget spent, or no GPU memory): not checked, not counted
             self.done += 1
-            self.progress(label or self.label, self.done, self.estimate)
+            self.progress(self.label, self.done, self.estimate)
             if batch.correctness:  # stored at once: a killed tune keeps every finished check
                 self.emit(batch)
                 self.new_blocked += batch.blocked
@@ -255,6 +264,21 @@ class _Sweep:
             if batch.measurements:
                 self.emit(batch)
                 self.new_blocked += batch.blocked
+
+    def fully_timed(self, m: int, t: str) -> bool:
+        had = self.measurements.get((m, t))
+        return had is not None and not had.screen
+
+    def best_us(self, m: int) -> float | None:
+        """The fastest median timed at ``m`` so far (call under ``lock``)."""
+        return self.fastest.get(m)
+
+    def record(self, meas: Measurement) -> None:
+        """Keep ``meas`` as the timing of its pair (call under ``lock``)."""
+        self.measurements[(meas.m, meas.tactic)] = meas
+        if _ok(meas):
+            us = _median_us(meas)
+            self.fastest[meas.m] = min(us, self.fastest.get(meas.m, us))
 
     def anchors(self, points: tuple[int, ...]) -> tuple[int, ...]:
         """The anchors among the token points; the first and last point where none is."""
@@ -287,38 +311,75 @@ class _Sweep:
         return t in self.failed or all((m, t) in self.measurements for m in anchors)
 
     def group_job(self, b: Backend, tactics: Sequence[str], anchors: Sequence[int]) -> Batch:
-        """Time ``tactics`` at every anchor, one anchor after the other (a worker keeps one token
+        """Screen ``tactics`` at every anchor, one anchor after the other (a worker keeps one token
         count's inputs at a time), as one batch: the unit a killed run keeps."""
         out = Batch("anchor")
         for m in anchors:
-            part = self.point_job(b, m, tactics, "anchor")
+            part = self.point_job(b, m, tactics, "anchor", screen=True)
             out.measurements += part.measurements
             out.blocked += part.blocked
             if self.incomplete:
                 break
         return out
 
-    def measure_all_at_anchors(self, pool: _Pool, passed: list[str], anchors: Sequence[int]) -> list[str]:
-        """Time every passed candidate at every anchor, the defaults first (a run cut short by its
-        budget then still compares with them), in groups of ``anchor_group``; progress counts the
-        variants measured out of those passed. Returns the survivors."""
-        label = f"{self.label}: variants measured"
-        firsts = {t: None for t in self.defaults.values() if t in passed}
-        ordered = [*firsts, *(t for t in passed if t not in firsts)]
-        todo = [t for t in ordered if not self.settled(t, anchors)]
-        done = len(ordered) - len(todo)
-        self.progress(label, done, len(ordered))
+    def check_and_screen(self, cpool: _Pool, pool: _Pool, cands: Sequence[str], anchors: Sequence[int]) -> list[str]:
+        """The thorough search's first phases: each variant is checked on a check worker (which
+        compiles it), then those that passed are screened at every anchor in groups of
+        ``anchor_group`` on the timing workers, the defaults first, so that a run cut short still
+        compares with them and the screens' cutoffs start from them. The screens wait for the
+        last check: a check worker's kernels time-slice the GPU with the timed launches, which
+        made screens of short launches several times too slow (docs/tuning.md).
+
+        A variant checked by an earlier run but not screened at every anchor is checked again:
+        the check compiles it, so the timing worker loads a binary instead of compiling it.
+        Progress counts variants checked, and variants measured out of those not failed.
+        Returns the survivors (the best ``keep_per_anchor`` of each anchor)."""
+        firsts = {t: None for t in self.defaults.values() if t in cands}
+        ordered = [*firsts, *(t for t in cands if t not in firsts)]
+        position = {t: i for i, t in enumerate(ordered)}
+        to_check = [t for t in ordered if t not in self.failed and not (self.passed(t) and self.settled(t, anchors))]
+        check_label, measure_label = f"{self.label}: variants checked", f"{self.label}: variants measured"
+        checked = len(ordered) - len(to_check)
+        measured = sum(self.passed(t) and self.settled(t, anchors) for t in ordered)
+        self.progress(check_label, checked, len(ordered))
         size = max(1, self.cfg.anchor_group)
-        groups = [todo[i : i + size] for i in range(0, len(todo), size)]
-        futs = [pool.submit(functools.partial(self.group_job, tactics=g, anchors=anchors)) for g in groups]
-        group_of = dict(zip(futs, groups, strict=True))
-        for fut in _completed(futs):
-            batch = fut.result()
-            if batch.measurements:
-                self.emit(batch)
-                self.new_blocked += batch.blocked
-            done += sum(self.settled(t, anchors) for t in group_of[fut])
-            self.progress(label, done, len(ordered))
+        ready: list[str] = []
+        groups: dict[Future[Batch], list[str]] = {}
+        pending: set[Future[Batch]] = set()
+
+        def screen_group(group: list[str]) -> None:
+            fut = pool.submit(functools.partial(self.group_job, tactics=group, anchors=anchors))
+            groups[fut] = group
+            pending.add(fut)
+
+        checks = {cpool.submit(functools.partial(self.check_job, t=t)): t for t in to_check}
+        pending.update(checks)
+        checks_left = len(checks)
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: (f not in checks, position[checks.get(f) or groups[f][0]])):
+                pending.discard(fut)
+                batch = fut.result()
+                if fut in checks:
+                    checks_left -= 1
+                    if batch.correctness:  # else skipped (budget spent, no GPU memory): not counted
+                        checked += 1
+                        self.progress(check_label, checked, len(ordered))
+                        self.emit(batch)
+                        self.new_blocked += batch.blocked
+                        if batch.correctness[0].result.passed:
+                            ready.append(checks[fut])
+                    if not checks_left:  # every check done: the GPU is the timing worker's alone
+                        for i in range(0, len(ready), size):
+                            screen_group(ready[i : i + size])
+                        ready.clear()
+                    continue
+                if batch.measurements:
+                    self.emit(batch)
+                    self.new_blocked += batch.blocked
+                measured += sum(self.settled(t, anchors) and t not in self.failed for t in groups[fut])
+                self.progress(measure_label, measured, len(ordered) - len(self.failed))
+        passed = [t for t in ordered if self.passed(t)]
         return self.survivors(passed, anchors)
 
 
@@ -375,33 +436,30 @@ def sweep(
     anchors: tuple[int, ...] = ()
     pool = _Pool(backends)
     try:
-        # 1. numerics, before any timing
-        to_check = [t for t in cands if t not in st.checks]
-        check_label = None
-        if cfg.thorough:  # progress: variants checked out of all candidates
-            check_label, st.done, st.estimate = f"{st.label}: variants checked", len(cands) - len(to_check), len(cands)
-        else:
-            st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
         cpool = _Pool(check_backends) if check_backends else pool
         try:
-            st.check_all(cpool, to_check, check_label)
+            if cfg.thorough:  # 1-2. numerics, then anchor screens of every candidate
+                anchors = st.anchors(points)
+                keep = st.check_and_screen(cpool, pool, cands, anchors)
+            else:  # 1. numerics, before any timing
+                to_check = [t for t in cands if t not in st.checks]
+                st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
+                st.check_all(cpool, to_check)
         finally:
             if cpool is not pool:
                 cpool.shutdown()
                 if cfg.thorough:
                     for b in check_backends or ():
                         b.close()
-        passed = [t for t in cands if st.passed(t)]
 
         # 2. anchors: prune a large candidate set on a few token counts
-        if len(passed) <= cfg.keep_per_anchor:
-            keep = list(passed)
-        elif cfg.thorough:
-            anchors = st.anchors(points)
-            keep = st.measure_all_at_anchors(pool, passed, anchors)
-        else:
-            anchors = st.anchors(points)
-            keep = st.anchor_survivors(pool, passed, points)
+        if not cfg.thorough:
+            passed = [t for t in cands if st.passed(t)]
+            if len(passed) <= cfg.keep_per_anchor:
+                keep = passed
+            else:
+                anchors = st.anchors(points)
+                keep = st.anchor_survivors(pool, passed, points)
 
         # 3. every point: the survivors and that point's default, in the same run
         def for_point(m: int) -> list[str]:
@@ -412,9 +470,7 @@ def sweep(
         point_label = None
         if cfg.thorough:  # progress: the pairs left to time
             point_label, st.done = f"{st.label}: every point", 0
-            st.estimate = sum(
-                (m, t) not in st.measurements and t not in st.failed for m in points for t in for_point(m)
-            )
+            st.estimate = sum(not st.fully_timed(m, t) and t not in st.failed for m in points for t in for_point(m))
         st.time_points(pool, points, for_point, "point", point_label)
     finally:
         pool.shutdown()
@@ -451,14 +507,14 @@ def _safe_check(b: Backend, problem: ProblemKey, t: str) -> CheckResult:
         return CheckResult(passed=False, status=err.status, error=err.text)
 
 
-def _safe_time(b: Backend, problem: ProblemKey, t: str, m: int) -> Measurement:
+def _safe_time(b: Backend, problem: ProblemKey, t: str, m: int, screen: Screen | None = None) -> Measurement:
     try:
-        timing = b.time(problem, t, m)
+        timing = b.time(problem, t, m, screen) if screen is not None else b.time(problem, t, m)
     except CandidateError as err:
-        return Measurement(m, t, err.status, error=err.text)
+        return Measurement(m, t, err.status, error=err.text, screen=screen is not None)
     if not (timing.median_us > 0 and math.isfinite(timing.median_us)):
         return Measurement(m, t, "launch_error", error=f"implausible time {timing.median_us} us")
-    return Measurement(m, t, OK, timing)
+    return Measurement(m, t, OK, timing, screen=screen is not None)
 
 
 def _reason(r: CheckResult) -> str:
@@ -485,14 +541,17 @@ def _median_us(meas: Measurement | None) -> float:
 
 
 def _measurement_from_row(m: int, t: str, row: Mapping[str, Any], is_default: bool) -> Measurement:
+    screened = row.get("kind") == SCREEN_KIND
     if row.get("status") == OK and row.get("median_us") is not None:
         med = float(row["median_us"])
         timing = Timing(
             median_us=med, p10_us=float(row.get("p10_us") or med), p90_us=float(row.get("p90_us") or med),
             mean_us=float(row.get("mean_us") or med), n_samples=int(row.get("n_samples") or 0),
         )  # fmt: skip
-        return Measurement(m, t, OK, timing, is_default=is_default, reused=True)
-    return Measurement(m, t, str(row.get("status")), error=row.get("error_text"), is_default=is_default, reused=True)
+        return Measurement(m, t, OK, timing, is_default=is_default, reused=True, screen=screened)
+    return Measurement(
+        m, t, str(row.get("status")), error=row.get("error_text"), is_default=is_default, reused=True, screen=screened
+    )
 
 
 def _check_from_row(row: Mapping[str, Any]) -> CheckResult:
@@ -516,9 +575,10 @@ def choose(
 ) -> PointChoice:
     """The tactic for token point ``m``: the default unless beaten beyond noise.
 
-    Only candidates that passed the numerics check, never failed, and were timed OK compete.
+    Only candidates that passed the numerics check, never failed, and were timed OK in full (not
+    only screened) compete.
     """
-    ok = {t: x for t, x in timed.items() if _ok(x) and t in passed and t not in failed}
+    ok = {t: x for t, x in timed.items() if _ok(x) and not x.screen and t in passed and t not in failed}
     if not ok:
         return PointChoice(m, None, default, None, None, why="nothing measured")
     ranked = sorted(ok, key=lambda t: (_median_us(ok[t]), t))
@@ -526,6 +586,9 @@ def choose(
     dm = ok.get(default)
     bt = ok[best].timing
     assert bt is not None
+    if dm is None and default in passed and default not in failed:
+        # A run cut short before it timed the default has nothing to compare with: no choice yet.
+        return PointChoice(m, None, default, None, None, why="default not timed yet")
     if dm is None:
         winner, why = best, "default unavailable"
     elif best == default:
@@ -605,12 +668,15 @@ def tune_layer(
     of each problem's variant space, for the coverage; ``label_for``: what progress calls each."""
     start = clock()
     results: list[SweepResult] = []
+    # A thorough search shares the budget by the variants each GEMM has left to screen (a resumed
+    # run gives its time to the GEMM that needs it); the pruned one shares it equally.
+    work = [_work_left(p, candidates_for, previous, config) if config.thorough else 1 for p in problems]
     for i, problem in enumerate(problems):
         budget = None
         if config.budget_s is not None:
             left = config.budget_s - (clock() - start)
             # Keep a slice for the whole-layer comparison at the end.
-            budget = max(0.0, left * (0.95 if compare_layer else 1.0) / (len(problems) - i))
+            budget = max(0.0, left * (0.95 if compare_layer else 1.0) * work[i] / sum(work[i:]))
         prev_m, prev_c, blocked = previous(problem) if previous else ({}, {}, set())
         res = sweep(
             problem, candidates_for(problem), default_for(problem), backends,
@@ -625,6 +691,24 @@ def tune_layer(
             on_result(res)
     points = _layer_points(results, getattr(backends[0], "time_layer", None)) if compare_layer else []
     return LayerReport(results, points, clock() - start)
+
+
+def _work_left(
+    problem: ProblemKey,
+    candidates_for: Callable[[ProblemKey], list[str]],
+    previous: Callable[[ProblemKey], PreviousRecords] | None,
+    config: SweepConfig,
+) -> int:
+    """How many of ``problem``'s candidates a thorough sweep has yet to screen at every anchor
+    (at least 1: the final phase is work too)."""
+    measured, _, blocked = previous(problem) if previous else ({}, {}, set())
+    timed = {(int(m), canon(t)) for (m, t) in measured}
+    done = {canon(t) for t in blocked}
+    left = sum(
+        canon(t) not in done and not all((m, canon(t)) in timed for m in config.anchors)
+        for t in candidates_for(problem)
+    )
+    return max(1, left)
 
 
 def _layer_points(results: Sequence[SweepResult], timer: Callable[..., Timing] | None) -> list[LayerPoint]:

@@ -24,14 +24,18 @@ DEFAULT_BUDGET_MINUTES = 15.0
 THOROUGH_BUDGET_MINUTES = 720.0
 # Check workers of the pruned search (a few dozen candidates).
 DEFAULT_CHECK_WORKERS = 4
+# Niceness of the check workers (compiling): the timing worker keeps its core.
+CHECK_WORKER_NICENESS = 10
 # The most check workers a thorough search starts by itself (and --check-workers accepts).
 MAX_CHECK_WORKERS = 32
-# GPU memory of a check worker: the layer's weights in both forms (checkpoint and kernel layout),
-# the reference's working set, inputs and outputs, measured at 4.4 layer-bytes (7.28 GiB for
-# gpt-oss-120b's 1.65 GB layer on an H100), plus the CUDA context. Rounded up: an estimate short
-# of the truth runs the GPU out of memory.
-WORKER_BYTES_PER_LAYER_BYTE = 4.5
-WORKER_OVERHEAD_BYTES = 2 << 30
+# GPU memory of a worker. Building its layer takes the weights in both forms (checkpoint and
+# kernel layout) and the conversion's temporaries: 4.4 layer-bytes measured (7.28 GiB for
+# gpt-oss-120b's 1.65 GB layer on an H100). Workers build one at a time under a shared lock, then
+# give back all but the kernel-layout copy, the references and the CUDA context. Rounded up: an
+# estimate short of the truth runs the GPU out of memory.
+BUILD_BYTES_PER_LAYER_BYTE = 4.5
+WORKER_BYTES_PER_LAYER_BYTE = 1.5
+WORKER_OVERHEAD_BYTES = 1 << 30
 # Share of the GPU memory the workers may fill together, the timing worker included.
 GPU_MEMORY_SHARE = 0.8
 
@@ -64,12 +68,14 @@ def layer_weight_bytes(problem: ProblemKey) -> int:
 
 
 def check_workers(cpu_count: int | None, gpu_mem_bytes: int, layer_bytes: int) -> int:
-    """Check workers of a thorough search: one per CPU core (compiling is CPU work), at most
-    :data:`MAX_CHECK_WORKERS`, and no more than the GPU memory holds next to the timing worker
-    (:data:`WORKER_BYTES_PER_LAYER_BYTE`; ``gpu_mem_bytes`` 0: unknown, no memory bound)."""
-    by_cpu = max(1, min(cpu_count or 1, MAX_CHECK_WORKERS))
+    """Check workers of a thorough search: one per CPU core but one (compiling is CPU work; the
+    timing worker keeps a core), at most :data:`MAX_CHECK_WORKERS`, and no more than the GPU memory
+    holds beside one build's peak and the timing worker (``gpu_mem_bytes`` 0: unknown, no memory
+    bound)."""
+    by_cpu = max(1, min((cpu_count or 2) - 1, MAX_CHECK_WORKERS))
     if gpu_mem_bytes <= 0:
         return by_cpu
+    build = BUILD_BYTES_PER_LAYER_BYTE * layer_bytes
     per_worker = WORKER_BYTES_PER_LAYER_BYTE * layer_bytes + WORKER_OVERHEAD_BYTES
-    by_memory = int(gpu_mem_bytes * GPU_MEMORY_SHARE // per_worker) - 1  # one share for the timing worker
-    return max(1, min(by_cpu, by_memory))
+    free = gpu_mem_bytes * GPU_MEMORY_SHARE - build - max(build, per_worker)  # the timing worker: its own inputs
+    return max(1, min(by_cpu, int(free // per_worker)))

@@ -9,19 +9,21 @@ worker path can be tested before any GPU time is spent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import DENSE_ROLE, ProblemKey, canon, canonical_json
 from prepkit.tune.candidates import key_layer
-from prepkit.tune.records import OUT_OF_MEMORY
+from prepkit.tune.records import OUT_OF_MEMORY, Screen
 
 if TYPE_CHECKING:
     from prepkit.kernels.tactic import GemmTactic
+    from prepkit.layouts.base import ExpertWeights
     from prepkit.tune.dense_bench import DenseBench
 
 # Token counts a numerics check runs the layer at: one token, a few, row blocks left partly
@@ -30,6 +32,58 @@ CHECK_M: tuple[int, ...] = (1, 7, 33, 256)
 # The one shape of a thorough search's check: 33 tokens leave row blocks partly filled and route
 # to most experts, the cases where a variant's masking or indexing goes wrong.
 SINGLE_CHECK_M: tuple[int, ...] = (33,)
+
+
+# A lock file the workers of one ``prepkit tune`` share (the parent names it): building a layer,
+# or its references, takes several times the layer's bytes for a moment, so one worker at a time.
+BUILD_LOCK_ENV = "PREPKIT_TUNE_BUILD_LOCK"
+
+
+# Niceness a worker takes (the parent sets it for check workers): a thorough search's timing
+# worker, its slowest stage, then gets the CPU it needs while the check workers compile.
+NICE_ENV = "PREPKIT_TUNE_NICE"
+
+
+@contextlib.contextmanager
+def build_lock() -> Iterator[None]:
+    """Hold the run's build lock (:data:`BUILD_LOCK_ENV`); no lock where none is named."""
+    path = os.environ.get(BUILD_LOCK_ENV)
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def release_cached_memory() -> None:
+    """Give the GPU memory torch's allocator keeps for reuse back to the device, for the other
+    workers (a build's peak would otherwise stay reserved for the life of the worker)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def compact(obj: Any) -> None:
+    """Move ``obj``'s GPU tensors to the host and back once the allocator has given back what it
+    cached: built among the build's temporaries, they would keep the temporaries' memory segments
+    reserved (5.7 GiB a worker was measured for a 1.8 GB layer)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    moved = {k: v.cpu() for k, v in vars(obj).items() if isinstance(v, torch.Tensor) and v.is_cuda}
+    for k in moved:
+        setattr(obj, k, None)
+    torch.cuda.empty_cache()
+    for k, v in moved.items():
+        setattr(obj, k, v.cuda())
 
 
 def kernel_timing_scope() -> str:
@@ -53,7 +107,6 @@ class GpuBench:
         import torch
 
         from prepkit.kernels.device import DeviceInfo
-        from prepkit.layouts.base import ExpertWeights
         from prepkit.runtime.moe import MoeLayer
 
         self.torch = torch
@@ -72,7 +125,26 @@ class GpuBench:
         shape = key_layer(self.problem)
         E, H, I, top_k = shape.num_local_experts, shape.hidden, shape.valid_intermediate, shape.top_k
         self.H, self.I, self.E, self.top_k = H, I, E, top_k
-        g = torch.Generator(device=self.dev).manual_seed(seed)
+        self.seed = seed
+        # The checkpoint-form copy is dropped once the layer is built and drawn again, from the same
+        # seed, only while references are computed: a worker then holds one copy of the layer, so
+        # a thorough search fits one check worker per core on the GPU.
+        with build_lock():
+            self.layer, _ = MoeLayer.from_experts(self.source(), top_k=top_k, activations=self.activations)
+            compact(self.layer)
+        self.layer.device_info = self.info
+        self.gen = torch.Generator(device=self.dev).manual_seed(seed + 1)
+        self._refs: dict[int, tuple[Any, Any, Any]] = {}
+        self._inputs: dict[str, Any] = {}
+
+    def source(self) -> ExpertWeights:
+        """The layer's weights in checkpoint form, drawn from the bench's seed (the same every call)."""
+        import torch
+
+        from prepkit.layouts.base import ExpertWeights
+
+        E, H, I = self.E, self.H, self.I
+        g = torch.Generator(device=self.dev).manual_seed(self.seed)
 
         def codes(*shape: int) -> torch.Tensor:
             return torch.randint(0, 256, shape, generator=g, device=self.dev, dtype=torch.uint8)
@@ -81,7 +153,7 @@ class GpuBench:
             # 2**-8 .. 2**-5: products of fp4 values (<= 6) stay in the range real weights have.
             return torch.randint(119, 123, shape, generator=g, device=self.dev, dtype=torch.uint8)
 
-        self.source = ExpertWeights(
+        return ExpertWeights(
             gate_up_proj_blocks=codes(E, 2 * I, H // 32, 16),
             gate_up_proj_scales=scales(E, 2 * I, H // 32),
             gate_up_proj_bias=(torch.randn(E, 2 * I, generator=g, device=self.dev) * 0.1).to(torch.bfloat16),
@@ -89,11 +161,24 @@ class GpuBench:
             down_proj_scales=scales(E, H, I // 32),
             down_proj_bias=(torch.randn(E, H, generator=g, device=self.dev) * 0.1).to(torch.bfloat16),
         )
-        self.layer, _ = MoeLayer.from_experts(self.source, top_k=top_k, activations=self.activations)
-        self.layer.device_info = self.info
-        self.gen = g
-        self._refs: dict[int, tuple[Any, Any, Any]] = {}
-        self._inputs: dict[str, Any] = {}
+
+    def _references(self, ms: Sequence[int]) -> None:
+        """Inputs and fp32 references of the token counts in ``ms`` not computed yet."""
+        from prepkit.kernels.reference import moe_reference
+
+        torch = self.torch
+        missing = [m for m in ms if m not in self._refs]
+        if not missing:
+            return
+        with build_lock():
+            experts = self.source().as_dict()
+            for m in missing:
+                x = torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
+                logits = torch.randn(m, self.E, device=self.dev, generator=self.gen)
+                ref = moe_reference(x, logits, experts, top_k=self.top_k, activations=self.activations)
+                self._refs[m] = (x, logits, ref)
+            del experts
+            release_cached_memory()
 
     def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[GemmTactic, GemmTactic]:
         from prepkit.kernels.tactic import GemmTactic
@@ -109,20 +194,16 @@ class GpuBench:
     def check(self, tactic: str, m_values: Sequence[int] | None = None) -> dict[str, Any]:
         """Run the layer with ``tactic`` at each of ``m_values`` tokens (default :data:`CHECK_M`)
         and compare it with the fp32 reference."""
-        from prepkit.kernels.reference import moe_reference, relative_error
+        from prepkit.kernels.reference import relative_error
         from prepkit.runtime.moe import moe
 
         torch = self.torch
         ms = tuple(int(m) for m in m_values) if m_values else CHECK_M
         if any(m < 1 for m in ms):
             raise ValueError(f"check token counts must be positive, got {list(ms)}")
+        self._references(ms)
         worst, max_abs, bad = 0.0, 0.0, 0
         for m in ms:
-            if m not in self._refs:
-                x = torch.randn(m, self.H, device=self.dev, generator=self.gen).to(torch.bfloat16)
-                logits = torch.randn(m, self.E, device=self.dev, generator=self.gen)
-                ref = moe_reference(x, logits, self.source.as_dict(), top_k=self.top_k, activations=self.activations)
-                self._refs[m] = (x, logits, ref)
             x, logits, ref = self._refs[m]
             out = moe(self.layer, x, logits, tactics=self.pair(tactic, m), out_dtype=torch.float32)
             if self.dev.type == "cuda":
@@ -216,16 +297,22 @@ class GpuBench:
             return replace(t, upcast="bits")
         return t
 
-    def time(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> dict[str, Any]:
+    def time(
+        self, tactic: str | None, m: int, pair: Sequence[str] | None = None, screen: Screen | None = None
+    ) -> dict[str, Any]:
         """Samples of one launch (:func:`graph_samples`) cycling through fresh inputs."""
         launch, scope = self._launcher(tactic, m, pair)
-        return {**graph_samples(launch, self.ROTATE, self.dev), "scope": scope}
+        return {**graph_samples(launch, self.ROTATE, self.dev, screen), "scope": scope}
 
 
-def graph_samples(launch: Callable[[int], Any], rotate: int, device: Any) -> dict[str, Any]:
+def graph_samples(
+    launch: Callable[[int], Any], rotate: int, device: Any, screen: Screen | None = None
+) -> dict[str, Any]:
     """Samples of one launch: a CUDA graph of ``reps`` launches, ``launch(i)`` for ``i`` cycling
     through ``rotate`` input sets, replayed ``samples`` times; reps and samples scale with the
-    launch's length. Without CUDA, three plain calls timed on the host."""
+    launch's length. Without CUDA, three plain calls timed on the host. A ``screen`` takes
+    :attr:`Screen.samples` samples after one warm-up, and returns the first launch alone
+    (``"cut": true``) when :meth:`Screen.cuts` it."""
     import torch
 
     if device.type != "cuda":
@@ -235,7 +322,7 @@ def graph_samples(launch: Callable[[int], Any], rotate: int, device: Any) -> dic
             launch(i % rotate)
             samples.append((time.perf_counter() - t) * 1e6)
         return {"samples_us": samples, "reps": 1}
-    for i in range(2):  # compile and warm up outside the graph
+    for i in range(1 if screen else 2):  # compile and warm up outside the graph
         launch(i % rotate)
     torch.cuda.synchronize()
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -244,8 +331,12 @@ def graph_samples(launch: Callable[[int], Any], rotate: int, device: Any) -> dic
     t1.record()
     torch.cuda.synchronize()
     est_us = max(t0.elapsed_time(t1) * 1e3, 1.0)
+    if screen is not None and screen.cuts(est_us):
+        return {"samples_us": [est_us], "reps": 1, "cut": True}
     reps = int(min(4 * GpuBench.ROTATE, max(1, 2000 // est_us)))
     n_samples = int(min(30, max(7, 60_000 // (est_us * reps))))
+    if screen is not None:  # one pass over the input sets: capturing a graph is CPU time
+        reps, n_samples = min(reps, rotate), screen.samples
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -287,7 +378,8 @@ def _classify(err: BaseException) -> tuple[str, bool]:
     """Status of a failed request and whether the CUDA context is unusable (restart the worker)."""
     name = type(err).__name__
     text = str(err)
-    if name == "OutOfMemoryError" or "CUDA out of memory" in text:
+    oom = _out_of_memory(name, text)
+    if oom:
         status = OUT_OF_MEMORY
     elif name == "OutOfResources" or "out of resource" in text.lower():
         status = "out_of_resources"
@@ -301,9 +393,14 @@ def _classify(err: BaseException) -> tuple[str, bool]:
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
             torch.zeros(1, device="cuda").add_(1).item()
-    except Exception:
-        return "sticky_cuda_error", True
+    except Exception as again:
+        # Out of memory stays out of memory (other workers hold it): no fault of the variant.
+        return (OUT_OF_MEMORY if oom or _out_of_memory(type(again).__name__, str(again)) else "sticky_cuda_error"), True
     return status, False
+
+
+def _out_of_memory(name: str, text: str) -> bool:
+    return name == "OutOfMemoryError" or "out of memory" in text.lower() or "ALLOC_FAILED" in text
 
 
 # Compiled GEMM variants a worker keeps loaded. Triton holds every kernel it launched in memory
@@ -336,6 +433,9 @@ def _gemm_kernels() -> list[Any]:
 
 
 def worker_main(seed: int) -> int:
+    niceness = int(os.environ.get(NICE_ENV) or 0)
+    if niceness:
+        os.nice(niceness)
     # The protocol owns the real stdout; anything a library prints goes to stderr instead.
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -368,7 +468,8 @@ def worker_main(seed: int) -> int:
             elif op == "check":
                 result = bench(req["problem"]).check(req["tactic"], req.get("m_values"))
             elif op == "time":
-                result = bench(req["problem"]).time(req.get("tactic"), int(req["m"]), req.get("pair"))
+                screen = Screen(**req["screen"]) if req.get("screen") is not None else None
+                result = bench(req["problem"]).time(req.get("tactic"), int(req["m"]), req.get("pair"), screen)
             else:
                 raise ValueError(f"unknown op {op!r}")
             reply: dict[str, Any] = {"ok": True, "result": result}

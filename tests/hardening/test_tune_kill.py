@@ -42,7 +42,7 @@ CHILD = textwrap.dedent(
         return True
 
     env = Environment.of(H100)
-    tune_run.open_gpu_workers = lambda gpus: [Worker(FunctionBackend(timer, checker), env, H100)]
+    tune_run.open_gpu_workers = lambda gpus, extra_env=None: [Worker(FunctionBackend(timer, checker), env, H100)]
     from prepkit.cli import main
 
     sys.argv = ["prepkit", "tune", "--arch", "sm90", "--db", sys.argv[2], "--tokens", sys.argv[3],

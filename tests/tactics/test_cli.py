@@ -35,7 +35,7 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch):
     """Replace the GPU workers with stand-in backends describing an H100."""
     made: list[FunctionBackend] = []
 
-    def open_backends(gpus):
+    def open_backends(gpus, env=None):
         made.clear()
         for _ in gpus or [0]:
             made.append(FunctionBackend(synthetic_timer, lambda t: json.loads(t)["block_n"] != 32))

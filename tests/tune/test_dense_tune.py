@@ -164,16 +164,16 @@ class StandIn(FunctionBackend):
         self.roles.add(problem.role)
         return super().check(problem, tactic)
 
-    def time(self, problem: ProblemKey, tactic: str, m: int) -> Any:
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Any = None) -> Any:
         self.roles.add(problem.role)
         self.timed.append((problem, tactic, m))
-        return super().time(problem, tactic, m)
+        return super().time(problem, tactic, m, screen)
 
 
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandIn:
     backend = StandIn()
-    monkeypatch.setattr(tune_run, "open_gpu_workers", lambda gpus: [Worker(backend, H100_ENV, H100_INFO)])
+    monkeypatch.setattr(tune_run, "open_gpu_workers", lambda gpus, env=None: [Worker(backend, H100_ENV, H100_INFO)])
     monkeypatch.setattr(tune_run, "bundled_db_path", lambda: None)
     return backend
 

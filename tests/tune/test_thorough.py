@@ -40,6 +40,7 @@ from prepkit.tune import (
 from prepkit.tune import candidates as tune_candidates
 from prepkit.tune import run as tune_run
 from prepkit.tune.candidates import kernel_space, moe_problem
+from prepkit.tune.records import Screen
 from prepkit.tune.worker import CHECK_M, SINGLE_CHECK_M, trim_kernel_caches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,10 +106,10 @@ class Recorder:
         self.calls.append(("check", problem.role, tactic, None))
         return CheckResult(passed=passes(tactic), reference="stand-in", rel_err=0.004 if passes(tactic) else 0.5)
 
-    def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:
-        if self.fail_after is not None and sum(c[0] == "time" for c in self.calls) >= self.fail_after:
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
+        if self.fail_after is not None and sum(c[0] != "check" for c in self.calls) >= self.fail_after:
             raise RuntimeError("the machine went away")  # what a kill looks like from inside the sweep
-        self.calls.append(("time", problem.role, tactic, m))
+        self.calls.append(("screen" if screen else "time", problem.role, tactic, m))
         if self.timing_fails(tactic, m):
             raise CandidateError("launch_error", "stand-in failure")
         return Timing.from_samples(synthetic_timer(tactic, m))
@@ -116,12 +117,13 @@ class Recorder:
     def close(self) -> None:
         pass
 
-    def timed(self) -> set[tuple[str, str, int | None]]:
-        return {(role, t, m) for op, role, t, m in self.calls if op == "time"}
+    def timed(self, op: str = "time") -> set[tuple[str, str, int | None]]:
+        """What was timed in full (``op`` ``"time"``) or screened (``"screen"``)."""
+        return {(role, t, m) for o, role, t, m in self.calls if o == op}
 
 
 def fake_gpu(monkeypatch: pytest.MonkeyPatch, backend: Any) -> None:
-    monkeypatch.setattr(tune_run, "open_gpu_workers", lambda gpus: [Worker(backend, H100_ENV, H100_INFO)])
+    monkeypatch.setattr(tune_run, "open_gpu_workers", lambda gpus, env=None: [Worker(backend, H100_ENV, H100_INFO)])
 
 
 def invoke(*args: str):
@@ -169,15 +171,18 @@ def test_check_workers_follow_the_cpus_and_fit_the_gpu_memory() -> None:
     layer = thorough.layer_weight_bytes(problems()["gemm1"])
     assert layer == thorough.layer_weight_bytes(problems()["gemm2"])  # one layer, seen from each GEMM
     assert 1.5e9 < layer < 1.8e9  # gpt-oss-120b: 128 experts of 2880 x 2880 x 3 MXFP4 values
-    per_worker = 2 * layer + thorough.WORKER_OVERHEAD_BYTES
+    steady = thorough.WORKER_BYTES_PER_LAYER_BYTE * layer + thorough.WORKER_OVERHEAD_BYTES
+    build = thorough.BUILD_BYTES_PER_LAYER_BYTE * layer
+    assert steady < build  # a built worker holds one copy of the layer, not the build's peak
     for cpus in (1, 2, 16, 128, None):
         for mem in (24e9, 80e9, 141e9, 0):
             n = thorough.check_workers(cpus, int(mem), layer)
-            assert 1 <= n <= max(1, min(cpus or 1, thorough.MAX_CHECK_WORKERS))
-            if mem and n > 1:  # the workers and the timing worker fit the memory share
-                assert (n + 1) * per_worker <= mem * thorough.GPU_MEMORY_SHARE
-    assert thorough.check_workers(16, 0, layer) == 16  # memory unknown: the CPUs decide
-    assert thorough.check_workers(16, int(80e9), layer) < thorough.check_workers(16, int(141e9), layer)
+            assert 1 <= n <= max(1, min((cpus or 2) - 1, thorough.MAX_CHECK_WORKERS))  # a core for timing
+            if mem and n > 1:  # built workers, one build's peak and the timing worker fit the share
+                assert n * steady + 2 * build <= mem * thorough.GPU_MEMORY_SHARE
+    assert thorough.check_workers(16, 0, layer) == 15  # memory unknown: the CPUs decide
+    assert thorough.check_workers(16, 79 << 30, layer) >= 14  # an H100 (79 GiB) holds about one per core
+    assert thorough.check_workers(64, int(80e9), layer) < thorough.check_workers(64, int(141e9), layer)
     assert thorough.budget_minutes(None, thorough=True) > thorough.budget_minutes(None, thorough=False)
     assert thorough.budget_minutes(3.0, thorough=True) == 3.0
 
@@ -236,7 +241,7 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
     script, log = tmp_path / "worker.py", tmp_path / "requests.jsonl"
     script.write_text(FAKE_WORKER)
 
-    def open_workers(gpus: Sequence[int]) -> list[Worker]:
+    def open_workers(gpus: Sequence[int], env: object = None) -> list[Worker]:
         return [Worker(SubprocessBackend(argv=[sys.executable, str(script), str(log)]), H100_ENV, H100_INFO)]
 
     monkeypatch.setattr(tune_run, "open_gpu_workers", open_workers)
@@ -325,18 +330,27 @@ def test_a_stopped_thorough_run_resumes_without_measuring_anything_twice(
     }
     checked = stored(db, "SELECT COUNT(*) FROM correctness")[0][0]
     assert 0 < len(kept) < 100 and len(kept) % len(POINTS) == 0  # whole groups of variants, every anchor
-    assert kept <= first.timed()
+    assert kept <= first.timed("screen")
     assert checked == sum(1 for c in first.calls if c[0] == "check" and c[1] == "gemm1")  # gemm2 never began
+    screened = {t for role, t, _ in kept if role == "gemm1"}
+    unscreened = {t for op, role, t, _ in first.calls if op == "check" and role == "gemm1" and passes(t)} - screened
 
     second = Recorder()
     fake_gpu(monkeypatch, second)
     report = tune_run.run_tune(opts)
     assert report.status == "complete" and report.search == "thorough"
-    assert not second.timed() & kept  # nothing stored was timed again
-    assert not {t for op, role, t, _ in second.calls if op == "check" and role == "gemm1"}  # nor checked
+    assert not second.timed("screen") & kept  # nothing stored was screened again
+    # Checked again: exactly the passes not screened yet (the check compiles them for the timing
+    # worker); no failure and no screened variant.
+    assert {t for op, role, t, _ in second.calls if op == "check" and role == "gemm1"} == unscreened
     assert stored(db, "SELECT status FROM tuning_run ORDER BY started_at") == [("aborted",), ("complete",)]
-    dup = "SELECT COUNT(*) FROM (SELECT 1 FROM measurement GROUP BY problem_hash, m, tactic_hash HAVING COUNT(*) > 1)"
+    # a pair once screened and once timed in full (a survivor), never twice the same way
+    dup = (
+        "SELECT COUNT(*) FROM (SELECT 1 FROM measurement GROUP BY problem_hash, m, tactic_hash, kind "
+        "HAVING COUNT(*) > 1)"
+    )
     assert stored(db, dup) == [(0,)]
+    assert stored(db, "SELECT COUNT(*) FROM measurement WHERE kind = 'screen'")[0][0] > 0
 
     # the same winners as a run that was never stopped
     fake_gpu(monkeypatch, Recorder())
@@ -363,8 +377,9 @@ def test_a_thorough_sweep_out_of_budget_keeps_its_groups_and_the_rest_follows() 
     unbounded = SweepConfig(**{**cfg.__dict__, "budget_s": None})
     res2 = sweep(p, space, kernel_defaults(p, H100_INFO), [rest], config=unbounded, previous_measurements=done,
                  previous_checks={c.tactic: c.row() for c in res.correctness})  # fmt: skip
-    assert res2.complete and not [c for c in rest.calls if c[0] == "check"]
-    assert not {(m, t) for op, t, m in rest.calls if op == "time"} & set(done)
+    settled = {t for t in space if all((m, t) in done for m in POINTS)}  # screened at every anchor
+    assert res2.complete and {t for op, t, _ in rest.calls if op == "check"} == set(filter(passes, space)) - settled
+    assert not {(m, t) for op, t, m in rest.calls if op == "screen"} & set(done)
     assert res2.coverage is not None and res2.coverage.measured == sum(map(passes, space))
 
 
@@ -427,9 +442,9 @@ def test_a_thorough_run_out_of_budget_says_so_and_the_next_one_finishes(
     import time
 
     class Slow(Recorder):
-        def time(self, problem: ProblemKey, tactic: str, m: int) -> Timing:
+        def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
             time.sleep(0.02)
-            return super().time(problem, tactic, m)
+            return super().time(problem, tactic, m, screen)
 
     fake_gpu(monkeypatch, Slow())
     db = tmp_path / "t.db"
