@@ -88,7 +88,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     type=click.IntRange(0, 32),
     default=None,
     help="Extra worker processes that check (and so compile) candidates in parallel on the first GPU.  "
-    "[default: 4; with --thorough one per CPU core, at most 32 and as many as the GPU memory holds]",
+    "[default: 4; with --thorough one per CPU core, at most 32 and as many as the GPU memory holds, "
+    "one core left to the timing worker]",
 )
 @click.option(
     "--keep",
@@ -100,9 +101,9 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @click.option(
     "--thorough",
     is_flag=True,
-    help="Measure every valid variant (no pruning, no --max-candidates) at the anchor token counts, then "
-    "every point with the best of each anchor; each variant is checked once, at 33 tokens. Hours, not "
-    "minutes: resumable, and the winners record that this search found them.",
+    help="Measure every valid variant (no pruning, no --max-candidates): each is checked once, at 33 "
+    "tokens, then screened at the anchor token counts, and the best of each anchor are timed in full at "
+    "every point. An hour or more, not minutes: resumable, and the winners record that this search found them.",
 )
 @click.option(
     "--compile-only",

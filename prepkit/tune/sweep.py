@@ -19,9 +19,9 @@ Procedure (docs/tuning.md says why):
 A rerun passes what the DB already holds (``previous_*``) and only the missing pairs are measured.
 
 A thorough search (``SweepConfig.search == "thorough"``, :mod:`prepkit.tune.thorough`) runs the
-same steps on every valid variant. Its anchor phase times a few variants at every anchor per job
-(the defaults first), so a killed run keeps each finished group and progress counts variants
-measured out of those that passed their check.
+same steps on every valid variant. Its anchor phase screens (:class:`~prepkit.tune.records.Screen`)
+a few variants at every anchor per job, the defaults first and only once every check is done, so
+a killed run keeps each finished group; only the survivors' full timings choose a winner.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What ``prepkit tune --thorough`` changes in a run, and the sizes both searches start from.
 
 A thorough search measures every valid variant (:func:`prepkit.tune.candidates.kernel_space`: no
-pruning rules, no ``--max-candidates``) at the anchor token counts, then sweeps every token point
-with the best of each anchor, as the pruned search does. To keep the numerics checks from
+pruning rules, no ``--max-candidates``) at the anchor token counts with quick screens, then times
+the best of each anchor in full at every token point, as the pruned search does. To keep the numerics checks from
 dominating, it checks each variant at one shape (:data:`prepkit.tune.worker.SINGLE_CHECK_M`) with
 as many check workers as the CPU and the GPU memory allow: a check compiles the variant, so the
 workers fill Triton's on-disk cache and the timing worker later loads binaries instead of
