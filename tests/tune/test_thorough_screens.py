@@ -161,3 +161,68 @@ def test_retime_takes_the_picks_side_by_side() -> None:
     assert row["miss_basis"] == SIDE_BY_SIDE
     assert row["miss_pct"] == pytest.approx(100 * (row["pruned_us"] / row["thorough_us"] - 1), abs=0.01)
     assert sorted(t for _, t, _ in log) == sorted({default, pruned, thorough}) and all(op == "time" for op, _, _ in log)
+
+
+def test_out_of_memory_while_timing_blocklists_nothing_and_leaves_the_run_partial() -> None:
+    from prepkit.tune import CandidateError
+    from prepkit.tune.records import OUT_OF_MEMORY
+
+    class Crowded(Logged):
+        def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
+            if m == 64:
+                raise CandidateError(OUT_OF_MEMORY, "CUDA out of memory (other workers hold it)")
+            return super().time(problem, tactic, m, screen)
+
+    log: list[tuple[str, str, int | None]] = []
+    cfg = SweepConfig(points=POINTS, anchors=POINTS, search="thorough", keep_per_anchor=2)
+    res = sweep(problem(), variants(6), kernel_defaults(problem(), H100_INFO), [Crowded(log, threading.Lock())],
+                config=cfg)  # fmt: skip
+    assert not res.complete and not res.blocked
+    assert not [x for x in res.measurements if x.m == 64]  # nothing recorded for the variant
+
+
+def test_workers_build_one_at_a_time_under_the_run_lock(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from prepkit.tune.worker import BUILD_LOCK_ENV
+
+    script = tmp_path / "build.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import sys, time
+            from prepkit.tune.worker import build_lock
+            with build_lock():
+                start = time.monotonic()
+                time.sleep(0.4)
+                print(start, time.monotonic())
+            """
+        )
+    )
+    env = {**os.environ, BUILD_LOCK_ENV: str(tmp_path / "build.lock")}
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]  # fmt: skip
+    spans = sorted(tuple(map(float, p.communicate()[0].split())) for p in procs)
+    assert all(p.returncode == 0 for p in procs) and len(spans) == 3
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no two builds overlap
+
+
+def test_a_bench_draws_the_same_checkpoint_weights_every_time() -> None:
+    """The check worker drops the checkpoint form after building and draws it again from the seed
+    for references: both draws must be the layer's weights."""
+    import torch
+
+    from prepkit.tune.worker import GpuBench
+
+    tiny = gpt_oss_problems(
+        kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3", num_experts=4, hidden=128,
+        intermediate=128, top_k=2,
+    )["gemm1"]  # fmt: skip
+    bench = GpuBench(tiny.__dict__, seed=3)
+    a, b = bench.source().as_dict(), bench.source().as_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    other = GpuBench(tiny.__dict__, seed=4).source().as_dict()
+    assert not torch.equal(a["gate_up_proj_blocks"], other["gate_up_proj_blocks"])
