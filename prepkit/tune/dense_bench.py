@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from prepkit.tactics.keys import ProblemKey
 from prepkit.tune.dense import dense_format
 from prepkit.tune.records import Screen
-from prepkit.tune.worker import CHECK_M, GpuBench, graph_samples
+from prepkit.tune.worker import CHECK_M, GpuBench, build_lock, graph_samples, release_cached_memory
 
 if TYPE_CHECKING:
     from prepkit.kernels.moe_mxfp4 import DenseMxWeights
@@ -56,15 +56,18 @@ class DenseBench:
         self.gen = torch.Generator(device=self.dev).manual_seed(seed)
         fmt = dense_mx.mx_format(self.fmt)
         parts, exact = [], []
-        for lo in range(0, n, _ROWS_PER_CHUNK):
-            rows = min(_ROWS_PER_CHUNK, n - lo)
-            w = torch.randn((rows, k), generator=self.gen, device=self.dev) * 0.02  # gpt-oss-like magnitudes
-            st = dense_mx.to_kernel_layout(w.to(torch.bfloat16).float(), fmt)
-            parts.append(DenseMxWeights(st["blocks"], st["scales"], self.fmt))
-            # Every mxfp4 and mxfp8 value times its power-of-two scale is exact in bf16.
-            exact.append(dense_mx.dequantize_kernel_layout(st["blocks"], st["scales"], fmt).to(torch.bfloat16))
-        self.weights = DenseMxWeights.fuse(*parts)
-        self.reference_weight = torch.cat(exact)
+        with build_lock():  # as the MoE benches: one build at a time, its temporaries given back
+            for lo in range(0, n, _ROWS_PER_CHUNK):
+                rows = min(_ROWS_PER_CHUNK, n - lo)
+                w = torch.randn((rows, k), generator=self.gen, device=self.dev) * 0.02  # gpt-oss-like magnitudes
+                st = dense_mx.to_kernel_layout(w.to(torch.bfloat16).float(), fmt)
+                parts.append(DenseMxWeights(st["blocks"], st["scales"], self.fmt))
+                # Every mxfp4 and mxfp8 value times its power-of-two scale is exact in bf16.
+                exact.append(dense_mx.dequantize_kernel_layout(st["blocks"], st["scales"], fmt).to(torch.bfloat16))
+            self.weights = DenseMxWeights.fuse(*parts)
+            self.reference_weight = torch.cat(exact)
+            del parts, exact, w, st
+            release_cached_memory()
         self.bias = (torch.randn(n, generator=self.gen, device=self.dev) * 0.1).to(torch.bfloat16)
         self._copies: list[DenseMxWeights] = []
         self._inputs: dict[str, Any] = {}
