@@ -210,10 +210,10 @@ class _Sweep:
         out = Batch(phase, m)
         for t in tactics:
             with self.lock:
-                had = self.measurements.get((m, t))
-                if t in self.failed or (had is not None and (screen or not had.screen)):
+                timed = (m, t) in self.measurements if screen else self.fully_timed(m, t)
+                if t in self.failed or timed:
                     continue
-                cutoff = self.best_us(m) if screen else None
+                cutoff = self.fastest.get(m) if screen else None
             if self.over_budget():
                 self.incomplete = True
                 break
@@ -233,13 +233,13 @@ class _Sweep:
 
     # -- phases (caller's thread) ----------------------------------------------------------
 
-    def check_all(self, pool: _Pool, to_check: Sequence[str]) -> None:
+    def check_all(self, pool: _Pool, to_check: Sequence[str], label: str | None = None) -> None:
         for fut in _completed([pool.submit(functools.partial(self.check_job, t=t)) for t in to_check]):
             batch = fut.result()
             if not batch.correctness:
                 continue  # skipped (budget spent, or no GPU memory): not checked, not counted
             self.done += 1
-            self.progress(self.label, self.done, self.estimate)
+            self.progress(label or self.label, self.done, self.estimate)
             if batch.correctness:  # stored at once: a killed tune keeps every finished check
                 self.emit(batch)
                 self.new_blocked += batch.blocked
@@ -268,10 +268,6 @@ class _Sweep:
     def fully_timed(self, m: int, t: str) -> bool:
         had = self.measurements.get((m, t))
         return had is not None and not had.screen
-
-    def best_us(self, m: int) -> float | None:
-        """The fastest median timed at ``m`` so far (call under ``lock``)."""
-        return self.fastest.get(m)
 
     def record(self, meas: Measurement) -> None:
         """Keep ``meas`` as the timing of its pair (call under ``lock``)."""
@@ -323,63 +319,39 @@ class _Sweep:
         return out
 
     def check_and_screen(self, cpool: _Pool, pool: _Pool, cands: Sequence[str], anchors: Sequence[int]) -> list[str]:
-        """The thorough search's first phases: each variant is checked on a check worker (which
-        compiles it), then those that passed are screened at every anchor in groups of
+        """The thorough search's first phases: every variant is checked on a check worker (which
+        compiles it); then those that passed are screened at every anchor in groups of
         ``anchor_group`` on the timing workers, the defaults first, so that a run cut short still
-        compares with them and the screens' cutoffs start from them. The screens wait for the
-        last check: a check worker's kernels time-slice the GPU with the timed launches, which
-        made screens of short launches several times too slow (docs/tuning.md).
+        compares with them and the screens' cutoffs start from them. No screen shares the GPU
+        with a check (docs/tuning.md says what the first runs saw).
 
         A variant checked by an earlier run but not screened at every anchor is checked again:
         the check compiles it, so the timing worker loads a binary instead of compiling it.
-        Progress counts variants checked, and variants measured out of those not failed.
+        Progress counts variants checked, then variants measured out of those that passed.
         Returns the survivors (the best ``keep_per_anchor`` of each anchor)."""
         firsts = {t: None for t in self.defaults.values() if t in cands}
         ordered = [*firsts, *(t for t in cands if t not in firsts)]
-        position = {t: i for i, t in enumerate(ordered)}
         to_check = [t for t in ordered if t not in self.failed and not (self.passed(t) and self.settled(t, anchors))]
-        check_label, measure_label = f"{self.label}: variants checked", f"{self.label}: variants measured"
-        checked = len(ordered) - len(to_check)
-        measured = sum(self.passed(t) and self.settled(t, anchors) for t in ordered)
-        self.progress(check_label, checked, len(ordered))
-        size = max(1, self.cfg.anchor_group)
-        ready: list[str] = []
-        groups: dict[Future[Batch], list[str]] = {}
-        pending: set[Future[Batch]] = set()
+        self.done, self.estimate = len(ordered) - len(to_check), len(ordered)
+        self.progress(f"{self.label}: variants checked", self.done, self.estimate)
+        self.check_all(cpool, to_check, f"{self.label}: variants checked")
 
-        def screen_group(group: list[str]) -> None:
-            fut = pool.submit(functools.partial(self.group_job, tactics=group, anchors=anchors))
-            groups[fut] = group
-            pending.add(fut)
-
-        checks = {cpool.submit(functools.partial(self.check_job, t=t)): t for t in to_check}
-        pending.update(checks)
-        checks_left = len(checks)
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in sorted(done, key=lambda f: (f not in checks, position[checks.get(f) or groups[f][0]])):
-                pending.discard(fut)
-                batch = fut.result()
-                if fut in checks:
-                    checks_left -= 1
-                    if batch.correctness:  # else skipped (budget spent, no GPU memory): not counted
-                        checked += 1
-                        self.progress(check_label, checked, len(ordered))
-                        self.emit(batch)
-                        self.new_blocked += batch.blocked
-                        if batch.correctness[0].result.passed:
-                            ready.append(checks[fut])
-                    if not checks_left:  # every check done: the GPU is the timing worker's alone
-                        for i in range(0, len(ready), size):
-                            screen_group(ready[i : i + size])
-                        ready.clear()
-                    continue
-                if batch.measurements:
-                    self.emit(batch)
-                    self.new_blocked += batch.blocked
-                measured += sum(self.settled(t, anchors) and t not in self.failed for t in groups[fut])
-                self.progress(measure_label, measured, len(ordered) - len(self.failed))
+        label = f"{self.label}: variants measured"
         passed = [t for t in ordered if self.passed(t)]
+        todo = [t for t in passed if not self.settled(t, anchors)]
+        measured = len(passed) - len(todo)
+        self.progress(label, measured, len(passed))
+        size = max(1, self.cfg.anchor_group)
+        groups = [todo[i : i + size] for i in range(0, len(todo), size)]
+        futs = [pool.submit(functools.partial(self.group_job, tactics=g, anchors=anchors)) for g in groups]
+        group_of = dict(zip(futs, groups, strict=True))
+        for fut in _completed(futs):
+            batch = fut.result()
+            if batch.measurements:
+                self.emit(batch)
+                self.new_blocked += batch.blocked
+            measured += sum(self.settled(t, anchors) for t in group_of[fut])
+            self.progress(label, measured, len(passed))
         return self.survivors(passed, anchors)
 
 
