@@ -4,7 +4,7 @@
 - :mod:`~prepkit.tune.sweep`: the sweep of one GEMM problem and of a whole layer;
 - :mod:`~prepkit.tune.candidates`: token points, defaults, the pruned variant space;
 - :mod:`~prepkit.tune.backend`: where candidates are measured (GPU worker processes, stand-ins);
-- :mod:`~prepkit.tune.worker`: the GPU worker process itself;
+- :mod:`~prepkit.tune.worker`: the GPU worker process itself (started through :mod:`~prepkit.tune.worker_cli`);
 - :mod:`~prepkit.tune.records`: what a sweep produces; :mod:`~prepkit.tune.report`: what people see.
 
 Importing this package imports neither torch nor triton.

@@ -88,7 +88,7 @@ class SubprocessBackend:
         self.gpu = gpu
         self.check_m = tuple(check_m) if check_m else None
         # The worker command; tests substitute a small script that crashes or hangs on demand.
-        self.argv = list(argv) if argv else [sys.executable, "-m", "prepkit.tune.worker", "--seed", str(seed)]
+        self.argv = list(argv) if argv else [sys.executable, "-m", "prepkit.tune.worker_cli", "--seed", str(seed)]
         self.check_timeout_s = check_timeout_s
         self.time_timeout_s = time_timeout_s
         self.seed = seed

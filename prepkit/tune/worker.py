@@ -51,6 +51,10 @@ def build_lock() -> Iterator[None]:
     if not path:
         yield
         return
+    # One lock per GPU: a build's peak is that GPU's memory, and other GPUs' workers need not wait.
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpu:
+        path = f"{path}.gpu{gpu.replace(',', '-')}"
     import fcntl
 
     with open(path, "a") as f:
@@ -501,11 +505,3 @@ def _bandwidth_only() -> dict[str, Any]:
         t1.synchronize()
         best = min(best, t0.elapsed_time(t1))
     return {"gbps": 2 * n / (best * 1e-3) / 1e9}  # bytes read plus bytes written
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description="prepkit tuning worker (started by `prepkit tune`)")
-    ap.add_argument("--seed", type=int, default=0)
-    sys.exit(worker_main(ap.parse_args().seed))

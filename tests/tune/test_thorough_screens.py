@@ -181,7 +181,7 @@ def test_out_of_memory_while_timing_blocklists_nothing_and_leaves_the_run_partia
     assert not [x for x in res.measurements if x.m == 64]  # nothing recorded for the variant
 
 
-def test_workers_build_one_at_a_time_under_the_run_lock(tmp_path: Path) -> None:
+def test_workers_of_a_gpu_build_one_at_a_time_under_the_run_lock(tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
@@ -197,17 +197,25 @@ def test_workers_build_one_at_a_time_under_the_run_lock(tmp_path: Path) -> None:
             from prepkit.tune.worker import build_lock
             with build_lock():
                 start = time.monotonic()
-                time.sleep(0.4)
+                time.sleep(0.6)
                 print(start, time.monotonic())
             """
         )
     )
     env = {**os.environ, BUILD_LOCK_ENV: str(tmp_path / "build.lock")}
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
-             for _ in range(3)]  # fmt: skip
-    spans = sorted(tuple(map(float, p.communicate()[0].split())) for p in procs)
-    assert all(p.returncode == 0 for p in procs) and len(spans) == 3
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no two builds overlap
+    gpus = ["0", "0", "0", "1"]  # three workers on GPU 0, one on GPU 1
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env={**env, "CUDA_VISIBLE_DEVICES": g}
+        )
+        for g in gpus
+    ]
+    spans = [tuple(map(float, p.communicate()[0].split())) for p in procs]
+    assert all(p.returncode == 0 for p in procs) and len(spans) == 4
+    on_0 = sorted(spans[:3])
+    assert all(a[1] <= b[0] for a, b in zip(on_0, on_0[1:], strict=False))  # no two builds of a GPU overlap
+    other = spans[3]
+    assert any(a[0] < other[1] and other[0] < a[1] for a in on_0)  # another GPU's build does not wait
 
 
 def test_a_bench_draws_the_same_checkpoint_weights_every_time() -> None:
@@ -226,3 +234,19 @@ def test_a_bench_draws_the_same_checkpoint_weights_every_time() -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     other = GpuBench(tiny.__dict__, seed=4).source().as_dict()
     assert not torch.equal(a["gate_up_proj_blocks"], other["gate_up_proj_blocks"])
+
+
+def test_the_worker_command_starts_without_a_warning() -> None:
+    """The command a backend starts loads the worker module once: running the module the package
+    imports with ``-m`` made Python warn on every worker's stderr."""
+    import os
+    import subprocess
+
+    from prepkit.tune.backend import SubprocessBackend
+
+    argv = SubprocessBackend().argv
+    cmd = [argv[0], "-W", "error::RuntimeWarning", *argv[1 : argv.index("--seed")], "--help"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Warning" not in out.stderr
