@@ -164,11 +164,14 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
                     if isinstance(w.backend, SubprocessBackend):
                         w.backend.check_m = check_m
                 largest = max([*problems, *(t.problem for t in dense)], key=thorough.layer_weight_bytes)
-                n = check_worker_count(opts, workers[0].env, largest)
+                n = check_worker_count(opts, workers[0].env, largest, len(workers))
                 # Compiling yields the CPU to the timing worker (whose launches are timed).
                 check_env = {**first.extra_env, NICE_ENV: str(thorough.CHECK_WORKER_NICENESS)}
+                # Spread over the GPUs of the run: each holds its share of the workers' layers.
+                gpus = [w.backend.gpu if isinstance(w.backend, SubprocessBackend) else first.gpu for w in workers]
                 checkers = [
-                    SubprocessBackend(first.gpu, argv=first.argv, env=check_env, check_m=check_m) for _ in range(n)
+                    SubprocessBackend(gpus[i % len(gpus)], argv=first.argv, env=check_env, check_m=check_m)
+                    for i in range(n)
                 ]
             layer, status = _sweep_into(tdb, workers, checkers, problems, dense, opts, on_progress)
     finally:
@@ -178,14 +181,14 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
     return TuneReport(layer, workers[0].env, path, status, opts.search)
 
 
-def check_worker_count(opts: TuneOptions, env: Environment, problem: ProblemKey) -> int:
+def check_worker_count(opts: TuneOptions, env: Environment, problem: ProblemKey, gpus: int = 1) -> int:
     """``--check-workers`` as given; else 4, or for a thorough search one per CPU core as far as
-    the GPU memory holds them (:func:`prepkit.tune.thorough.check_workers`)."""
+    the memory of the run's ``gpus`` GPUs holds them (:func:`prepkit.tune.thorough.check_workers`)."""
     if opts.check_workers is not None:
         return opts.check_workers
     if not opts.thorough:
         return thorough.DEFAULT_CHECK_WORKERS
-    return thorough.check_workers(os.cpu_count(), env.mem_bytes, thorough.layer_weight_bytes(problem))
+    return thorough.check_workers(os.cpu_count(), env.mem_bytes, thorough.layer_weight_bytes(problem), gpus)
 
 
 def _sweep_into(

@@ -67,15 +67,15 @@ def layer_weight_bytes(problem: ProblemKey) -> int:
     return int(values * (1 / 2 + 1 / 32)) + problem.num_experts * (2 * inter + hidden) * 2
 
 
-def check_workers(cpu_count: int | None, gpu_mem_bytes: int, layer_bytes: int) -> int:
-    """Check workers of a thorough search: one per CPU core but one (compiling is CPU work; the
-    timing worker keeps a core), at most :data:`MAX_CHECK_WORKERS`, and no more than the GPU memory
-    holds beside one build's peak and the timing worker (``gpu_mem_bytes`` 0: unknown, no memory
-    bound)."""
-    by_cpu = max(1, min((cpu_count or 2) - 1, MAX_CHECK_WORKERS))
+def check_workers(cpu_count: int | None, gpu_mem_bytes: int, layer_bytes: int, gpus: int = 1) -> int:
+    """Check workers of a thorough search on ``gpus`` GPUs of ``gpu_mem_bytes`` each: one per CPU
+    core but one per timing worker (compiling is CPU work; each timing worker keeps a core), at most
+    :data:`MAX_CHECK_WORKERS`, and no more than each GPU holds beside one build's peak and its
+    timing worker (``gpu_mem_bytes`` 0: unknown, no memory bound)."""
+    by_cpu = max(1, min((cpu_count or 2) - gpus, MAX_CHECK_WORKERS))
     if gpu_mem_bytes <= 0:
         return by_cpu
     build = BUILD_BYTES_PER_LAYER_BYTE * layer_bytes
     per_worker = WORKER_BYTES_PER_LAYER_BYTE * layer_bytes + WORKER_OVERHEAD_BYTES
     free = gpu_mem_bytes * GPU_MEMORY_SHARE - build - max(build, per_worker)  # the timing worker: its own inputs
-    return max(1, min(by_cpu, int(free // per_worker)))
+    return max(1, min(by_cpu, gpus * int(free // per_worker)))

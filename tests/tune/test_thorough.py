@@ -217,7 +217,7 @@ FAKE_WORKER = textwrap.dedent(
         if req["op"] == "quit":
             break
         log.write(json.dumps({"pid": os.getpid(), "op": req["op"], "m_values": req.get("m_values"),
-                              "tactic": req.get("tactic")}) + "\\n")
+                              "tactic": req.get("tactic"), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}) + "\\n")
         log.flush()
         if req["op"] == "bandwidth":
             out = {"gbps": 3000.0}
@@ -266,6 +266,35 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
     assert len(rechecked) >= 16 and all(r["m_values"] is None for r in rechecked)  # the worker's four
     full = stored(db, "SELECT COUNT(*) FROM correctness WHERE m_values = '[1, 7, 33, 256]'")[0][0]
     assert full == len(rechecked)
+
+
+def test_check_workers_spread_over_the_gpus_of_the_run(small, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """With --gpus 0,1 the check workers take turns between the two GPUs (each GPU holds its share
+    of their layers), and the memory bound counts both GPUs."""
+    script, log = tmp_path / "worker.py", tmp_path / "requests.jsonl"
+    script.write_text(FAKE_WORKER)
+
+    def open_workers(gpus: Sequence[int], env: object = None) -> list[Worker]:
+        argv = [sys.executable, str(script), str(log)]
+        return [Worker(SubprocessBackend(g, argv=argv), H100_ENV, H100_INFO) for g in gpus]
+
+    monkeypatch.setattr(tune_run, "open_gpu_workers", open_workers)
+    opts = TuneOptions(
+        arch="sm90", points=POINTS, db_path=tmp_path / "t.db", check_workers=4, dense="none", gpus=(0, 1),
+        thorough=True, cmdline=["test"],
+    )  # fmt: skip
+    tune_run.run_tune(opts)
+    reqs = [json.loads(line) for line in log.read_text().splitlines()]
+    timers = {r["pid"] for r in reqs if r["op"] == "time"}
+    checks = [r for r in reqs if r["op"] == "check" and r["pid"] not in timers]
+    per_gpu = {g: {r["pid"] for r in checks if r["gpu"] == g} for g in ("0", "1")}
+    assert all(len(pids) >= 2 for pids in per_gpu.values())  # two of the four workers on each GPU
+    assert {r["gpu"] for r in checks} == {"0", "1"}
+
+    layer = thorough.layer_weight_bytes(problems()["gemm1"])
+    one = thorough.check_workers(128, 80 << 30, layer)
+    assert one < 31 and thorough.check_workers(128, 80 << 30, layer, gpus=2) == min(2 * one, thorough.MAX_CHECK_WORKERS)
+    assert thorough.check_workers(16, 0, layer, gpus=2) == 14  # a core for each timing worker
 
 
 def test_reusable_checks_keep_failures_and_passes_at_the_shapes_asked() -> None:
