@@ -80,8 +80,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     type=click.IntRange(min=1),
     default=64,
     show_default=True,
-    help="Variants per GEMM after pruning (the defaults and earlier winners on this GPU model, from --db "
-    "and the bundled DB, come first).",
+    help="Variants per GEMM after pruning (the defaults and their neighbours come first; earlier winners on "
+    "this GPU model, from --db and the bundled DB, are added), before the local search around the best.",
 )
 @click.option(
     "--check-workers",

@@ -119,6 +119,28 @@ def _spread_order(n: int) -> list[int]:
     return order
 
 
+def neighbourhood(space: Sequence[str]) -> Callable[[str], list[str]]:
+    """``tactic -> the variants of space one move away from it`` (in ``space`` order): the moves of
+    the pruned search's local refinement (:class:`prepkit.tune.sweep.SweepConfig`). A move turns
+    one knob, or reshapes the weight tile (``block_n`` and ``block_k`` at the same product: the
+    same tile bytes, another aspect), which turning one of the two alone cannot reach."""
+    parsed = [(json.loads(t), canon(t)) for t in space]
+
+    def near(tactic: str) -> list[str]:
+        d = json.loads(tactic)
+        return [t for e, t in parsed if _knobs_apart(d, e) == 1 or _reshaped(d, e)]
+
+    return near
+
+
+def _reshaped(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    tile = ("block_n", "block_k")
+    if any(k not in a or k not in b for k in tile) or a["block_n"] == b["block_n"]:
+        return False
+    same_rest = all(a.get(k) == b.get(k) for k in set(a) | set(b) if k not in tile)
+    return same_rest and a["block_n"] * a["block_k"] == b["block_n"] * b["block_k"]
+
+
 def _knobs_apart(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
     return sum(a.get(k) != b.get(k) for k in set(a) | set(b))
 
@@ -190,16 +212,28 @@ def kernel_candidates(
 ) -> list[str]:
     """The bundled kernel's valid variants for ``problem`` on ``device`` under its activation policy,
     pruned for sweeping (a dense problem: the :func:`dense_sweep_union` of the token ``points``).
-    ``past_winners`` (earlier winners of the same GEMM on this GPU model) seed the search next to
-    the defaults where the current space still holds them; stale ones are dropped."""
+    ``past_winners`` (earlier winners of the same GEMM on this GPU model) are taken up where the
+    current space still holds them; stale ones are dropped. A dense problem's winners seed its
+    pruning next to the defaults. A MoE GEMM's follow its pruned set instead: its refinement searches around
+    whatever is best at the anchors, and a set that does not move with the winners keeps a rerun
+    of a finished tune from measuring anything new."""
+    default_for = kernel_defaults(problem, device)
+    defaults = {default_for(m) for m in TOKEN_POINTS}
     if problem.role == DENSE_ROLE:
         space = dense_sweep_union(problem, device, tuple(sorted(set(points))))
-    else:
-        space = kernel_space(problem, device)
-    default_for = kernel_defaults(problem, device)
-    in_space = set(space)
-    seeds = sorted({default_for(m) for m in TOKEN_POINTS} | (in_space & {canon(t) for t in past_winners}))
-    return prune_candidates(space, problem.role, max_count=max_count, seeds=seeds)
+        seeds = defaults | (set(space) & {canon(t) for t in past_winners})
+        return prune_candidates(space, problem.role, max_count=max_count, seeds=sorted(seeds))
+    space = kernel_space(problem, device)
+    pruned = prune_candidates(space, problem.role, max_count=max_count, seeds=sorted(defaults))
+    in_space, taken = set(space), set(pruned)
+    return pruned + [t for t in dict.fromkeys(canon(x) for x in past_winners) if t in in_space and t not in taken]
+
+
+@functools.lru_cache(maxsize=16)
+def rule_space(problem: ProblemKey, device: DeviceInfo) -> tuple[str, ...]:
+    """The MoE GEMM variants the pruning rules keep (:func:`prune_candidates` with no count
+    limit): where the pruned search's refinement moves."""
+    return tuple(prune_candidates(kernel_space(problem, device), problem.role))
 
 
 def key_layer(problem: ProblemKey) -> RankLayer:

@@ -21,11 +21,11 @@ from prepkit.constants import TRITON_MOE_LAYOUT_ID
 from prepkit.errors import DeviceError, RecipeError, TacticsError
 from prepkit.layer import resolve_layer
 from prepkit.tactics import store
-from prepkit.tactics.keys import KERNEL_NAME, Environment, ProblemKey, layer_problems
+from prepkit.tactics.keys import DENSE_ROLE, KERNEL_NAME, Environment, ProblemKey, layer_problems
 from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
 from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
-from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space
+from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space, neighbourhood, rule_space
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
 from prepkit.tune.records import LayerReport
 from prepkit.tune.sweep import PreviousRecords, ProgressFn, SweepConfig, tune_layer
@@ -225,6 +225,7 @@ def _sweep_into(
             "search": opts.search,
             "max_candidates": None if opts.thorough else opts.max_candidates,
             "keep_per_anchor": opts.keep,
+            "refine": None if opts.thorough else [config.refine_seeds, config.refine_rounds],
             "anchors": list(config.anchors),
             "min_gain": config.min_gain,
             "check_m": list(opts.check_m),
@@ -253,6 +254,7 @@ def _sweep_into(
         on_progress=on_progress,
         check_backends=checkers or None,
         valid_for=lambda p: len(kernel_space(p, info)),
+        neighbours_for=lambda p: None if opts.thorough or p.role == DENSE_ROLE else neighbourhood(rule_space(p, info)),
     )
     try:
         # The MoE layer first, as a run without dense problems sweeps it (its budget, its
@@ -275,7 +277,7 @@ def _sweep_into(
 
 def search_candidates(opts: TuneOptions, problem: ProblemKey, device: DeviceInfo, past: Sequence[str]) -> list[str]:
     """What the run's search takes up for ``problem``: every valid variant (thorough), or the
-    pruned set seeded with the defaults and the ``past`` winners."""
+    pruned set with the ``past`` winners (:func:`~prepkit.tune.candidates.kernel_candidates`)."""
     if opts.thorough:
         return list(kernel_space(problem, device))
     return kernel_candidates(problem, device, max_count=opts.max_candidates, past_winners=past, points=opts.points)

@@ -10,6 +10,9 @@ Procedure (docs/tuning.md says why):
    reference; a failure goes to the blocklist and never reaches timing;
 2. anchors: with more candidates than ``keep_per_anchor``, all are timed at a few anchor token
    counts and the best ``keep_per_anchor`` of each anchor survive;
+   then (``neighbours`` given) the variants one move away from each anchor's best
+   ``refine_seeds`` are checked and timed at that anchor, for up to ``refine_rounds`` rounds
+   while those best few change (:func:`prepkit.tune.candidates.neighbourhood`);
 3. every token point: the survivors and that point's default are timed in the same run;
 4. per point the default is kept unless a candidate is faster by more than ``min_gain`` *and* its
    p90 is below the default's p10 (beyond noise); equal adjacent winners merge into one
@@ -74,6 +77,10 @@ class SweepConfig:
     extend_up_from: int = MAX_TOKEN_POINT  # last range extends upward if the sweep reached this
     search: str = "pruned"  # or "thorough": every candidate at the anchors, in small stored groups
     anchor_group: int = 8  # variants per job of a thorough anchor phase (stored together)
+    # The pruned search's local refinement: the variants one move away from each anchor's best
+    # few, timed at that anchor, for a few rounds while those best few change (docs/tuning.md).
+    refine_seeds: int = 3
+    refine_rounds: int = 2
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:
@@ -300,6 +307,62 @@ class _Sweep:
                 kept.setdefault(t, None)
         return [t for t in passed if t in kept]
 
+    def refine(
+        self,
+        cpool: _Pool,
+        pool: _Pool,
+        timed: list[str],
+        anchors: Sequence[int],
+        neighbours: Callable[[str], Sequence[str]],
+        previous: PreviousRecords,
+    ) -> list[str]:
+        """Local search around each anchor's best ``refine_seeds`` (ties by tactic, so the seeds
+        depend on the timings alone): their neighbours not taken up yet are checked, then timed at
+        every anchor, as the candidates were; a round repeats, up to ``refine_rounds``, while the
+        seeds of some anchor changed. A variant an earlier run timed at every anchor (and that
+        passed) counts as taken up, so a rerun of a finished search times nothing new. Returns
+        the survivors of everything timed."""
+        earlier = self._timed_before(previous, anchors, set(timed))
+        self.reuse(dict.fromkeys(earlier), previous[0], previous[1])
+        timed = list(timed) + [t for t in earlier if self.passed(t)]
+        tried = set(timed)
+        seeds: dict[int, list[str]] = {}
+        for _ in range(self.cfg.refine_rounds):
+            best = {m: self._best_at(m, timed) for m in anchors}
+            if best == seeds or self.over_budget():
+                break
+            seeds = best
+            new = [
+                n for n in dict.fromkeys(n for m in anchors for t in seeds[m] for n in neighbours(t)) if n not in tried
+            ]
+            tried.update(new)
+            self.reuse(dict.fromkeys(new), previous[0], previous[1])
+            to_check = [t for t in new if t not in self.checks and t not in self.failed]
+            self.estimate += len(to_check) + len(new) * len(anchors)
+            self.check_all(cpool, to_check)
+            ready = [t for t in new if self.passed(t)]
+            self.time_points(pool, anchors, lambda m: ready, "anchor")  # noqa: B023 (called before the loop moves on)
+            timed += ready
+        return self.survivors(timed, anchors)
+
+    def _best_at(self, m: int, timed: Sequence[str]) -> list[str]:
+        ok = [t for t in timed if _ok(self.measurements.get((m, t)))]
+        ok.sort(key=lambda t: (_median_us(self.measurements[(m, t)]), t))
+        return ok[: self.cfg.refine_seeds]
+
+    def _timed_before(self, previous: PreviousRecords, anchors: Sequence[int], known: set[str]) -> list[str]:
+        """Variants beyond ``known`` that an earlier run timed in full, and OK, at every anchor and
+        whose stored check passed: what an earlier refinement explored."""
+        rows, checks, blocked = previous
+        at: dict[str, set[int]] = {}
+        for (m, t), row in rows.items():
+            if int(m) in anchors and row.get("status") == OK and row.get("kind") != SCREEN_KIND:
+                at.setdefault(canon(t), set()).add(int(m))
+        passed = {canon(t) for t, row in checks.items() if row.get("passed")}
+        return sorted(
+            t for t, ms in at.items() if len(ms) == len(anchors) and t in passed and t not in known and t not in blocked
+        )
+
     # -- the thorough search's anchor phase ------------------------------------------------
 
     def settled(self, t: str, anchors: Sequence[int]) -> bool:
@@ -372,6 +435,7 @@ def sweep(
     check_backends: Sequence[Backend] | None = None,
     n_valid: int | None = None,
     label: str | None = None,
+    neighbours: Callable[[str], Sequence[str]] | None = None,
 ) -> SweepResult:
     """Run the procedure in the module docstring. Returns every record it made or reused.
 
@@ -385,6 +449,8 @@ def sweep(
     phase ends (each holds a layer on the GPU; a backend starts again on its next request).
     ``n_valid``: the size of the variant space the candidates came from, for the coverage.
     ``label``: what progress and the result call the problem (default: its role and shape).
+    ``neighbours``: ``tactic -> variants one move away``; the pruned search refines its anchors
+    with it (none: no refinement).
     """
     cfg = config or SweepConfig()
     points = tuple(sorted(set(cfg.points)))
@@ -417,21 +483,23 @@ def sweep(
                 to_check = [t for t in cands if t not in st.checks]
                 st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
                 st.check_all(cpool, to_check)
+                # 2. anchors: prune a large candidate set on a few token counts, then refine
+                passed = [t for t in cands if st.passed(t)]
+                if len(passed) <= cfg.keep_per_anchor:
+                    keep = passed
+                else:
+                    anchors = st.anchors(points)
+                    keep = st.anchor_survivors(pool, passed, points)
+                    if neighbours is not None and cfg.refine_rounds > 0:
+                        near = _unblocked(neighbours, blocked_set)
+                        previous = (previous_measurements or {}, previous_checks or {}, blocked_set)
+                        keep = st.refine(cpool, pool, passed, anchors, near, previous)
         finally:
             if cpool is not pool:
                 cpool.shutdown()
                 if cfg.thorough:
                     for b in check_backends or ():
                         b.close()
-
-        # 2. anchors: prune a large candidate set on a few token counts
-        if not cfg.thorough:
-            passed = [t for t in cands if st.passed(t)]
-            if len(passed) <= cfg.keep_per_anchor:
-                keep = passed
-            else:
-                anchors = st.anchors(points)
-                keep = st.anchor_survivors(pool, passed, points)
 
         # 3. every point: the survivors and that point's default, in the same run
         def for_point(m: int) -> list[str]:
@@ -470,6 +538,10 @@ def sweep(
         blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
         n_reused=n_reused, notes=notes, coverage=coverage, label=label or "",
     )  # fmt: skip
+
+
+def _unblocked(neighbours: Callable[[str], Sequence[str]], blocked: set[str]) -> Callable[[str], list[str]]:
+    return lambda t: [n for n in (canon(x) for x in neighbours(t)) if n not in blocked]
 
 
 def _safe_check(b: Backend, problem: ProblemKey, t: str) -> CheckResult:
@@ -633,6 +705,7 @@ def tune_layer(
     check_backends: Sequence[Backend] | None = None,
     valid_for: Callable[[ProblemKey], int] | None = None,
     label_for: Callable[[ProblemKey], str | None] | None = None,
+    neighbours_for: Callable[[ProblemKey], Callable[[str], Sequence[str]] | None] | None = None,
 ) -> LayerReport:
     """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
     budget over what is left; then, where the backend can, time the whole layer with the default
@@ -640,8 +713,9 @@ def tune_layer(
     of each problem's variant space, for the coverage; ``label_for``: what progress calls each."""
     start = clock()
     results: list[SweepResult] = []
-    # A thorough search shares the budget by the variants each GEMM has left to screen (a resumed
-    # run gives its time to the GEMM that needs it); the pruned one shares it equally.
+    # A thorough search shares the budget by the work each GEMM has left (a resumed run gives its
+    # time to the GEMM that needs it); the pruned one shares it equally. What a GEMM leaves over
+    # goes to the next, so the first one's share errs large.
     work = [_work_left(p, candidates_for, previous, config) if config.thorough else 1 for p in problems]
     for i, problem in enumerate(problems):
         budget = None
@@ -657,6 +731,7 @@ def tune_layer(
             on_batch=functools.partial(on_batch, problem) if on_batch else None,
             on_progress=on_progress, clock=clock, check_backends=check_backends,
             n_valid=valid_for(problem) if valid_for else None, label=label_for(problem) if label_for else None,
+            neighbours=neighbours_for(problem) if neighbours_for else None,
         )  # fmt: skip
         results.append(res)
         if on_result:
@@ -671,8 +746,10 @@ def _work_left(
     previous: Callable[[ProblemKey], PreviousRecords] | None,
     config: SweepConfig,
 ) -> int:
-    """How many of ``problem``'s candidates a thorough sweep has yet to screen at every anchor
-    (at least 1: the final phase is work too)."""
+    """The work a thorough sweep of ``problem`` has left: the candidates it has yet to screen at
+    every anchor (at least 1: the final phase is work too), each weighted by the GEMM's N x K, as
+    a screen's time grows with it. By the variants alone, gpt-oss-120b's GEMM1 (3,384 variants,
+    N = 5760) got 20 % of an H200 run's budget and needed 28 %."""
     measured, _, blocked = previous(problem) if previous else ({}, {}, set())
     timed = {(int(m), canon(t)) for (m, t) in measured}
     done = {canon(t) for t in blocked}
@@ -680,7 +757,7 @@ def _work_left(
         canon(t) not in done and not all((m, canon(t)) in timed for m in config.anchors)
         for t in candidates_for(problem)
     )
-    return max(1, left)
+    return max(1, left) * problem.n * problem.k
 
 
 def _layer_points(results: Sequence[SweepResult], timer: Callable[..., Timing] | None) -> list[LayerPoint]:

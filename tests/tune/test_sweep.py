@@ -163,9 +163,10 @@ def test_candidates_measure_past_winners_the_space_still_holds() -> None:
     missed = [t for t in every if t not in plain]
     assert missed  # the budget leaves tiles out
     past, stale = missed[len(missed) // 2], canon({"block_m": 16, "block_n": 48, "num_stages": 3})
-    seeded = kernel_candidates(g1, H100_INFO, max_count=24, past_winners=[stale, past])
-    assert len(seeded) == 24 and past in seeded and stale not in seeded
-    assert seeded.index(past) < 12  # among the seeds, before the even spread
+    seeded = kernel_candidates(g1, H100_INFO, max_count=24, past_winners=[stale, past, plain[3]])
+    # A MoE GEMM's past winners follow the pruned set as they are (the refinement searches around
+    # the best): the set itself does not move, so a rerun measures nothing new.
+    assert seeded == [*plain, past] and stale not in seeded
 
 
 def test_prune_drops_bits_where_asm_has_the_same_tile() -> None:

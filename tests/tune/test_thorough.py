@@ -580,6 +580,38 @@ def test_the_comparison_reads_both_searches_from_the_db(
     assert few["gemms"][0]["points"][1] == doc["gemms"][0]["points"][4]
 
 
+def test_the_replay_reads_a_thorough_search_from_the_db(
+    small, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/tune_replay.py replays the pruned search on the thorough run's timings: a row per
+    GEMM and point, the refined pick never slower than the plain one."""
+    from benchmarks import tune_replay
+
+    pruned_db, thorough_db = tmp_path / "pruned.db", tmp_path / "thorough.db"
+    assert tune_replay.main([str(pruned_db)]) == 3  # no such DB
+    tune_both(monkeypatch, pruned_db, thorough_db)
+    capsys.readouterr()
+    assert tune_replay.main([str(pruned_db)]) == 3  # a pruned run alone
+    assert "thorough" in capsys.readouterr().err
+    assert tune_replay.main([str(thorough_db)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"## Pruned search replayed on the thorough timings of {H100_ENV.name}")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r[0]) for r in rows] == list(POINTS) * 2
+    for r in rows:
+        m, best_us, plain_us, refined_us = int(r[0]), float(r[1]), float(r[3]), float(r[5])
+        assert best_us <= refined_us <= plain_us
+        assert best_us >= min(median_us(t, m) for t in thorough_variants(thorough_db, m)) * (1 - 1e-9)
+    assert out.count("checked / timed: pruned") == 2
+
+
+def thorough_variants(db: Path, m: int) -> list[str]:
+    return [
+        r[0]
+        for r in stored(db, f"SELECT t.params_json FROM measurement JOIN tactic t USING (tactic_hash) WHERE m = {m}")
+    ]
+
+
 def test_the_comparison_counts_every_leg_of_a_resumed_search(
     small, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,6 +4,7 @@ both kinds of timing, and the side-by-side retiming of the comparison."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -102,14 +103,17 @@ def test_choose_ignores_screens_and_waits_for_an_untimed_default() -> None:
     assert failed_default.winner == fast
 
 
-def test_the_thorough_budget_follows_the_variants_left_to_screen() -> None:
+def test_the_thorough_budget_follows_the_work_left_to_screen() -> None:
     p = problem()
     cands = variants(10)
     cfg = SweepConfig(points=POINTS, anchors=POINTS, search="thorough")
     half = {(m, t): {"status": OK, "median_us": 1.0} for t in cands[:5] for m in POINTS}
     partly = {**half, (1, cands[5]): {"status": OK, "median_us": 1.0}}  # one anchor of six: not done
-    assert _work_left(p, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 5
-    assert _work_left(p, lambda q: cands, lambda q: (half, {}, set(cands[5:])), cfg) == 1  # the rest blocked
+    size = p.n * p.k  # a screen's time grows with the GEMM's size
+    assert _work_left(p, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 5 * size
+    assert _work_left(p, lambda q: cands, lambda q: (half, {}, set(cands[5:])), cfg) == size  # the rest blocked
+    wide = dataclasses.replace(p, n=2 * p.n)
+    assert _work_left(wide, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 10 * size
 
 
 def test_the_db_prefers_a_full_timing_over_a_later_screen(tmp_path: Path) -> None:
