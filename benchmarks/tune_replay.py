@@ -1,6 +1,6 @@
 """Replay the pruned search on the timings a thorough search stored, on the CPU.
 
-    python benchmarks/tune_replay.py thorough.db [--gpu NAME] [--tokens 1,8,64]
+    python benchmarks/tune_replay.py thorough.db [--gpu NAME] [--tokens 1,8,64] [--refine-rounds 1]
 
 Per GEMM and token count: the thorough search's choice, and the pick of the pruned search
 without and with its local refinement, replayed on the thorough run's timings
@@ -22,6 +22,7 @@ from prepkit.errors import PrepkitError  # noqa: E402
 from prepkit.tactics import store  # noqa: E402
 from prepkit.tune import compare, parse_tokens  # noqa: E402
 from prepkit.tune.replay import env_device, replay, timing_map  # noqa: E402
+from prepkit.tune.sweep import SweepConfig  # noqa: E402
 
 
 def _short(tactic: str) -> str:
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("db", type=Path, help="tactics DB holding a thorough search")
     parser.add_argument("--gpu", help="GPU name (default: the GPU of the latest thorough run)")
     parser.add_argument("--tokens", help="token counts to replay (default: the thorough run's points)")
+    parser.add_argument(
+        "--refine-seeds", type=int, default=SweepConfig.refine_seeds, help="best variants per anchor to search around"
+    )
+    parser.add_argument(
+        "--refine-rounds", type=int, default=SweepConfig.refine_rounds, help="rounds of the local search at most"
+    )
     args = parser.parse_args(argv)
     try:
         thorough = compare.read_searches([args.db], args.gpu).get("thorough")
@@ -48,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
                 problem = tdb.problem_key(ph)
                 us = timing_map(tdb.measured(thorough.env_hash, ph))
                 plain = replay(problem, device, us, points, refine=False)
-                refined = replay(problem, device, us, points)
+                refined = replay(
+                    problem, device, us, points, refine_seeds=args.refine_seeds, refine_rounds=args.refine_rounds
+                )
                 print(f"### {problem.role} N={problem.n} K={problem.k} ({plain.unmapped} variants without a timing)\n")
                 print("| tokens | thorough µs | thorough variant | pruned µs | miss % | refined µs | miss % |")
                 print("|---:|---:|---|---:|---:|---:|---:|")

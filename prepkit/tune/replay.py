@@ -85,9 +85,12 @@ def replay(
     max_candidates: int = 64,
     keep: int = SweepConfig.keep_per_anchor,
     past_winners: Sequence[str] = (),
+    refine_seeds: int = SweepConfig.refine_seeds,
+    refine_rounds: int = SweepConfig.refine_rounds,
 ) -> ReplayResult:
-    """The pruned search (``refine``: with its local refinement) on the map ``us``, with every
-    point an anchor (a thorough run's points are its anchors)."""
+    """The pruned search (``refine``: with its local refinement, ``refine_seeds`` and
+    ``refine_rounds`` as in :class:`~prepkit.tune.sweep.SweepConfig`) on the map ``us``, with
+    every point an anchor (a thorough run's points are its anchors)."""
     pts = tuple(sorted(set(points)))
     default_for = kernel_defaults(problem, device)
     cands = kernel_candidates(problem, device, max_count=max_candidates, past_winners=past_winners, points=pts)
@@ -98,8 +101,9 @@ def replay(
 
     backend = FunctionBackend(timer)
     config = SweepConfig(
-        points=pts, anchors=pts, keep_per_anchor=keep, refine_rounds=SweepConfig.refine_rounds if refine else 0
-    )
+        points=pts, anchors=pts, keep_per_anchor=keep, refine_seeds=refine_seeds,
+        refine_rounds=refine_rounds if refine else 0,
+    )  # fmt: skip
     space = rule_space(problem, device)
     res = sweep(problem, cands, default_for, [backend], config=config, neighbours=neighbourhood(space))
     best = {}

@@ -603,6 +603,9 @@ def test_the_replay_reads_a_thorough_search_from_the_db(
         assert best_us <= refined_us <= plain_us
         assert best_us >= min(median_us(t, m) for t in thorough_variants(thorough_db, m)) * (1 - 1e-9)
     assert out.count("checked / timed: pruned") == 2
+    assert tune_replay.main([str(thorough_db), "--refine-rounds", "0"]) == 0  # no refinement: as plain
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert all(r[3] == r[5] for r in rows if r[0].strip().isdigit())
 
 
 def thorough_variants(db: Path, m: int) -> list[str]:
