@@ -34,7 +34,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -354,20 +354,19 @@ class _Sweep:
         """Variants beyond ``known`` that an earlier run timed in full, and OK, at every anchor and
         whose stored check passed: what an earlier refinement explored."""
         rows, checks, blocked = previous
-        at: dict[str, set[int]] = {}
-        for (m, t), row in rows.items():
-            if int(m) in anchors and row.get("status") == OK and row.get("kind") != SCREEN_KIND:
-                at.setdefault(canon(t), set()).add(int(m))
+        full = {
+            (int(m), canon(t))
+            for (m, t), row in rows.items()
+            if row.get("status") == OK and row.get("kind") != SCREEN_KIND
+        }
         passed = {canon(t) for t, row in checks.items() if row.get("passed")}
-        return sorted(
-            t for t, ms in at.items() if len(ms) == len(anchors) and t in passed and t not in known and t not in blocked
-        )
+        return sorted(t for t in passed - known - blocked if timed_at_every(t, anchors, full))
 
     # -- the thorough search's anchor phase ------------------------------------------------
 
     def settled(self, t: str, anchors: Sequence[int]) -> bool:
         """Whether ``t`` needs no more anchor timings: timed at each anchor, or failed."""
-        return t in self.failed or all((m, t) in self.measurements for m in anchors)
+        return t in self.failed or timed_at_every(t, anchors, self.measurements)
 
     def group_job(self, b: Backend, tactics: Sequence[str], anchors: Sequence[int]) -> Batch:
         """Screen ``tactics`` at every anchor, one anchor after the other (a worker keeps one token
@@ -753,11 +752,15 @@ def _work_left(
     measured, _, blocked = previous(problem) if previous else ({}, {}, set())
     timed = {(int(m), canon(t)) for (m, t) in measured}
     done = {canon(t) for t in blocked}
-    left = sum(
-        canon(t) not in done and not all((m, canon(t)) in timed for m in config.anchors)
-        for t in candidates_for(problem)
-    )
+    cands = [canon(t) for t in candidates_for(problem)]
+    left = sum(t not in done and not timed_at_every(t, config.anchors, timed) for t in cands)
     return max(1, left) * problem.n * problem.k
+
+
+def timed_at_every(tactic: str, anchors: Iterable[int], timed: Container[tuple[int, str]]) -> bool:
+    """Whether ``timed`` (pairs of token count and tactic) holds ``tactic`` at each anchor: the one
+    rule for what a thorough sweep has screened and what a refinement has explored."""
+    return all((m, tactic) in timed for m in anchors)
 
 
 def _layer_points(results: Sequence[SweepResult], timer: Callable[..., Timing] | None) -> list[LayerPoint]:
