@@ -22,13 +22,8 @@ from prepkit.errors import PrepkitError  # noqa: E402
 from prepkit.tactics import store  # noqa: E402
 from prepkit.tune import compare, parse_tokens  # noqa: E402
 from prepkit.tune.replay import env_device, replay, timing_map  # noqa: E402
+from prepkit.tune.report import short_tactic  # noqa: E402
 from prepkit.tune.sweep import SweepConfig  # noqa: E402
-
-
-def _short(tactic: str) -> str:
-    d = json.loads(tactic)
-    extra = " ".join(f"{k}={d[k]}" for k in ("k_loop", "swapped_dot", "weight_load") if d.get(k))
-    return f"m{d['block_m']} n{d['block_n']} k{d['block_k']} s{d['num_stages']} sk{d.get('split_k', 1)} {extra}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                     best, nan = plain.best[m], float("nan")
                     pruned_us, refined_us = us.get((m, plain.picks[m]), nan), us.get((m, refined.picks[m]), nan)
                     print(
-                        f"| {m} | {us[(m, best)]:.1f} | {_short(best)} | {pruned_us:.1f} | {plain.miss(m) * 100:.1f} "
-                        f"| {refined_us:.1f} | {refined.miss(m) * 100:.1f} |"
+                        f"| {m} | {us[(m, best)]:.1f} | {short_tactic(best)} | {pruned_us:.1f} "
+                        f"| {plain.miss(m) * 100:.1f} | {refined_us:.1f} | {refined.miss(m) * 100:.1f} |"
                     )
                 print(
                     f"\nchecked / timed: pruned {plain.checks} / {plain.timings}, "
