@@ -440,6 +440,17 @@ class TacticsDB:
                 out.append({"m": m, "default_us": d, "tuned_us": t})
         return out
 
+    def env_row(self, env_hash: str) -> dict[str, Any]:
+        """The environment row stored under ``env_hash`` (GPU, device facts, software).
+
+        Raises:
+            TacticsError: no such environment.
+        """
+        rows = list(self.db.query("SELECT * FROM env WHERE env_hash = ?", [env_hash]))
+        if not rows:
+            raise TacticsError(f"{self.path}: no environment {env_hash}")
+        return rows[0]
+
     def problem_key(self, problem_hash: str) -> ProblemKey:
         """The problem stored under ``problem_hash``, as the key that hashes to it.
 

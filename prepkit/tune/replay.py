@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prepkit.errors import TacticsError
 from prepkit.tactics.keys import ProblemKey, canon
 from prepkit.tune.backend import FunctionBackend
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, neighbourhood, rule_space
@@ -62,17 +61,16 @@ def timing_map(measured: Mapping[tuple[int, str], Mapping[str, object]]) -> dict
 
 
 def env_device(tdb: TacticsDB, env_hash: str) -> DeviceInfo:
-    """The device facts the pruning needs, as the environment ``env_hash`` recorded them."""
+    """The device facts the pruning needs, as the environment ``env_hash`` recorded them.
+
+    Raises:
+        TacticsError: no such environment.
+    """
     from prepkit.kernels.device import DeviceInfo
 
-    row = tdb.conn.execute(
-        "SELECT gpu_name, cc_major, cc_minor, sm_count, smem_per_block_optin, l2_bytes FROM env WHERE env_hash = ?",
-        [env_hash],
-    ).fetchone()
-    if row is None:
-        raise TacticsError(f"{tdb.path}: no environment {env_hash}")
-    name, major, minor, sms, smem, l2 = row
-    return DeviceInfo(name, (int(major), int(minor)), int(sms), int(smem), int(l2))
+    r = tdb.env_row(env_hash)
+    capability = (int(r["cc_major"]), int(r["cc_minor"]))
+    return DeviceInfo(r["gpu_name"], capability, int(r["sm_count"]), int(r["smem_per_block_optin"]), int(r["l2_bytes"]))
 
 
 def replay(

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from prepkit.errors import TacticsError
 from prepkit.kernels.device import H100 as H100_INFO
 from prepkit.tactics import store
 from prepkit.tactics.keys import Environment, ProblemKey, canon, gpt_oss_problems
@@ -130,6 +131,9 @@ def test_the_db_prefers_a_full_timing_over_a_later_screen(tmp_path: Path) -> Non
         row = tdb.measured(env, ph)[(8, canon(json.loads(t)))]
         assert (row["median_us"], row["kind"]) == (5.0, None)
         assert tdb.problem_key(ph) == p  # the key a comparison retimes with comes back whole
+        assert tdb.env_row(env)["gpu_name"] == H100_INFO.name  # what a replay builds its device from
+        with pytest.raises(TacticsError, match="no environment"):
+            tdb.env_row("0" * 32)
 
 
 def test_retime_takes_the_picks_side_by_side() -> None:
