@@ -128,21 +128,24 @@ def neighbourhood(space: Sequence[str]) -> Callable[[str], list[str]]:
 
     def near(tactic: str) -> list[str]:
         d = json.loads(tactic)
-        return [t for e, t in parsed if _knobs_apart(d, e) == 1 or _reshaped(d, e)]
+        return [t for e, t in parsed if _one_move(d, e)]
 
     return near
 
 
-def _reshaped(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    tile = ("block_n", "block_k")
-    if any(k not in a or k not in b for k in tile) or a["block_n"] == b["block_n"]:
-        return False
-    same_rest = all(a.get(k) == b.get(k) for k in set(a) | set(b) if k not in tile)
-    return same_rest and a["block_n"] * a["block_k"] == b["block_n"] * b["block_k"]
+def _one_move(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    changed = _changed_knobs(a, b)
+    if changed == {"block_n", "block_k"} and all(k in a and k in b for k in changed):
+        return a["block_n"] * a["block_k"] == b["block_n"] * b["block_k"]  # the tile reshaped
+    return len(changed) == 1
+
+
+def _changed_knobs(a: Mapping[str, Any], b: Mapping[str, Any]) -> set[str]:
+    return {k for k in set(a) | set(b) if a.get(k) != b.get(k)}
 
 
 def _knobs_apart(a: Mapping[str, Any], b: Mapping[str, Any]) -> int:
-    return sum(a.get(k) != b.get(k) for k in set(a) | set(b))
+    return len(_changed_knobs(a, b))
 
 
 def _without_upcast(d: Mapping[str, Any]) -> str:
