@@ -3,6 +3,7 @@
     python benchmarks/tune_compare.py pruned.db thorough.db [--tokens 1,8,64] [--gpu NAME] [--json]
     python benchmarks/tune_compare.py both.db
     python benchmarks/tune_compare.py pruned.db thorough.db --retime   # on that GPU: time the picks again
+    python benchmarks/tune_compare.py pruned.db thorough.db --retime --rounds 9   # more rounds where timings drift
 
 Per GEMM and token count: the default's median, the pruned and the thorough pick with their
 medians, the miss in % (how much slower the pruned pick is), and how long each search took, as a
@@ -36,7 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="time each row's default and both picks again side by side on GPU 0 (needs the GPU the searches ran on)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="with --retime: time the picks this many times, each round starting one pick later, and take medians "
+        "(default 5: from 2048 tokens up, one timing moves by several per cent)",
+    )
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds: must be at least 1, got {args.rounds}")
     try:
         tokens = parse_tokens(args.tokens) if args.tokens else None
     except ValueError as err:
@@ -51,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         doc = compare.compare(found["pruned"], found["thorough"], tokens)
         if args.retime:
-            retime(doc, found["thorough"].db)
+            retime(doc, found["thorough"].db, args.rounds)
     except PrepkitError as err:
         print(f"error: {err}" + (f"\nhint: {err.hint}" if err.hint else ""), file=sys.stderr)
         return err.exit_code
@@ -59,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def retime(doc: dict[str, Any], db: str) -> None:
+def retime(doc: dict[str, Any], db: str, rounds: int) -> None:
     """Time the picks again on GPU 0 (:func:`prepkit.tune.compare.retime`); refuses another GPU."""
     from prepkit.errors import DeviceError
     from prepkit.tactics import store
@@ -71,8 +81,8 @@ def retime(doc: dict[str, Any], db: str) -> None:
     try:
         if worker.env.name != doc["gpu"]:
             raise DeviceError(f"the searches ran on {doc['gpu']}, this GPU is {worker.env.name}")
-        n = compare.retime(doc, problems, worker.backend)
-        print(f"retimed {n} rows on {worker.env.name}", file=sys.stderr)
+        n = compare.retime(doc, problems, worker.backend, rounds)
+        print(f"retimed {n} rows on {worker.env.name}, {rounds} round{'s' if rounds > 1 else ''}", file=sys.stderr)
     finally:
         worker.backend.close()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -224,28 +225,43 @@ def compare(pruned: SearchLegs, thorough: SearchLegs, tokens: Iterable[int] | No
 SIDE_BY_SIDE = "side by side"
 
 
-def retime(doc: dict[str, Any], problems: Mapping[str, ProblemKey], backend: Backend) -> int:
+def retime(doc: dict[str, Any], problems: Mapping[str, ProblemKey], backend: Backend, rounds: int = 1) -> int:
     """Time every row's default, pruned pick and thorough pick again, fully and one after the
-    other on ``backend``, and take each row's times and miss from these (basis ``side by side``):
-    the fairest comparison, since both searches' own timings come from different runs. Rows whose
-    timings fail keep what the DBs said. Returns how many rows were retimed."""
+    other on ``backend``, ``rounds`` times, and take each row's times and miss from these (basis
+    ``side by side``): the fairest comparison, since both searches' own timings come from
+    different runs. Each round starts one pick later than the one before, so a clock that drifts
+    within a round favours none. A row's times are the medians over the rounds and its miss the
+    median of the rounds' misses; with several rounds, ``miss_range`` holds the lowest and highest
+    round's miss. Rows whose timings fail keep what the DBs said. Returns how many rows were
+    retimed."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     n = 0
     for g in doc["gemms"]:
         problem = problems[g["problem_hash"]]
         for row in g["points"]:
-            picks = [t for t in (row["default"], row["pruned"], row["thorough"]) if t]
+            picks = list(dict.fromkeys(t for t in (row["default"], row["pruned"], row["thorough"]) if t))
+            taken: dict[str, list[float]] = {t: [] for t in picks}
             try:
-                us = {t: backend.time(problem, t, row["m"]).median_us for t in dict.fromkeys(picks)}
+                for r in range(rounds):
+                    start = r % len(picks)
+                    for t in picks[start:] + picks[:start]:
+                        taken[t].append(backend.time(problem, t, row["m"]).median_us)
             except CandidateError:
                 continue
+            us = {t: statistics.median(v) for t, v in taken.items()}
             if row["default"]:
                 row["default_us"] = us[row["default"]]
             if row["pruned"] and row["thorough"]:
+                pairs = zip(taken[row["pruned"]], taken[row["thorough"]], strict=True)
+                misses = [100 * (a / b - 1.0) for a, b in pairs]
                 row["pruned_us"], row["thorough_us"] = us[row["pruned"]], us[row["thorough"]]
-                row["miss_pct"] = round(100 * (row["pruned_us"] / row["thorough_us"] - 1.0), 2)
+                row["miss_pct"] = round(statistics.median(misses), 2)
                 row["miss_basis"] = SIDE_BY_SIDE
+                if rounds > 1:
+                    row["miss_range"] = [round(min(misses), 2), round(max(misses), 2)]
             n += 1
-    doc["retimed"] = n
+    doc["retimed"], doc["retime_rounds"] = n, rounds
     return n
 
 
@@ -280,6 +296,8 @@ def markdown(doc: Mapping[str, Any]) -> str:
             miss = "-" if r["miss_pct"] is None else f"{r['miss_pct']:.1f}"
             if r["miss_basis"] == "vs default":
                 miss += "*"
+            if r.get("miss_range"):
+                miss += " ({:.1f} to {:.1f})".format(*r["miss_range"])
             out.append(
                 f"| {r['m']} | {_us(r['default_us'])} | {_us(r['pruned_us'])} | "
                 f"{_variant(r['pruned'], r['pruned_is_default'])} | {_us(r['thorough_us'])} | "
@@ -292,9 +310,16 @@ def markdown(doc: Mapping[str, Any]) -> str:
             "",
         ]
     if doc.get("retimed"):
+        rounds = doc.get("retime_rounds", 1)
         out.append(
             "µs and miss %: the default and both picks timed again side by side in one worker (`--retime`); "
             "miss %: how much slower the pruned pick is than the thorough pick."
+            + (
+                f" Over {rounds} rounds, each starting one pick later: µs the median over the rounds, miss % the "
+                "median of the rounds' misses, with the lowest and highest in brackets."
+                if rounds > 1
+                else ""
+            )
         )
     else:
         out.append(

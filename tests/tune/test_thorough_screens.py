@@ -17,7 +17,7 @@ from prepkit.kernels.device import H100 as H100_INFO
 from prepkit.tactics import store
 from prepkit.tactics.keys import Environment, ProblemKey, canon, gpt_oss_problems
 from prepkit.tune import CheckResult, SweepConfig, Timing, kernel_defaults, sweep
-from prepkit.tune.compare import SIDE_BY_SIDE, retime
+from prepkit.tune.compare import SIDE_BY_SIDE, markdown, retime
 from prepkit.tune.records import OK, Measurement, Screen
 from prepkit.tune.sweep import _work_left, choose
 
@@ -169,6 +169,44 @@ def test_retime_takes_the_picks_side_by_side() -> None:
     assert row["miss_basis"] == SIDE_BY_SIDE
     assert row["miss_pct"] == pytest.approx(100 * (row["pruned_us"] / row["thorough_us"] - 1), abs=0.01)
     assert sorted(t for _, t, _ in log) == sorted({default, pruned, thorough}) and all(op == "time" for op, _, _ in log)
+
+
+class Drifting:
+    """A stand-in GPU whose clock slows by 5 % a call: what a long run of large GEMMs can do."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def time(self, problem: ProblemKey, tactic: str, m: int, screen: Screen | None = None) -> Timing:
+        self.calls.append(tactic)
+        return Timing.from_samples([us(tactic, m) * 1.05 ** len(self.calls)] * 3)
+
+
+def test_retime_in_rounds_rotates_the_order_and_takes_medians() -> None:
+    p = problem()
+    default, pruned, thorough = variants(3)
+    row = {"m": 2048, "default": default, "default_us": 1.0, "pruned": pruned, "pruned_us": 1.0,
+           "thorough": thorough, "thorough_us": 1.0, "miss_pct": 0.0, "miss_basis": "vs default"}  # fmt: skip
+    doc: dict[str, Any] = {"gemms": [{"problem_hash": p.problem_hash(), "points": [row]}]}
+    gpu = Drifting()
+    assert retime(doc, {p.problem_hash(): p}, gpu, rounds=3) == 1
+    # each round starts one pick later, so no pick is always timed first on a drifting clock
+    assert gpu.calls == [default, pruned, thorough, pruned, thorough, default, thorough, default, pruned]
+    taken = {t: [us(t, 2048) * 1.05 ** (i + 1) for i, c in enumerate(gpu.calls) if c == t] for t in (pruned, thorough)}
+    misses = sorted(100 * (a / b - 1) for a, b in zip(taken[pruned], taken[thorough], strict=True))
+    assert row["pruned_us"] == pytest.approx(sorted(taken[pruned])[1])
+    assert row["miss_pct"] == pytest.approx(misses[1], abs=0.01)
+    assert row["miss_range"] == pytest.approx([misses[0], misses[-1]], abs=0.01)
+    assert misses[-1] - misses[0] > 5  # the drift shows as a spread over the rounds, not as one pick's bias
+    assert doc["retime_rounds"] == 3
+    doc.update(gpu="stand-in", searches={})
+    doc["gemms"][0].update(problem="gemm1", pruned={"elapsed_s": 60.0, "coverage": None},
+                           thorough={"elapsed_s": 600.0, "coverage": None})  # fmt: skip
+    row.update(pruned_is_default=False, thorough_is_default=False)
+    text = markdown(doc)
+    assert f"({misses[0]:.1f} to {misses[-1]:.1f})" in text and "Over 3 rounds" in text
+    with pytest.raises(ValueError, match="rounds"):
+        retime(doc, {p.problem_hash(): p}, gpu, rounds=0)
 
 
 def test_out_of_memory_while_timing_blocklists_nothing_and_leaves_the_run_partial() -> None:
