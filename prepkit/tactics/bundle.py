@@ -1,7 +1,8 @@
 """The tactics DB shipped in the package, cut from the full measurement history.
 
 The full DB (``data/tactics-full.db`` in the repository) keeps every timing sample and every
-correctness check of every tuning run. The runtime lookup, ``prepkit tactics show`` and the
+correctness check of every tuning run, except a thorough run's screens (a hundred thousand rows
+that never choose a winner). The runtime lookup, ``prepkit tactics show`` and the
 tuner's seeds need only the winners and what they point at, and ``prepkit tactics plot`` needs
 the default's and the winner's timing per token count. :func:`write_bundle` keeps exactly that:
 
