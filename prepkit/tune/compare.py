@@ -310,17 +310,17 @@ def markdown(doc: Mapping[str, Any]) -> str:
             "",
         ]
     if doc.get("retimed"):
-        rounds = doc.get("retime_rounds", 1)
-        out.append(
+        note = (
             "µs and miss %: the default and both picks timed again side by side in one worker (`--retime`); "
             "miss %: how much slower the pruned pick is than the thorough pick."
-            + (
+        )
+        rounds = doc.get("retime_rounds", 1)
+        if rounds > 1:
+            note += (
                 f" Over {rounds} rounds, each starting one pick later: µs the median over the rounds, miss % the "
                 "median of the rounds' misses, with the lowest and highest in brackets."
-                if rounds > 1
-                else ""
             )
-        )
+        out.append(note)
     else:
         out.append(
             "miss %: how much slower the pruned pick is than the thorough pick, both as the thorough search "
