@@ -133,10 +133,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def embed(
     ids: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The input rows of ``ids`` and gpt-oss's rotary ``cos``/``sin`` at ``positions``."""
+    """The input rows of ``ids`` and gpt-oss's rotary ``cos``/``sin`` at ``positions`` (``[B, T]``,
+    each row's own token positions: a left-padded row's start later than its cache slots)."""
     hidden = F.embedding(ids, table)
-    freqs = positions[None, :, None].float() * inv_freq.float()
+    freqs = positions[..., None].float() * inv_freq.float()
     return hidden, (freqs.cos() * scaling).to(hidden.dtype), (freqs.sin() * scaling).to(hidden.dtype)
+
+
+def token_positions(slots: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """Each row's token positions ``[B, T]`` at cache ``slots`` ``[T]``: a row left-padded with
+    ``pad[b]`` slots counts from its first real token (as transformers' position ids do)."""
+    return (slots[None, :] - pad[:, None]).clamp_min(0)
 
 
 def attention_in(
@@ -171,13 +178,20 @@ def attention_in(
 
 
 def additive_mask(
-    key_index: torch.Tensor, positions: torch.Tensor, window: int | None, dtype: torch.dtype
+    key_index: torch.Tensor,
+    positions: torch.Tensor,
+    window: int | None,
+    dtype: torch.dtype,
+    pad: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Additive ``[T, max_len]`` mask for queries at ``positions`` over cache slots ``key_index``:
-    causal, and within ``window`` positions for a sliding-window layer."""
+    """Additive mask for queries at cache slots ``positions`` ``[T]`` over cache slots
+    ``key_index``: causal, within ``window`` slots for a sliding-window layer, and past each row's
+    ``pad`` (``[B]`` left-padding slots). ``[T, max_len]`` without ``pad``, else ``[B, 1, T, max_len]``."""
     allowed = key_index[None, :] <= positions[:, None]
     if window is not None:
         allowed = allowed & (key_index[None, :] > positions[:, None] - window)
+    if pad is not None:
+        allowed = allowed[None, None] & (key_index[None, None, None, :] >= pad[:, None, None, None])
     mask = torch.zeros(allowed.shape, dtype=dtype, device=key_index.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)
 
@@ -191,7 +205,8 @@ def attend(
     scaling: float,
 ) -> torch.Tensor:
     """gpt-oss attention of ``query`` ``[B, heads, T, D]`` over the cache (``keys``/``values``
-    ``[B, kv_heads, max_len, D]``, additive ``mask`` ``[T, max_len]``) with one learned sink logit
+    ``[B, kv_heads, max_len, D]``, additive ``mask`` ``[T, max_len]`` or ``[B, 1, T, max_len]``)
+    with one learned sink logit
     per head -> ``[B, T, heads * D]``, as transformers' eager attention computes it."""
     batch, heads, tokens, head_dim = query.shape
     kv_heads = keys.shape[1]
@@ -199,7 +214,8 @@ def attend(
     # Heads kv*group .. kv*group+group-1 share kv head kv: fold the group into the rows
     # (row g*T + t) instead of repeating the cache per head.
     query = query.reshape(batch, kv_heads, group * tokens, head_dim)
-    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + mask.repeat(group, 1)
+    repeats = (group, 1) if mask.dim() == 2 else (1, 1, group, 1)
+    scores = torch.matmul(query, keys.transpose(2, 3)) * scaling + mask.repeat(*repeats)
     sinks = sinks.reshape(1, kv_heads, group, 1, 1).expand(batch, -1, -1, tokens, -1)
     scores = torch.cat([scores, sinks.reshape(batch, kv_heads, group * tokens, 1)], dim=-1)
     scores = scores - scores.max(dim=-1, keepdim=True).values
@@ -214,24 +230,25 @@ def attention_out(
     keys: torch.Tensor,
     values: torch.Tensor,
     positions: torch.Tensor,
+    pad: torch.Tensor,
     window: int | None,
     w: LayerWeights,
     scaling: float,
     eps: float,
     as_reduction: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Attention of ``query`` over the cache (causal, and within ``window`` positions for a
-    sliding-window layer) with the learned sinks, the output projection and the residual; then
-    the MoE's input (the post-attention norm, ``[B*T, H]``) and router logits."""
-    mask = additive_mask(torch.arange(keys.shape[2], device=keys.device), positions, window, query.dtype)
+    """Attention of ``query`` over the cache (causal, within ``window`` positions for a
+    sliding-window layer, past each row's left padding ``pad``) with the learned sinks, the output
+    projection and the residual; then the MoE's input (the post-attention norm, ``[B*T, H]``) and router logits."""
+    mask = additive_mask(torch.arange(keys.shape[2], device=keys.device), positions, window, query.dtype, pad)
     out = attend(query, keys, values, mask, w.sinks, scaling)
     hidden = hidden + project(out, w.o_weight, w.o_bias, as_reduction)
     x = rms_norm(hidden, w.post_norm, eps).flatten(0, 1)
     return hidden, x, project(x, w.router_weight, w.router_bias, as_reduction)
 
 
-def head(hidden: torch.Tensor, mlp_out: torch.Tensor, norm: torch.Tensor, lm_head: Weight, eps: float):
-    """The last layer's residual, the final norm and the head on the last position -> greedy ids
-    ``[B, 1]``."""
+def head(hidden: torch.Tensor, mlp_out: torch.Tensor, norm: torch.Tensor, lm_head: Weight, eps: float) -> torch.Tensor:
+    """The last layer's residual, the final norm and the head on the last position -> logits
+    ``[B, vocab]``."""
     hidden = (hidden + mlp_out)[:, -1:]
-    return project(rms_norm(hidden, norm, eps), lm_head, None, False)[:, -1].argmax(-1, keepdim=True)
+    return project(rms_norm(hidden, norm, eps), lm_head, None, False)[:, -1]

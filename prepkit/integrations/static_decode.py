@@ -1,6 +1,6 @@
-"""Greedy decoding of a transformers gpt-oss model with every piece of state on the device, so that
-one decode step (embedding -> all decoder layers -> final norm -> lm_head -> argmax -> next input
-and position) is captured in one CUDA graph and replayed once per token.
+"""Decoding a transformers gpt-oss model with every piece of state on the device, so that one
+decode step (embedding -> all decoder layers -> final norm -> lm_head -> greedy or sampled choice
+-> next input and position) is captured in one CUDA graph and replayed once per token.
 
 transformers' own caches keep part of their bookkeeping on the host (a plain capture of a
 ``StaticCache`` step replays out of bounds), so this module brings its own: a static KV cache per
@@ -17,26 +17,73 @@ fp32 atomics (not bitwise deterministic) and cuBLAS reduces over the cache's ful
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from prepkit.generation.sampling import SamplingParams, sample
 from prepkit.integrations import decode_step
+
+GREEDY = SamplingParams()
+
+
+class TokenStreamer(Protocol):
+    """transformers' streamer interface (``TextStreamer`` fits): ``put`` gets the prompt's ids
+    first, then each step's new ids ``[batch]``; ``end`` once, after the last."""
+
+    def put(self, value: torch.Tensor) -> None: ...
+
+    def end(self) -> None: ...
+
+
+# Called with each step's new ids ``[batch]`` (host): returns the rows to stop now (stop strings).
+StopCheck = Callable[[torch.Tensor], "set[int] | None"]
+
+
+@dataclass
+class DecodeStats:
+    """Where the last ``generate`` call's time went. ``decode_s`` covers the steps after the first
+    (the first one warms up and captures the graph: ``first_step_s``)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    first_step_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        """New tokens per second per row over the timed steps."""
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class PrepkitDecoder:
-    """Greedy decoding for a transformers gpt-oss ``model`` (batch ``batch_size``, prompts of one
-    length, at most ``max_len`` tokens in all) on a static KV cache of its own.
+    """Decoding for a transformers gpt-oss ``model`` (up to ``batch_size`` rows, prompts of any
+    lengths, at most ``max_len`` tokens in all) on a static KV cache of its own.
 
-    ``generate(input_ids, max_new_tokens)`` runs the prompt eagerly (one forward over all its
-    tokens), then one decode step per new token. With ``cuda_graph=True`` (on a CUDA device) the
-    first decode step runs eagerly as warm-up and is then captured once into a
-    ``torch.cuda.CUDAGraph``; later steps, and later calls, replay it without any host sync; the
-    tokens are read back once, at the end. It returns what ``model.generate(input_ids,
-    max_new_tokens=..., do_sample=False)`` returns: prompt and new tokens, stopped at the
-    generation config's EOS ids (rows that finish early padded with its pad id).
+    ``generate(input_ids, max_new_tokens, ...)`` runs the prompt eagerly (one forward over all its
+    tokens), then one decode step per new token. Rows of different lengths come left-padded with
+    an ``attention_mask``, as transformers takes them: a row's pad slots are masked out and its
+    positions count from its first real token. Each step chooses the next token greedily or by
+    sampling (:mod:`prepkit.generation.sampling`: temperature, top-k, top-p and the seed act inside
+    the step), and a row that produced an EOS id gets the pad id from then on.
+
+    With ``cuda_graph=True`` (on a CUDA device) the first decode step runs eagerly as warm-up and
+    is then captured once into a ``torch.cuda.CUDAGraph`` per sampling setting; later steps, and
+    later calls, replay it. The host reads each step's ids back one step behind (a pinned copy
+    and an event), which feeds a streamer and stops the loop once every row has finished without
+    stalling the device. It returns what ``model.generate`` returns: prompt and new tokens,
+    stopped at the EOS ids (rows that finish early padded with the pad id).
 
     The decode step reads the model's modules at call time, so a model whose MoE blocks were
     swapped (``use_prepkit_moe``) before the decoder was built decodes with them. The cache costs
@@ -76,14 +123,23 @@ class PrepkitDecoder:
         self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.kv_index = torch.arange(max_len, device=self.device)
-        # The step's whole state, at fixed addresses: the position of the next input, that input,
-        # and every token so far (the graph writes each new one at its position).
-        self.position = torch.zeros((), dtype=torch.long, device=self.device)
-        self.next_ids = torch.zeros(batch_size, 1, dtype=torch.long, device=self.device)
-        self.tokens = torch.zeros(batch_size, max_len, dtype=torch.long, device=self.device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        # Compiled decode steps fuse the work between matrix products (decode_step); by default on
-        # CUDA, where launch gaps dominate a step, and never for the prompt (one shape per length).
+        # The step's whole state, at fixed addresses: the cache slot of the next input, that input,
+        # each row's left padding, which rows have finished, and the sampling seed.
+        long = {"dtype": torch.long, "device": self.device}
+        self.position = torch.zeros((), **long)
+        self.next_ids = torch.zeros(batch_size, 1, **long)
+        self.pad = torch.zeros(batch_size, **long)
+        self.finished = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
+        self.seed = torch.zeros((), **long)
+        eos = _ids(model.generation_config.eos_token_id)
+        self.eos_ids = torch.tensor(eos, **long)
+        self.pad_id = self._pad_id()
+        self.fill_id = torch.tensor(self.pad_id if self.pad_id is not None else (eos[0] if eos else 0), **long)
+        self.sampling = GREEDY
+        self.graphs: dict[SamplingParams, torch.cuda.CUDAGraph] = {}
+        self.stats = DecodeStats()
+        # Compiled decode steps fuse the work between matrix products (decode_step); never for
+        # the prompt (one shape per length).
         prepkit_moe = all(hasattr(layer.mlp, "moe_layer") for layer in self.layers)
         if compile and not prepkit_moe:
             raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
@@ -100,70 +156,147 @@ class PrepkitDecoder:
             self._attention_out = torch.compile(decode_step.attention_out, fullgraph=True, dynamic=False)
             self._head = torch.compile(decode_step.head, fullgraph=True, dynamic=False)
 
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        """The captured step of the current sampling setting, once there is one."""
+        return self.graphs.get(self.sampling)
+
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """``[batch, prompt]`` ids -> ``[batch, prompt + new]`` ids, greedy (see the class)."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        sampling: SamplingParams = GREEDY,
+        seed: int = 0,
+        streamer: TokenStreamer | None = None,
+        stop: StopCheck | None = None,
+    ) -> torch.Tensor:
+        """``[batch, prompt]`` ids -> ``[batch, prompt + new]`` ids (see the class). ``batch`` may
+        be below the decoder's ``batch_size`` (the spare rows decode padding, unseen).
+        ``attention_mask`` (1 for tokens, 0 for left padding) as transformers takes it; ``seed``
+        keys the sampled draws (the same seed repeats a run exactly); ``stop`` may end rows early.
+        """
         batch, prompt = input_ids.shape
-        if batch != self.batch_size:
+        if batch > self.batch_size:
             raise ValueError(f"input_ids has batch {batch}, the decoder was built for {self.batch_size}")
         if max_new_tokens < 1 or prompt + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} must be within max_len {self.max_len}")
-        input_ids = input_ids.to(self.device)
-        self.tokens[:, :prompt] = input_ids
-        logits = self.forward(input_ids, self.kv_index[:prompt])
-        self.next_ids.copy_(logits.argmax(-1, keepdim=True))
-        self.position.fill_(prompt)
-        self.tokens.index_copy_(1, self.position.view(1), self.next_ids)
-        for _ in range(max_new_tokens - 1):
+        pad = left_padding(attention_mask, batch, prompt)
+        ids = torch.zeros(self.batch_size, prompt, dtype=torch.long)
+        ids[:batch] = input_ids.cpu()
+        self._start(ids.to(self.device), pad, sampling, seed)
+        stats = self.stats = DecodeStats(prompt_tokens=int(prompt * batch - int(pad.sum())))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        rows = _Rows(batch, _ids(self.model.generation_config.eos_token_id))
+        started = time.perf_counter()
+        first = self.next_ids[:batch, 0].to("cpu", copy=True)  # one sync: ends the prefill
+        self._take(first, rows, streamer, stop)
+        stats.prefill_s = time.perf_counter() - started
+        reader = _Readback(self.next_ids, batch)
+        launched = 0
+        if max_new_tokens > 1 and not rows.all_done():
+            # The first step warms up and captures: timed apart, and synchronously.
+            started = time.perf_counter()
             self.step()
-        out = self.tokens[:, : prompt + max_new_tokens].cpu()  # the one host sync
-        return stop_at_eos(out, prompt, _ids(self.model.generation_config.eos_token_id), self._pad_id())
+            reader.launch()
+            self._take(reader.collect(), rows, streamer, stop)
+            launched = 1
+            stats.first_step_s = time.perf_counter() - started
+        started = time.perf_counter()
+        while True:
+            if launched < max_new_tokens - 1 and not rows.all_done():
+                self.step()
+                reader.launch()
+                launched += 1
+                if reader.in_flight() < 2:
+                    continue  # keep one step ahead of the host
+            if not reader.in_flight():
+                break
+            new = reader.collect()
+            if not rows.all_done():  # steps in flight past the end are dropped
+                self._take(new, rows, streamer, stop)
+        if launched > 1:
+            stats.decode_s = time.perf_counter() - started
+            stats.decode_steps = launched - 1
+        if streamer is not None:
+            streamer.end()
+        stats.new_tokens = rows.kept_tokens()
+        return rows.result(input_ids.cpu(), self.pad_id)
+
+    def _start(self, ids: torch.Tensor, pad: torch.Tensor, sampling: SamplingParams, seed: int) -> None:
+        """Run the prompt and set the state for the first decode step."""
+        prompt = ids.shape[1]
+        self.sampling = sampling
+        self.pad.copy_(pad.to(self.device))
+        self.finished.zero_()
+        self.seed.fill_(seed)
+        logits = self.forward(ids, self.kv_index[:prompt])
+        self.position.fill_(prompt)
+        self.next_ids.copy_(self._choose(logits)[:, None])
+
+    def _take(self, new: torch.Tensor, rows: _Rows, streamer: TokenStreamer | None, stop: StopCheck | None) -> None:
+        new = rows.add(new, int(self.fill_id))
+        if streamer is not None:
+            streamer.put(new)
+        stopped = stop(new) if stop is not None else None
+        for row in stopped or ():
+            rows.stop(row)
+            self.finished[row] = True  # ordered after the step in flight: later steps pad it
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token ``[B]`` at the slot ``self.position``; a finished row gets the
+        pad id, and a row that chose an EOS id is finished from now on."""
+        chosen = sample(logits, self.sampling, self.seed, self.position)
+        chosen = torch.where(self.finished, self.fill_id, chosen)
+        if self.eos_ids.numel():
+            self.finished |= (chosen[:, None] == self.eos_ids[None, :]).any(-1)
+        return chosen
 
     @torch.no_grad()
     def step(self) -> None:
-        """One greedy decode step from the device-side state: a graph replay once captured."""
+        """One decode step from the device-side state: a graph replay once captured."""
         if not self.cuda_graph:
             self._step()
             return
-        if self.graph is not None:
-            self.graph.replay()
+        graph = self.graphs.get(self.sampling)
+        if graph is not None:
+            graph.replay()
             return
         # Warm-up on a side stream (Triton and torch.compile compile, cuBLAS picks its workspace):
         # this call's real step, then for compiled steps one more whose state is rolled back, so
-        # that nothing compiles while the graph is being captured. Its cache and token writes lie
-        # past the position and are written again before anything reads them.
+        # that nothing compiles while the graph is being captured. Its cache writes lie past the
+        # position and are written again before anything reads them.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step()
             if self.compiled:
-                position, next_ids = self.position.clone(), self.next_ids.clone()
+                state = [t.clone() for t in (self.position, self.next_ids, self.finished)]
                 self._step()
-                self.position.copy_(position)
-                self.next_ids.copy_(next_ids)
+                for live, saved in zip((self.position, self.next_ids, self.finished), state, strict=True):
+                    live.copy_(saved)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # Capturing runs nothing: the real step was the first warm-up.
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             self._step()
-        self.graph = graph
+        self.graphs[self.sampling] = graph
 
     def _step(self) -> None:
         positions = self.position.view(1)
-        if self.compiled:
-            self.next_ids.copy_(self._compiled_forward(positions))
-        else:
-            logits = self.forward(self.next_ids, positions)
-            self.next_ids.copy_(logits.argmax(-1, keepdim=True))
+        logits = self._compiled_forward(positions) if self.compiled else self.forward(self.next_ids, positions)
         self.position.add_(1)
-        self.tokens.index_copy_(1, self.position.view(1), self.next_ids)
+        self.next_ids.copy_(self._choose(logits)[:, None])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the last position, ``[batch, vocab]``, for ``input_ids`` ``[batch, T]`` at
-        device-side ``positions`` ``[T]``; writes their keys and values into the cache."""
+        device-side cache slots ``positions`` ``[T]``; writes their keys and values into the cache."""
         base = self.model.model
         hidden = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(hidden, positions.unsqueeze(0))
+        cos, sin = base.rotary_emb(hidden, decode_step.token_positions(positions, self.pad))
         masks = {
             "full_attention": self._mask(positions, None),
             "sliding_attention": self._mask(positions, self.config.sliding_window),
@@ -180,14 +313,18 @@ class PrepkitDecoder:
         return self.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
 
     def _compiled_forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """Greedy ids ``[batch, 1]`` after ``self.next_ids`` at ``positions`` ``[1]``, through the
-        compiled halves of :mod:`prepkit.integrations.decode_step`; writes the cache."""
+        """Logits ``[batch, vocab]`` after ``self.next_ids`` at cache slots ``positions`` ``[1]``,
+        through the compiled halves of :mod:`prepkit.integrations.decode_step`; writes the cache."""
         from prepkit.runtime.moe import moe
 
         base = self.model.model
         rotary = base.rotary_emb
         hidden, cos, sin = self._embed(
-            self.next_ids, base.embed_tokens.weight, positions, rotary.inv_freq, float(rotary.attention_scaling)
+            self.next_ids,
+            base.embed_tokens.weight,
+            decode_step.token_positions(positions, self.pad),
+            rotary.inv_freq,
+            float(rotary.attention_scaling),
         )
         windows = {"full_attention": None, "sliding_attention": self.config.sliding_window}
         mlp_out = None
@@ -214,6 +351,7 @@ class PrepkitDecoder:
                 keys,
                 values,
                 positions,
+                self.pad,
                 window,
                 weights,
                 attn.scaling,
@@ -224,8 +362,9 @@ class PrepkitDecoder:
         return self._head(hidden, mlp_out, base.norm.weight, self._lm_head, self._eps)
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        """Additive ``[T, max_len]`` mask: causal, and within ``window`` for sliding layers."""
-        return decode_step.additive_mask(self.kv_index, positions, window, self.dtype)
+        """Additive ``[B, 1, T, max_len]`` mask: causal, within ``window`` for sliding layers, and
+        past each row's left padding."""
+        return decode_step.additive_mask(self.kv_index, positions, window, self.dtype, self.pad)
 
     def _attention(
         self,
@@ -257,6 +396,101 @@ class PrepkitDecoder:
     def _pad_id(self) -> int | None:
         pad = self.model.generation_config.pad_token_id
         return pad if pad is not None else self.config.pad_token_id
+
+
+def left_padding(attention_mask: torch.Tensor | None, batch: int, prompt: int) -> torch.Tensor:
+    """Each row's count of left-padding slots ``[batch]`` from transformers' ``attention_mask``.
+
+    Raises:
+        ValueError: a mask of another shape, or one with padding anywhere but on the left, or a
+            row with no token.
+    """
+    if attention_mask is None:
+        return torch.zeros(batch, dtype=torch.long)
+    mask = attention_mask.cpu().long()
+    if tuple(mask.shape) != (batch, prompt):
+        raise ValueError(f"attention_mask is {list(mask.shape)}, input_ids {[batch, prompt]}")
+    pad = (mask == 0).long().cumprod(1).sum(1)  # leading zeros per row
+    if not torch.equal(mask.sum(1), prompt - pad):
+        raise ValueError("attention_mask pads a row elsewhere than on the left; left-pad the prompts")
+    if bool((pad == prompt).any()):
+        raise ValueError("attention_mask leaves a row without any token")
+    return pad
+
+
+class _Readback:
+    """Each step's ids copied to pinned host memory behind an event and read a step later, so
+    the host does not wait for the step it just launched. At most two steps are in flight."""
+
+    def __init__(self, next_ids: torch.Tensor, batch: int) -> None:
+        self.source = next_ids[:batch, 0]
+        on_cuda = next_ids.device.type == "cuda"
+        self.buffers = [torch.empty(batch, dtype=torch.long, pin_memory=on_cuda) for _ in range(2)]
+        self.events = [torch.cuda.Event() if on_cuda else None for _ in range(2)]
+        self.queue: deque[int] = deque()
+        self.count = 0
+
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+    def launch(self) -> None:
+        assert len(self.queue) < 2, "collect a step before launching a third"
+        slot = self.count % 2
+        self.buffers[slot].copy_(self.source, non_blocking=True)
+        event = self.events[slot]
+        if event is not None:
+            event.record()
+        self.queue.append(slot)
+        self.count += 1
+
+    def collect(self) -> torch.Tensor:
+        """The oldest launched step's ids, waiting for them."""
+        slot = self.queue.popleft()
+        event = self.events[slot]
+        if event is not None:
+            event.synchronize()
+        return self.buffers[slot].clone()
+
+
+class _Rows:
+    """The host's record of each row's new tokens and where each row ended."""
+
+    def __init__(self, batch: int, eos_ids: list[int]) -> None:
+        self.eos = set(eos_ids)
+        self.new: list[torch.Tensor] = []
+        self.end: list[int | None] = [None] * batch  # new tokens kept per finished row
+
+    def add(self, tokens: torch.Tensor, fill: int) -> torch.Tensor:
+        """Record a step's tokens; rows that ended before it get ``fill`` (returned as kept)."""
+        ended = torch.tensor([end is not None for end in self.end])
+        tokens = tokens.masked_fill(ended, fill)
+        self.new.append(tokens)
+        count = len(self.new)
+        for row, token in enumerate(tokens.tolist()):
+            if self.end[row] is None and token in self.eos:
+                self.end[row] = count
+        return tokens
+
+    def stop(self, row: int) -> None:
+        if self.end[row] is None:
+            self.end[row] = len(self.new)
+
+    def all_done(self) -> bool:
+        return all(end is not None for end in self.end)
+
+    def kept_tokens(self) -> int:
+        return sum(len(self.new) if end is None else end for end in self.end)
+
+    def result(self, prompt_ids: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+        if not self.new:
+            return prompt_ids
+        new = torch.stack(self.new, dim=1)
+        if pad_id is not None:
+            for row, end in enumerate(self.end):
+                if end is not None:
+                    new[row, end:] = pad_id
+        ends = [len(self.new) if end is None else end for end in self.end]
+        return torch.cat([prompt_ids, new[:, : max(ends)]], dim=1)
 
 
 def _ids(value: Any) -> list[int]:
