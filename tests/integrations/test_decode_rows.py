@@ -4,8 +4,6 @@ row, stop checks, streaming order and sampling inside the step, against transfor
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
