@@ -27,6 +27,10 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
 # is asked for): ``prepkit --help`` and shell completion then load neither torch nor triton.
 # The one-line help is written here too; a test checks it against the command's docstring.
 COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "prepkit.cli.bench",
+        "Measure prefill and decode tok/s of a prepared folder on this GPU, llama-bench style, against its floor.",
+    ),
     "env": (
         "prepkit.cli.env",
         "Print versions, the GPU, the tactics DBs found and native MX support, for bug reports.",
@@ -35,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "prepkit.cli.fetch",
         "Download the files `prepare` needs, check each against the hub's sha256, and record them.",
     ),
+    "generate": ("prepkit.cli.generate", "Generate text from a prepared folder, streaming it to stdout."),
     "prepare": ("prepkit.cli.prepare", "Convert the MoE experts of a checkpoint into one shard set per TP/EP rank."),
     "synth": (
         "prepkit.cli.synth",

@@ -76,6 +76,7 @@ def from_prepared(
     """
     check_transformers_version()
     check_policy(activations)
+    dtype = check_dtype(dtype)
     target = parse_device(device)
     rank = check_rank(rank)
     require_kernel_device(target)
@@ -86,6 +87,10 @@ def from_prepared(
     non_expert = manifest.rank_shared_files(rank)
     for rel in [*non_expert, *(experts_file(rank, i) for i in range(config.num_hidden_layers))]:
         check_file(root, manifest, rel, check_hashes=check_hashes)
+    # Checked before any weight loads: a damaged file should not cost the minutes of loading.
+    if GENERATION_CONFIG in manifest.files:
+        check_file(root, manifest, GENERATION_CONFIG, check_hashes=check_hashes)
+    generation_config = read_generation_config(root)
 
     model = meta_skeleton(config, dtype)
     mx_parts: MxParts = {}
@@ -95,12 +100,44 @@ def from_prepared(
     model.model.rotary_emb = _rotary_on(model, target)
     load_experts(model, root, manifest, rank, target, activations)
     check_nothing_on_meta(model)
-    if (root / GENERATION_CONFIG).is_file():
-        check_file(root, manifest, GENERATION_CONFIG, check_hashes=check_hashes)
-        from transformers import GenerationConfig
-
-        model.generation_config = GenerationConfig.from_pretrained(str(root))
+    if generation_config is not None:
+        model.generation_config = generation_config
     return model.eval()
+
+
+def check_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` as a floating ``torch.dtype`` the non-expert weights can load in; the names
+    ``"bfloat16"``, ``"float16"`` and ``"float32"`` are taken too.
+
+    Raises:
+        RecipeError: anything else, named.
+    """
+    allowed = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in allowed:
+        return allowed[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype in allowed.values():
+        return dtype
+    raise RecipeError(
+        f"dtype: {dtype!r} is not a dtype the weights load in",
+        hint="use torch.bfloat16, torch.float16 or torch.float32",
+    )
+
+
+def read_generation_config(root: Path) -> Any:
+    """transformers' ``GenerationConfig`` from ``root/generation_config.json``, or None without one.
+
+    Raises:
+        RecipeError: the file does not parse or transformers rejects it (the file named).
+    """
+    path = root / GENERATION_CONFIG
+    if not path.is_file():
+        return None
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(str(root))
+    except (OSError, ValueError, TypeError) as err:
+        raise RecipeError(f"{path} cannot be read: {err}", hint=f"run: prepkit verify {root}") from err
 
 
 def gpt_oss_config(manifest: Manifest) -> GptOssConfig:
@@ -117,7 +154,13 @@ def gpt_oss_config(manifest: Manifest) -> GptOssConfig:
     if problems:
         raise RecipeError("; ".join(problems), hint="prepare the shards again from the model's checkpoint")
     raw.pop("quantization_config", None)
-    return GptOssConfig.from_dict(raw)
+    try:
+        return GptOssConfig.from_dict(raw)
+    except Exception as err:  # transformers' validators raise their own classes (strict dataclasses)
+        raise RecipeError(
+            f"{CONFIG_FIELD}: transformers rejects the config: {err}",
+            hint="prepare the shards again from the model's checkpoint",
+        ) from err
 
 
 def check_file(root: Path, manifest: Manifest, rel: str, *, check_hashes: bool = False) -> None:

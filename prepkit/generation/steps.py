@@ -1,0 +1,25 @@
+"""Which decode step runs: transformers' modules replayed in a CUDA graph, or the compiled step
+(:mod:`prepkit.integrations.decode_step`), and which one a device gets by default."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, get_args
+
+import torch
+
+DecodeStep = Literal["modules", "compiled"]
+DECODE_STEPS: tuple[DecodeStep, ...] = get_args(DecodeStep)
+
+
+def default_step(device: torch.device) -> DecodeStep:
+    """The compiled step on a GPU, where it passes the accuracy rule (docs/decode.md) and runs
+    about twice as fast; the modules on the CPU, where compiling costs more than it saves."""
+    return "compiled" if device.type == "cuda" else "modules"
+
+
+def build_decoder(model: Any, max_len: int, batch: int, step: DecodeStep) -> Any:
+    """A :class:`~prepkit.integrations.static_decode.PrepkitDecoder` for ``batch`` rows of
+    ``max_len`` tokens running ``step``."""
+    from prepkit.integrations.static_decode import PrepkitDecoder
+
+    return PrepkitDecoder(model, max_len, batch_size=batch, compile=step == "compiled")
