@@ -179,14 +179,9 @@ class PrepkitDecoder:
         keys the sampled draws (the same seed repeats a run exactly); ``stop`` may end rows early.
         """
         batch, prompt = input_ids.shape
-        if batch > self.batch_size:
-            raise ValueError(f"input_ids has batch {batch}, the decoder was built for {self.batch_size}")
         if max_new_tokens < 1 or prompt + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} must be within max_len {self.max_len}")
-        pad = left_padding(attention_mask, batch, prompt)
-        ids = torch.zeros(self.batch_size, prompt, dtype=torch.long)
-        ids[:batch] = input_ids.cpu()
-        self._start(ids.to(self.device), pad, sampling, seed)
+        pad = self.prefill(input_ids, attention_mask=attention_mask, sampling=sampling, seed=seed)
         stats = self.stats = DecodeStats(prompt_tokens=int(prompt * batch - int(pad.sum())))
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -225,6 +220,31 @@ class PrepkitDecoder:
             streamer.end()
         stats.new_tokens = rows.kept_tokens()
         return rows.result(input_ids.cpu(), self.pad_id)
+
+    @torch.no_grad()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        sampling: SamplingParams = GREEDY,
+        seed: int = 0,
+    ) -> torch.Tensor:
+        """Run the prompt (one forward over all its tokens, writing the cache) and choose each
+        row's first new token, leaving the state set for the first decode step. Returns each
+        row's left padding ``[batch]``."""
+        batch, prompt = input_ids.shape
+        if batch > self.batch_size:
+            raise ValueError(f"input_ids has batch {batch}, the decoder was built for {self.batch_size}")
+        if prompt >= self.max_len:
+            raise ValueError(f"prompt {prompt} must be shorter than max_len {self.max_len}")
+        pad = left_padding(attention_mask, batch, prompt)
+        ids = torch.zeros(self.batch_size, prompt, dtype=torch.long)
+        ids[:batch] = input_ids.cpu()
+        full_pad = torch.zeros(self.batch_size, dtype=torch.long)
+        full_pad[:batch] = pad
+        self._start(ids.to(self.device), full_pad, sampling, seed)
+        return pad
 
     def _start(self, ids: torch.Tensor, pad: torch.Tensor, sampling: SamplingParams, seed: int) -> None:
         """Run the prompt and set the state for the first decode step."""

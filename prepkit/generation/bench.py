@@ -1,0 +1,235 @@
+"""``prepkit bench``: prefill and decode speed of a prepared folder on this device, in
+llama-bench's terms, next to the bandwidth floor measured in the same run.
+
+- ``ppN``: a prompt of N tokens (batch 1) through one prefill forward, in tok/s.
+- ``tgN``: N new tokens decoded one step at a time (greedy; ``sampled`` rows use the folder's
+  sampling defaults), in tok/s over all rows of the batch, after a one-token prompt.
+
+Each figure is the median of ``repetitions`` runs with their spread; loading, compiling and
+graph capture happen before and are timed apart. Prompts are random token ids (no tokenizer
+needed) and EOS is ignored, so every run decodes its full length.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prepkit.generation import floor, loading
+from prepkit.generation.sampling import SamplingParams
+from prepkit.generation.steps import DecodeStep, build_decoder, default_step
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    folder: Path
+    prompt_lengths: tuple[int, ...] = (512, 2048)
+    gen_lengths: tuple[int, ...] = (32, 128)
+    batches: tuple[int, ...] = (1,)
+    repetitions: int = 5
+    sampled: bool = True
+    activations: str = "bf16"
+    device: str = "cuda"
+    step: DecodeStep | None = None
+    seed: int = 0
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median, standard deviation (0 for one value), minimum and maximum."""
+    return {
+        "median": statistics.median(values),
+        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> dict[str, Any]:
+    """Measure ``request``; returns the JSON-ready report (see the module).
+
+    Raises:
+        PrepkitError: bad input of any kind, before the weights load; a batch and context whose
+            cache does not fit the device's free memory (named).
+    """
+    progress = on_progress or (lambda label, done, total: None)
+    loading.check_dependencies()
+    manifest = loading.open_prepared(request.folder)
+    device = loading.resolve_device(request.device)
+    max_len = max([*request.prompt_lengths, 1 + max(request.gen_lengths, default=1)]) + 1
+    loading.check_fits(manifest, device, max(request.batches, default=1), max_len)
+    step = request.step or default_step(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    loaded = loading.load_model(request.folder, manifest, device, request.activations)
+    model = loaded.model
+    sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
+    model.generation_config.eos_token_id = None  # every run decodes its full length
+    vocab = int(model.config.vocab_size)
+    generator = torch.Generator().manual_seed(request.seed)
+
+    def prompt(batch: int, length: int) -> torch.Tensor:
+        return torch.randint(0, max(1, vocab * 9 // 10), (batch, length), generator=generator)
+
+    bandwidth = floor.copy_bandwidth(device)
+    tests: list[dict[str, Any]] = []
+    total = len(request.prompt_lengths) + len(request.batches) * len(request.gen_lengths) * (
+        2 if request.sampled else 1
+    )
+    started = time.perf_counter()
+    decoders = {batch: build_decoder(model, max_len, batch, step) for batch in request.batches}
+    warm_s = _warm_up(decoders, prompt, sampling if request.sampled else None, request.prompt_lengths, device)
+
+    first = decoders[min(request.batches)] if decoders else build_decoder(model, max_len, 1, step)
+    for length in request.prompt_lengths:
+        ids = prompt(1, length)
+        times = []
+        for _ in range(request.repetitions):
+            began = time.perf_counter()
+            first.prefill(ids)
+            _sync(device)
+            times.append(time.perf_counter() - began)
+        tests.append(_row(f"pp{length}", 1, [length / t for t in times], None))
+        progress("bench", len(tests), total)
+
+    for batch, decoder in decoders.items():
+        step_bytes = floor.step_bytes(model, batch)
+        floor_tps = bandwidth / sum(step_bytes.values()) * batch if bandwidth else None
+        for length in request.gen_lengths:
+            kinds = [("", SamplingParams())] + (
+                [(" sampled", sampling)] if request.sampled and not sampling.greedy else []
+            )
+            for suffix, params in kinds:
+                rates = []
+                for rep in range(request.repetitions):
+                    decoder.generate(prompt(batch, 1), length + 1, sampling=params, seed=request.seed + rep)
+                    stats = decoder.stats
+                    rates.append(batch * length / (stats.first_step_s + stats.decode_s))
+                tests.append(_row(f"tg{length}{suffix}", batch, rates, floor_tps))
+                progress("bench", len(tests), total)
+    measured_s = time.perf_counter() - started - warm_s
+
+    from prepkit.env import report as env_report
+
+    env = env_report()
+    layer_bytes = floor.step_bytes(model, 1)
+    return {
+        "folder": str(request.folder),
+        "model": {
+            "recipe": manifest.model.recipe,
+            "layers": int(model.config.num_hidden_layers),
+            "experts": int(model.config.num_local_experts),
+            "top_k": int(model.config.num_experts_per_tok),
+            "hidden": int(model.config.hidden_size),
+            "vocab": vocab,
+            "dense": manifest.dense_format,
+        },
+        "device": _device_name(device),
+        "activations": request.activations,
+        "step": step,
+        "sampling": sampling.describe(),
+        "repetitions": request.repetitions,
+        "tests": tests,
+        "bytes_per_token": layer_bytes,
+        "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+        "floor_tok_s": bandwidth / sum(layer_bytes.values()) if bandwidth else None,
+        "load_s": loaded.load_s,
+        "warmup_s": warm_s,
+        "measure_s": measured_s,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "tactics": _tactics_used(model, request.prompt_lengths),
+        "versions": env["versions"],
+        "tactics_dbs": env["tactics_dbs"],
+        "mx_native": env["mx_native"] if request.activations != "bf16" else None,
+    }
+
+
+def _warm_up(
+    decoders: dict[int, Any],
+    prompt: Callable[[int, int], torch.Tensor],
+    sampling: SamplingParams | None,
+    prompt_lengths: Sequence[int],
+    device: torch.device,
+) -> float:
+    """Compile, autotune and capture every path the figures take; returns the seconds spent."""
+    began = time.perf_counter()
+    for batch, decoder in decoders.items():
+        decoder.generate(prompt(batch, 1), 3)
+        if sampling is not None and not sampling.greedy:
+            decoder.generate(prompt(batch, 1), 3, sampling=sampling)
+    if decoders:
+        first = decoders[min(decoders)]
+        for length in prompt_lengths:
+            first.prefill(prompt(1, length))
+    _sync(device)
+    return time.perf_counter() - began
+
+
+def _row(test: str, batch: int, rates: list[float], floor_tps: float | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"test": test, "batch": batch, "tok_s": spread(rates)}
+    if floor_tps:
+        row["floor_tok_s"] = floor_tps
+        row["pct_of_floor"] = 100.0 * row["tok_s"]["median"] / floor_tps
+    return row
+
+
+def _tactics_used(model: Any, prompt_lengths: Sequence[int]) -> dict[str, str]:
+    """The MoE variants layer 0 runs at one token and at each prompt length (tuned or default)."""
+    from prepkit.runtime.moe import default_tactics_for
+
+    layer = model.model.layers[0].mlp.moe_layer
+    used = {}
+    for tokens in (1, *prompt_lengths):
+        try:
+            pair = layer.tactics(tokens)
+            default = default_tactics_for(layer.problem(tokens), layer._device_info(), layer.activations)
+        except Exception as err:  # report, never fail the bench over a description
+            used[str(tokens)] = f"unknown ({err})"
+            continue
+        origin = "default" if tuple(pair) == tuple(default) else "tuned"
+        used[str(tokens)] = f"{origin}: " + " / ".join(str(t) for t in pair)
+    return used
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    return "CPU (Triton interpreter)"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as llama-bench prints it: one table row a test, then the floor."""
+    m = report["model"]
+    name = f"{m['recipe']} {m['layers']}L dense {m['dense']}"
+    lines = [
+        "| model | device | act | step | test | batch | t/s | % floor |",
+        "|---|---|---|---|---|---:|---:|---:|",
+    ]
+    for t in report["tests"]:
+        s = t["tok_s"]
+        pct = f"{t['pct_of_floor']:.1f}" if "pct_of_floor" in t else "-"
+        lines.append(
+            f"| {name} | {report['device']} | {report['activations']} | {report['step']} | {t['test']} | "
+            f"{t['batch']} | {s['median']:.2f} ± {s['stdev']:.2f} | {pct} |"
+        )
+    if report["copy_bandwidth_gb_s"]:
+        lines.append("")
+        lines.append(
+            f"floor: {sum(report['bytes_per_token'].values()) / 1e9:.3f} GB per token at "
+            f"{report['copy_bandwidth_gb_s']:.0f} GB/s copy bandwidth = {report['floor_tok_s']:.1f} tok/s (batch 1)"
+        )
+    return "\n".join(lines)
