@@ -23,6 +23,7 @@ from torch import nn
 from prepkit.errors import RecipeError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.integrations.dense_swap import MxParts, add_part, mx_part_of, swap_in_mx_linears
+from prepkit.integrations.fast_generate import enable_fast_generate
 from prepkit.integrations.transformers import (
     PrepkitMoeBlock,
     check_manifest_against_config,
@@ -57,7 +58,9 @@ def from_prepared(
     triton-moe --tp 1``): config from the manifest, non-expert weights in ``dtype``, experts in
     MXFP4 with ``activations`` as their precision policy. No expert is ever held in bf16. A shard
     set prepared with ``--dense mxfp8|mxfp4`` gets MX linears for its q/k/v/o projections and
-    lm_head (:mod:`prepkit.integrations.dense_swap`), run with the same policy.
+    lm_head (:mod:`prepkit.integrations.dense_swap`), run with the same policy. Its ``generate``
+    runs prepkit's graph-captured decode step for the calls that step supports, transformers'
+    own loop otherwise (:mod:`prepkit.integrations.fast_generate`).
 
     On ``device="cpu"`` the kernel runs only under the Triton interpreter (``TRITON_INTERPRET=1``
     before triton is imported; tiny models). ``check_hashes`` re-hashes each file against the
@@ -102,7 +105,7 @@ def from_prepared(
     check_nothing_on_meta(model)
     if generation_config is not None:
         model.generation_config = generation_config
-    return model.eval()
+    return enable_fast_generate(model.eval())
 
 
 def check_dtype(dtype: Any) -> torch.dtype:

@@ -85,7 +85,8 @@ class PrepkitDecoder:
     stalling the device. It returns what ``model.generate`` returns: prompt and new tokens,
     stopped at the EOS ids (rows that finish early padded with the pad id).
 
-    The decode step reads the model's modules at call time, so a model whose MoE blocks were
+    ``eos_ids`` and ``pad_id`` default to the model's generation config. The decode step reads
+    the model's modules at call time, so a model whose MoE blocks were
     swapped (``use_prepkit_moe``) before the decoder was built decodes with them. The cache costs
     ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the model's dtype.
 
@@ -108,6 +109,8 @@ class PrepkitDecoder:
         cuda_graph: bool = True,
         compile: bool = False,
         projections: str = "linear",
+        eos_ids: Sequence[int] | None = None,
+        pad_id: int | None = None,
     ) -> None:
         config = model.config
         base = model.model
@@ -131,9 +134,9 @@ class PrepkitDecoder:
         self.pad = torch.zeros(batch_size, **long)
         self.finished = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
         self.seed = torch.zeros((), **long)
-        eos = _ids(model.generation_config.eos_token_id)
+        eos = list(eos_ids) if eos_ids is not None else _ids(model.generation_config.eos_token_id)
         self.eos_ids = torch.tensor(eos, **long)
-        self.pad_id = self._pad_id()
+        self.pad_id = pad_id if pad_id is not None else self._pad_id()
         self.fill_id = torch.tensor(self.pad_id if self.pad_id is not None else (eos[0] if eos else 0), **long)
         self.sampling = GREEDY
         self.graphs: dict[SamplingParams, torch.cuda.CUDAGraph] = {}
@@ -185,7 +188,7 @@ class PrepkitDecoder:
         stats = self.stats = DecodeStats(prompt_tokens=int(prompt * batch - int(pad.sum())))
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        rows = _Rows(batch, _ids(self.model.generation_config.eos_token_id))
+        rows = _Rows(batch, self.eos_ids.tolist())
         started = time.perf_counter()
         first = self.next_ids[:batch, 0].to("cpu", copy=True)  # one sync: ends the prefill
         self._take(first, rows, streamer, stop)
