@@ -85,7 +85,8 @@ class PrepkitDecoder:
     stalling the device. It returns what ``model.generate`` returns: prompt and new tokens,
     stopped at the EOS ids (rows that finish early padded with the pad id).
 
-    ``eos_ids`` and ``pad_id`` default to the model's generation config. The decode step reads
+    ``eos_ids`` and ``pad_id`` default to the model's generation config; ``keep_logits`` leaves
+    each step's logits in ``self.logits``. The decode step reads
     the model's modules at call time, so a model whose MoE blocks were
     swapped (``use_prepkit_moe``) before the decoder was built decodes with them. The cache costs
     ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the model's dtype.
@@ -111,6 +112,7 @@ class PrepkitDecoder:
         projections: str = "linear",
         eos_ids: Sequence[int] | None = None,
         pad_id: int | None = None,
+        keep_logits: bool = False,
     ) -> None:
         config = model.config
         base = model.model
@@ -138,6 +140,9 @@ class PrepkitDecoder:
         self.eos_ids = torch.tensor(eos, **long)
         self.pad_id = pad_id if pad_id is not None else self._pad_id()
         self.fill_id = torch.tensor(self.pad_id if self.pad_id is not None else (eos[0] if eos else 0), **long)
+        # With keep_logits each step also leaves its logits here (accuracy checks read them).
+        vocab = model.lm_head.out_features
+        self.logits = torch.zeros(batch_size, vocab, device=self.device) if keep_logits else None
         self.sampling = GREEDY
         self.graphs: dict[SamplingParams, torch.cuda.CUDAGraph] = {}
         self.stats = DecodeStats()
@@ -272,6 +277,8 @@ class PrepkitDecoder:
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's next token ``[B]`` at the slot ``self.position``; a finished row gets the
         pad id, and a row that chose an EOS id is finished from now on."""
+        if self.logits is not None:
+            self.logits.copy_(logits)
         chosen = sample(logits, self.sampling, self.seed, self.position)
         chosen = torch.where(self.finished, self.fill_id, chosen)
         if self.eos_ids.numel():
