@@ -88,7 +88,9 @@ def decoder_logits(decoder: Any, tokens: torch.Tensor, prompt: int) -> Iterator[
         yield decoder.logits.clone()
 
 
-def reference_model(source: Path, device: str | torch.device, dtype: torch.dtype, dense_from: Path | None = None) -> Any:
+def reference_model(
+    source: Path, device: str | torch.device, dtype: torch.dtype, dense_from: Path | None = None
+) -> Any:
     """transformers' model of the ``source`` checkpoint in ``dtype`` (experts dequantized from
     MXFP4, exact); with ``dense_from`` (a ``--dense mxfp8|mxfp4`` prepared folder), its dense
     weights replaced by the values the folder's MX codes decode to."""

@@ -48,9 +48,7 @@ def _path(model: torch.nn.Module, tokens: torch.Tensor, ref: torch.Tensor, compi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True], ids=["modules", "compiled"])
-def test_decode_steps_meet_the_rule(
-    tiny_prepared: Path, tokens: torch.Tensor, yardstick: tuple, compile: bool
-) -> None:
+def test_decode_steps_meet_the_rule(tiny_prepared: Path, tokens: torch.Tensor, yardstick: tuple, compile: bool) -> None:
     ref, bf16 = yardstick
     assert 0 < bf16.mean_error < 0.05 and bf16.positions == LENGTH - PROMPT
     got = _path(_load(tiny_prepared), tokens, ref, compile)
