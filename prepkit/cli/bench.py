@@ -63,6 +63,11 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> tuple[in
     help="Also decode with the folder's sampling defaults (tgN sampled rows).",
 )
 @click.option(
+    "--layers",
+    type=click.IntRange(min=1),
+    help="Run only the first N decoder layers: two counts give the per-layer cost and the fixed part.",
+)
+@click.option(
     "--out",
     "out",
     type=click.Path(path_type=Path, dir_okay=False),
@@ -78,6 +83,7 @@ def bench(
     batches: tuple[int, ...],
     repetitions: int,
     sampled: bool,
+    layers: int | None,
     out: Path | None,
     activations: str,
     device: str,
@@ -105,7 +111,7 @@ def bench(
 
     request = BenchRequest(
         folder=prepared, prompt_lengths=prompt_lengths, gen_lengths=gen_lengths, batches=batches or (1,),
-        repetitions=repetitions, sampled=sampled, activations=activations, device=device,
+        repetitions=repetitions, sampled=sampled, activations=activations, device=device, layers=layers,
         step=step,  # type: ignore[arg-type]
     )  # fmt: skip
     with console.progress(enabled=not quiet, transient=True, unit="count") as on_progress:

@@ -40,6 +40,7 @@ class BenchRequest:
     device: str = "cuda"
     step: DecodeStep | None = None
     seed: int = 0
+    layers: int | None = None  # run only the first N decoder layers (per-layer fits over two counts)
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -76,6 +77,8 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
+    if request.layers is not None:
+        keep_layers(model, request.layers)
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
     model.generation_config.eos_token_id = None  # every run decodes its full length
     vocab = int(model.config.vocab_size)
@@ -155,6 +158,27 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         "tactics_dbs": env["tactics_dbs"],
         "mx_native": env["mx_native"] if request.activations != "bf16" else None,
     }
+
+
+def keep_layers(model: Any, count: int) -> None:
+    """Cut ``model`` to its first ``count`` decoder layers (the rest freed): timing two layer
+    counts of one folder separates the per-layer cost from the fixed part.
+
+    Raises:
+        RecipeError: ``count`` outside 1..the model's layers.
+    """
+    from torch import nn
+
+    from prepkit.errors import RecipeError
+
+    layers = list(model.model.layers)
+    if not 1 <= count <= len(layers):
+        raise RecipeError(f"layers: {count} is not in 1..{len(layers)}, the folder's layer count")
+    model.model.layers = nn.ModuleList(layers[:count])
+    model.config.num_hidden_layers = count
+    model.config.layer_types = list(model.config.layer_types)[:count]
+    if model.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _warm_up(
