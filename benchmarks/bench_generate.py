@@ -45,6 +45,8 @@ def log(message: str) -> None:
 
 
 def write_checkpoint(root: Path, layers: int, seed: int) -> Path:
+    if (root / "tokenizer.json").is_file():  # kept from an earlier run on this machine
+        return root
     from prepkit.synth import write_synthetic_checkpoint
     from tests.tokenizer_files import write_tokenizer_files
 
@@ -54,6 +56,8 @@ def write_checkpoint(root: Path, layers: int, seed: int) -> Path:
 
 
 def prepare(src: Path, out: Path, dense: str) -> Path:
+    if (out / "manifest.json").is_file():
+        return out
     from click.testing import CliRunner
 
     from prepkit.cli import cli
@@ -198,11 +202,51 @@ def accuracy_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         gc.collect()
         torch.cuda.empty_cache()
     yardstick = rows[0]
+    overhead = host_overhead(folders["bf16"])
     return {
         "layers": 2,
         "positions": rows[0].positions,
         "rows": [{**r.as_dict(), "passes": accuracy.passes(r, yardstick)} for r in rows],
+        "host_overhead": overhead,
     }
+
+
+def host_overhead(folder: Path) -> dict[str, float]:
+    """ms per decode step of the compiled step (2 layers): graph replays alone, replays with the
+    one-step-behind readback, and ``generate`` (readback, row bookkeeping)."""
+    from prepkit.integrations.static_decode import PrepkitDecoder, _Readback
+    from prepkit.integrations.transformers import from_prepared
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = from_prepared(folder, device="cuda")
+    model.generation_config.eos_token_id = None
+    decoder = PrepkitDecoder(model, 160, compile=True)
+    ids = torch.randint(0, 1000, (1, 1))
+    decoder.generate(ids, 4)
+    steps = 128
+
+    def replays() -> None:
+        for _ in range(steps):
+            decoder.step()
+
+    def with_readback() -> None:
+        reader = _Readback(decoder.next_ids, 1)
+        for _ in range(steps):
+            decoder.step()
+            reader.launch()
+            if reader.in_flight() == 2:
+                reader.collect()
+        while reader.in_flight():
+            reader.collect()
+
+    out = {}
+    for name, run in (("replays", replays), ("replays_readback", with_readback)):
+        decoder.prefill(ids)
+        run()
+        out[name] = 1e3 / median_tok_s(lambda r=run: (decoder.prefill(ids), r()), steps, 5)["median"]
+    out["generate"] = 1e3 / median_tok_s(lambda: decoder.generate(ids, steps + 1), steps, 5)["median"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,11 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
     loading.check_dependencies()
     manifest = loading.open_prepared(request.folder)
     device = loading.resolve_device(request.device)
-    max_len = max([*request.prompt_lengths, 1 + max(request.gen_lengths, default=1)]) + 1
-    loading.check_fits(manifest, device, max(request.batches, default=1), max_len)
+    # Decoding runs on caches sized for its own lengths (attention reads the whole cache), as
+    # llama-bench's tg runs at an empty context; prefill gets a cache of its own.
+    tg_len = 2 + max(request.gen_lengths, default=1)
+    pp_len = 1 + max(request.prompt_lengths, default=1)
+    loading.check_fits(manifest, device, max(request.batches, default=1), max(tg_len, pp_len))
     step = request.step or default_step(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -93,11 +96,12 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         2 if request.sampled else 1
     )
     started = time.perf_counter()
-    decoders = {batch: build_decoder(model, max_len, batch, step) for batch in request.batches}
-    warm_s = _warm_up(decoders, prompt, sampling if request.sampled else None, request.prompt_lengths, device)
+    decoders = {batch: build_decoder(model, tg_len, batch, step) for batch in request.batches}
+    first = build_decoder(model, pp_len, 1, "modules") if request.prompt_lengths else None
+    warm_s = _warm_up(decoders, first, prompt, sampling if request.sampled else None, request.prompt_lengths)
 
-    first = decoders[min(request.batches)] if decoders else build_decoder(model, max_len, 1, step)
     for length in request.prompt_lengths:
+        assert first is not None
         ids = prompt(1, length)
         times = []
         for _ in range(request.repetitions):
@@ -183,10 +187,10 @@ def keep_layers(model: Any, count: int) -> None:
 
 def _warm_up(
     decoders: dict[int, Any],
+    prefill: Any,
     prompt: Callable[[int, int], torch.Tensor],
     sampling: SamplingParams | None,
     prompt_lengths: Sequence[int],
-    device: torch.device,
 ) -> float:
     """Compile, autotune and capture every path the figures take; returns the seconds spent."""
     began = time.perf_counter()
@@ -194,11 +198,9 @@ def _warm_up(
         decoder.generate(prompt(batch, 1), 3)
         if sampling is not None and not sampling.greedy:
             decoder.generate(prompt(batch, 1), 3, sampling=sampling)
-    if decoders:
-        first = decoders[min(decoders)]
-        for length in prompt_lengths:
-            first.prefill(prompt(1, length))
-    _sync(device)
+    for length in prompt_lengths:
+        prefill.prefill(prompt(1, length))
+        _sync(prefill.device)
     return time.perf_counter() - began
 
 

@@ -28,6 +28,7 @@ DEFAULT_TOP_K = 50
 DEFAULT_TOP_P = 1.0
 
 _MASK32 = 0xFFFFFFFF
+TOP_K_CHUNKS = 64  # slices of the vocabulary a large top-k is first taken over
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,22 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, rows: int, cols: i
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def top_k(scores: torch.Tensor, k: int, chunks: int = TOP_K_CHUNKS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k)`` over the last dim of ``[B, V]``, in two stages for a large ``V``: the
+    top ``k`` of each of ``chunks`` slices, then the top ``k`` of those. One row's top-k over a
+    201,088-token vocabulary runs on one block of the GPU; sliced, on ``chunks`` blocks at once,
+    and the global top ``k`` is always among the slices' own."""
+    batch, vocab = scores.shape
+    if vocab < chunks * k * 8:
+        return scores.topk(k, dim=-1)
+    width = -(-vocab // chunks)
+    padded = torch.nn.functional.pad(scores, (0, chunks * width - vocab), value=float("-inf"))
+    values, index = padded.view(batch, chunks, width).topk(k, dim=-1)
+    index = index + torch.arange(0, chunks * width, width, device=scores.device)[None, :, None]
+    values, pick = values.view(batch, -1).topk(k, dim=-1)
+    return values, index.view(batch, -1).gather(-1, pick)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """The next token of each row of ``logits`` ``[B, V]`` -> ``[B]`` (long). ``seed`` and
     ``position`` (scalar tensors, on the logits' device) key the random draw."""
@@ -140,7 +157,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: torch.Tensor, pos
     index: torch.Tensor | None = None
     vocab = scores.shape[-1]
     if 0 < params.top_k < vocab:
-        scores, index = scores.topk(params.top_k, dim=-1)  # sorted, largest first
+        scores, index = top_k(scores, params.top_k)  # sorted, largest first
     elif params.top_p < 1.0:
         scores, index = scores.sort(dim=-1, descending=True)
     if params.top_p < 1.0:

@@ -30,6 +30,7 @@ from prepkit.generation.sampling import SamplingParams, sample
 from prepkit.integrations import decode_step
 
 GREEDY = SamplingParams()
+RECOMPILE_LIMIT = 64
 
 
 class TokenStreamer(Protocol):
@@ -137,9 +138,13 @@ class PrepkitDecoder:
         self.finished = torch.zeros(batch_size, dtype=torch.bool, device=self.device)
         self.seed = torch.zeros((), **long)
         eos = list(eos_ids) if eos_ids is not None else _ids(model.generation_config.eos_token_id)
+        self._eos = eos
         self.eos_ids = torch.tensor(eos, **long)
         self.pad_id = pad_id if pad_id is not None else self._pad_id()
-        self.fill_id = torch.tensor(self.pad_id if self.pad_id is not None else (eos[0] if eos else 0), **long)
+        # The id a finished row gets: on the device for the step, on the host for the loop (reading
+        # a device scalar would sync the host with the device every step).
+        self._fill = self.pad_id if self.pad_id is not None else (eos[0] if eos else 0)
+        self.fill_id = torch.tensor(self._fill, **long)
         # With keep_logits each step also leaves its logits here (accuracy checks read them).
         vocab = model.lm_head.out_features
         self.logits = torch.zeros(batch_size, vocab, device=self.device) if keep_logits else None
@@ -152,10 +157,15 @@ class PrepkitDecoder:
         if compile and not prepkit_moe:
             raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
         self.compiled = compile
+        # The sampler's elementwise work (temperature, filters, the hash noise) fuses when compiled.
+        self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile else sample
         if projections not in ("reduction", "linear"):
             raise ValueError(f"projections must be 'reduction' or 'linear', got {projections!r}")
         self._as_reduction = projections == "reduction"
         if self.compiled:
+            # One compiled graph per batch size, cache length and first-layer form: allow a few.
+            limit = torch._dynamo.config.recompile_limit
+            torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
             self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
             self._lm_head = decode_step.weight_of(model.lm_head)
             self._eps = float(base.norm.variance_epsilon)
@@ -193,7 +203,7 @@ class PrepkitDecoder:
         stats = self.stats = DecodeStats(prompt_tokens=int(prompt * batch - int(pad.sum())))
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        rows = _Rows(batch, self.eos_ids.tolist())
+        rows = _Rows(batch, self._eos)
         started = time.perf_counter()
         first = self.next_ids[:batch, 0].to("cpu", copy=True)  # one sync: ends the prefill
         self._take(first, rows, streamer, stop)
@@ -266,7 +276,7 @@ class PrepkitDecoder:
         self.next_ids.copy_(self._choose(logits)[:, None])
 
     def _take(self, new: torch.Tensor, rows: _Rows, streamer: TokenStreamer | None, stop: StopCheck | None) -> None:
-        new = rows.add(new, int(self.fill_id))
+        new = rows.add(new, self._fill)
         if streamer is not None:
             streamer.put(new)
         stopped = stop(new) if stop is not None else None
@@ -279,7 +289,7 @@ class PrepkitDecoder:
         pad id, and a row that chose an EOS id is finished from now on."""
         if self.logits is not None:
             self.logits.copy_(logits)
-        chosen = sample(logits, self.sampling, self.seed, self.position)
+        chosen = self._sample(logits, self.sampling, self.seed, self.position)
         chosen = torch.where(self.finished, self.fill_id, chosen)
         if self.eos_ids.numel():
             self.finished |= (chosen[:, None] == self.eos_ids[None, :]).any(-1)

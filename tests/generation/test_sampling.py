@@ -87,3 +87,14 @@ def test_params_from_a_generation_config() -> None:
 def test_bad_values_are_named(kwargs: dict, field: str) -> None:
     with pytest.raises(RecipeError, match=field):
         SamplingParams.create(**kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 7, 50])
+def test_sliced_top_k_is_top_k(k: int) -> None:
+    from prepkit.generation.sampling import top_k
+
+    scores = torch.randn(3, 50001, generator=torch.Generator().manual_seed(k))
+    values, index = top_k(scores, k, chunks=16)
+    want_values, want_index = scores.topk(k, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(index, want_index)
+    assert torch.equal(scores.gather(-1, index), values)

@@ -124,3 +124,24 @@ def test_left_padding_reads_the_mask_and_refuses_others() -> None:
         left_padding(torch.tensor([[1, 0, 1]]), 1, 3)
     with pytest.raises(ValueError, match="without any token"):
         left_padding(torch.tensor([[0, 0]]), 1, 2)
+
+
+def test_the_decode_loop_never_reads_a_device_tensor(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU each such read syncs the host with the step in flight and undoes the pipelining;
+    # on the CPU, count the scalar reads the loop makes of the decoder's state tensors.
+    decoder = PrepkitDecoder(model, 40, batch_size=3)
+    ids, mask = _left_padded(LENGTHS, pad_id=0)
+    decoder.generate(ids, 3, attention_mask=mask)
+    state = {id(t) for t in (decoder.fill_id, decoder.eos_ids, decoder.position, decoder.seed, decoder.finished)}
+    reads: list[str] = []
+    for name in ("__int__", "item", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self: torch.Tensor, *a: object, _name: str = name, _orig: object = original) -> object:
+            if id(self) in state:
+                reads.append(_name)
+            return _orig(self, *a)  # type: ignore[operator]
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    decoder.generate(ids, 6, attention_mask=mask)
+    assert reads == []
