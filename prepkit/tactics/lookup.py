@@ -75,8 +75,7 @@ if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.tactic import GemmTactic
     from prepkit.layer import MoeProblem, RankLayer
-    from prepkit.runtime.dense import DenseTacticLookup
-    from prepkit.runtime.moe import TacticLookup
+    from prepkit.tactics.choose import DenseTacticLookup, TacticLookup
 
 log = logging.getLogger(__name__)
 
@@ -561,12 +560,12 @@ def make_tactic_lookup(
     weight_layout: str | None = None,
     activations: ActivationPolicy = "bf16",
 ) -> TacticLookup:
-    """A ``prepkit.runtime.moe.TacticLookup`` backed by the tactic DBs.
+    """A :class:`~prepkit.tactics.choose.TacticLookup` backed by the tactic DBs.
 
     Called with a ``prepkit.layer.MoeProblem`` (a rank's layer record and a token count) and the
-    kernels' ``DeviceInfo``, it returns ``(gemm1, gemm2)`` tactics. A GEMM without a tuned row
-    gets the built-in default for its slot; when neither GEMM has one it returns ``None`` and the
-    layer's own default applies. Either way one warning names the tune command, once per missed
+    kernels' ``DeviceInfo``, it returns ``(gemm1, gemm2)`` tactics, ``None`` in the slot of a GEMM
+    without a tuned row (the chooser's default fills it); when neither GEMM has one it returns
+    ``None``. Either way one warning names the tune command, once per missed
     problem (and per layer, when a layer calls it). ``kernel_version=None`` reads
     ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use; ``weight_layout=None`` is the
     bundled kernel's layout. ``activations`` is the activation precision policy the layer runs
@@ -595,7 +594,7 @@ def make_tactic_lookup(
     layout = weight_layout or _kernel_layout()
     problems: dict[RankLayer, dict[str, ProblemKey]] = {}
 
-    def lookup(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic, GemmTactic] | None:
+    def lookup(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic | None, GemmTactic | None] | None:
         if not version:
             from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
 
@@ -618,11 +617,6 @@ def make_tactic_lookup(
         for role, tactic in decoded.items():
             if tactic is not None:
                 note_other_triton(keys[role], device)
-        if g1 is None or g2 is None:
-            from prepkit.kernels.variants import default_tactics
-
-            d1, d2 = default_tactics(problem, device, activations)
-            g1, g2 = g1 or d1, g2 or d2
         return g1, g2
 
     return lookup
@@ -635,11 +629,11 @@ def make_dense_tactic_lookup(
     kernel_version: str | int | None = None,
     weight_layout: str | None = None,
 ) -> DenseTacticLookup:
-    """A ``prepkit.runtime.dense.DenseTacticLookup`` backed by the tactic DBs: called with the
-    token count, the weight's ``n``/``k``/format, the activation policy and the kernels'
+    """A :class:`~prepkit.tactics.choose.DenseTacticLookup` backed by the tactic DBs: called with
+    the token count, the weight's ``n``/``k``/format, the activation policy and the kernels'
     ``DeviceInfo``, it returns the tuned tactic of that dense problem (its own problem key,
-    :func:`~prepkit.tactics.keys.dense_problem`), else the built-in
-    :func:`~prepkit.kernels.variants.dense_default` after one warning naming the tune command.
+    :func:`~prepkit.tactics.keys.dense_problem`), else ``None`` (the chooser's default serves)
+    after one warning naming the tune command.
     ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use;
     ``weight_layout=None`` is the dense MX layout."""
     res = resolver or runtime_resolver()
@@ -649,7 +643,7 @@ def make_dense_tactic_lookup(
 
     def lookup(
         num_tokens: int, n: int, k: int, fmt: str, activations: ActivationPolicy, device: DeviceInfo
-    ) -> GemmTactic:
+    ) -> GemmTactic | None:
         if not version:
             from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
 
@@ -661,12 +655,7 @@ def make_dense_tactic_lookup(
                 act_dtype=activations,
             )  # fmt: skip
             keys[(n, k, fmt, activations)] = key
-        tactic = _decode_or_none(res.lookup(key, num_tokens, device))
-        if tactic is not None:
-            return tactic
-        from prepkit.kernels.variants import dense_default
-
-        return dense_default(num_tokens, n, k, fmt, device, activations)
+        return _decode_or_none(res.lookup(key, num_tokens, device))
 
     return lookup
 
