@@ -41,7 +41,7 @@ def show_command(db_path: Path | None, as_json: bool) -> None:
         prepkit tactics show --db tactics.db
     """
     from prepkit.tactics import store
-    from prepkit.tactics.lookup import db_to_read
+    from prepkit.tactics.paths import db_to_read
     from prepkit.tune.report import short_tactic, winner_groups
 
     path = db_to_read(db_path)
@@ -137,7 +137,7 @@ def export_command(db_path: Path | None) -> None:
         prepkit tactics export --db ~/.cache/prepkit/tactics.db > my-gpu.json
     """
     from prepkit.tactics import store
-    from prepkit.tactics.lookup import db_to_read
+    from prepkit.tactics.paths import db_to_read
 
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         console.emit_json(tdb.export(on_damaged=lambda row: console.warn(f"{row}; exported as text")))
@@ -167,7 +167,7 @@ def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) 
         prepkit tactics merge my-gpu.json --db team.db
     """
     from prepkit.tactics import store
-    from prepkit.tactics.lookup import user_db_path
+    from prepkit.tactics.paths import user_db_path
 
     # `merge DEST SRC`, the spelling before --db, still works for one release.
     if len(paths) == 2 and db_path is None:
@@ -198,7 +198,7 @@ def plot_command(out: Path, db_path: Path | None, gpu: str | None) -> None:
         prepkit tactics plot --out tactics.png --db tactics.db
     """
     from prepkit.tactics import store
-    from prepkit.tactics.lookup import db_to_read
+    from prepkit.tactics.paths import db_to_read
     from prepkit.tune import report
 
     if importlib.util.find_spec("matplotlib") is None:

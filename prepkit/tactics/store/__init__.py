@@ -1,0 +1,44 @@
+"""``tactics.db`` as the tuner writes it (sqlite-utils): migrations, rows, merge and export.
+
+Rows are content-addressed: environments, kernels, problems and tactics are keyed by a hash of
+their canonical JSON (:mod:`prepkit.tactics.keys`), so two DBs filled on two machines merge
+without renumbering. Writers use WAL mode, a busy timeout and ``BEGIN IMMEDIATE`` transactions, so
+two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows. The
+last writer to close switches the file back to a rollback journal, so that a read-only open (a DB
+baked into a container image) can read it.
+The tables themselves are defined once, in :mod:`prepkit.tactics.schema`; the runtime reads them
+with the standard library only (:mod:`prepkit.tactics.lookup`).
+
+One module per concern: :mod:`.migrate` (opening and migrating), :mod:`.base` (the connection
+and its write transaction), :mod:`.writes` (a tune's rows), :mod:`.reads` (resume reads and the
+views), :mod:`.exchange` (checked copies of a source), :mod:`.merge` (merging one in),
+:mod:`.db` (``TacticsDB``, its openers, the locked merge), :mod:`.recorder` (what a sweep
+reports) and :mod:`.busy` (waiting on other writers, and write errors).
+"""
+
+from __future__ import annotations
+
+from prepkit.tactics.store.busy import BUSY_TIMEOUT_S, write_failure
+from prepkit.tactics.store.db import TacticsDB, merge_into, open_db, open_db_readonly
+from prepkit.tactics.store.exchange import checked_copy
+from prepkit.tactics.store.migrate import make_migrations
+from prepkit.tactics.store.recorder import BatchRecord, ResultRecord, RowRecord, RunRecorder, WinnerRecord
+from prepkit.tactics.store.writes import WinnerRow, env_record
+
+__all__ = [
+    "BUSY_TIMEOUT_S",
+    "BatchRecord",
+    "ResultRecord",
+    "RowRecord",
+    "RunRecorder",
+    "TacticsDB",
+    "WinnerRecord",
+    "WinnerRow",
+    "checked_copy",
+    "env_record",
+    "make_migrations",
+    "merge_into",
+    "open_db",
+    "open_db_readonly",
+    "write_failure",
+]
