@@ -158,7 +158,9 @@ def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) 
 
     SRC is a tactics DB or the JSON `prepkit tactics export` wrote (what users send back).
     Measurements, checks and blocklist entries are unions; for each GPU and problem the winner
-    ranges of the newer run win as a whole.
+    ranges of the newer run win as a whole (a run the DB already holds keeps the DB's dates).
+    SRC is checked whole first and refused, naming the row, if a date is no ISO timestamp or lies
+    ahead, a tactic's hash does not match its params, or a timing is negative or infinite.
 
     \b
     Example:
@@ -178,11 +180,11 @@ def merge_command(paths: tuple[Path, ...], db_path: Path | None, as_json: bool) 
         raise click.UsageError("give one SRC DB to merge (and the DB to merge into with --db)")
     if not src.is_file():
         raise click.BadParameter(f"{src} does not exist", param_hint="SRC")
-    added = store.merge_into(dest, src)
+    summary = store.merge_into(dest, src)
     if as_json:
-        console.emit_json({"db": str(dest), "added": added})
+        console.emit_json({"db": str(dest), "added": summary.added, "replaced": {"winner": summary.replaced}})
         return
-    console.info(f"merged {src} into {dest}: " + ", ".join(f"+{v} {k}" for k, v in added.items()))
+    console.info(f"merged {src} into {dest}: {summary.describe()}")
     click.echo(str(dest))
 
 

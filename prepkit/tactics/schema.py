@@ -206,6 +206,19 @@ JSON_COLUMNS: dict[str, tuple[str, ...]] = {
     "measurement": ("samples_json",),
     "correctness": ("m_values",),
 }
+# Columns holding when a row was written: ISO 8601 text (a merge compares run dates by them).
+TIMESTAMP_COLUMNS: dict[str, tuple[str, ...]] = {
+    "env": ("created_at",),
+    "tuning_run": ("started_at", "finished_at"),
+    "measurement": ("measured_at",),
+    "correctness": ("checked_at",),
+    "blocklist": ("first_seen",),
+}
+# Columns holding timings or ratios of timings: finite and never negative.
+TIMING_COLUMNS: dict[str, tuple[str, ...]] = {
+    "measurement": ("median_us", "p10_us", "p90_us", "mean_us"),
+    "winner": ("median_us", "default_median_us", "speedup_vs_default"),
+}
 # A reference that is not a declared foreign key (SQLite cannot declare a nullable one usefully).
 EXTRA_REFERENCES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "winner": (("runner_up_tactic_hash", "tactic", "tactic_hash"),),

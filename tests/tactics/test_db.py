@@ -367,13 +367,15 @@ def test_merge_unions_rows_and_keeps_newer_winner_sets(tmp_path: Path) -> None:
     fill(b, env=H100, winners=[WinnerRow(1, 4, tac(128), False)])
     b_before = b.read_bytes()
     with open_db(a) as tdb:
-        added = tdb.merge_from(b)
+        summary = tdb.merge_from(b)
+        added = summary.added
+        assert summary.replaced == 2  # a's two ranges gave way to b's newer one
         assert added["env"] == 1 and added["tuning_run"] == 2
         rows = tdb.db.execute("SELECT m_lo, m_hi FROM winner WHERE env_hash = ? ORDER BY m_lo", [env_a]).fetchall()
         assert rows == [(1, 4)]
         assert tdb.counts()["winner"] == 2
         again = tdb.merge_from(b)
-        assert set(again.values()) == {0}
+        assert set(again.added.values()) == {0} and again.replaced == 0
         with pytest.raises(TacticsError, match="itself"):
             tdb.merge_from(a)
     assert b.read_bytes() == b_before

@@ -21,6 +21,7 @@ from __future__ import annotations
 from prepkit.tactics.store.busy import BUSY_TIMEOUT_S, write_failure
 from prepkit.tactics.store.db import TacticsDB, merge_into, open_db, open_db_readonly
 from prepkit.tactics.store.exchange import checked_copy
+from prepkit.tactics.store.merge import MergeSummary
 from prepkit.tactics.store.migrate import make_migrations
 from prepkit.tactics.store.recorder import BatchRecord, ResultRecord, RowRecord, RunRecorder, WinnerRecord
 from prepkit.tactics.store.writes import WinnerRow, env_record
@@ -28,6 +29,7 @@ from prepkit.tactics.store.writes import WinnerRow, env_record
 __all__ = [
     "BUSY_TIMEOUT_S",
     "BatchRecord",
+    "MergeSummary",
     "ResultRecord",
     "RowRecord",
     "RunRecorder",

@@ -16,7 +16,7 @@ from prepkit.tactics import schema, validate
 from prepkit.tactics.schema import open_readonly
 from prepkit.tactics.store.busy import BUSY_TIMEOUT_S, write_failure
 from prepkit.tactics.store.exchange import checked_copy, snapshot
-from prepkit.tactics.store.merge import Merging
+from prepkit.tactics.store.merge import MergeSummary, Merging
 from prepkit.tactics.store.migrate import connect
 from prepkit.tactics.store.writes import Writes
 
@@ -78,7 +78,7 @@ def _require_tables(tdb: TacticsDB, path: Path) -> None:
         )
 
 
-def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> dict[str, int]:
+def merge_into(dest: str | os.PathLike[str], src: str | os.PathLike[str]) -> MergeSummary:
     """Merge ``src`` into ``dest`` (created if missing) while holding ``DEST.merge-lock``: a second
     merge into the same DB is refused at once, naming the holder's pid. ``src`` is checked whole
     before ``dest`` is opened, so a refused import leaves ``dest`` as it was (or absent).
