@@ -64,12 +64,12 @@ def fill(path: Path | str, env: Environment = H100, winners: list[WinnerRow] | N
 # ------------------------------------------------------------------------- schema, bad files
 
 
-def test_new_file_gets_schema_wal_and_application_id(tmp_path: Path) -> None:
+def test_new_file_gets_schema_rollback_journal_and_application_id(tmp_path: Path) -> None:
     path = tmp_path / "t.db"
     with open_db(path) as tdb:
         assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert tdb.conn.execute("PRAGMA application_id").fetchone()[0] == schema.APPLICATION_ID
-        assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
         assert set(tdb.counts()) >= {"env", "kernel", "problem", "measurement", "correctness", "winner"}
     with open_db(path) as tdb:  # reopening applies nothing twice
         names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]

@@ -2,10 +2,11 @@
 
 Rows are content-addressed: environments, kernels, problems and tactics are keyed by a hash of
 their canonical JSON (:mod:`prepkit.tactics.keys`), so two DBs filled on two machines merge
-without renumbering. Writers use WAL mode, a busy timeout and ``BEGIN IMMEDIATE`` transactions, so
-two tuners (two GPUs) writing one file wait for each other instead of failing or losing rows. The
-last writer to close switches the file back to a rollback journal, so that a read-only open (a DB
-baked into a container image) can read it.
+without renumbering. Writers use a rollback journal, a busy timeout and ``BEGIN IMMEDIATE``
+transactions, so two tuners (two GPUs) writing one file wait for each other instead of failing or
+losing rows, and a committed write is whole in the file itself: a writer killed after its commit
+leaves no log that a read-only open (a DB baked into a container image) would have to apply. A
+file found in WAL mode is switched back by the sole, else the last, writer.
 The tables themselves are defined once, in :mod:`prepkit.tactics.schema`; the runtime reads them
 with the standard library only (:mod:`prepkit.tactics.lookup`).
 

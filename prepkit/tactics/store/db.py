@@ -28,8 +28,9 @@ class TacticsDB(Writes, Merging):
         return self
 
 
-def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = True) -> TacticsDB:
-    """Open (and create or migrate) a tactics DB for writing.
+def open_db(path: str | os.PathLike[str], *, create: bool = True, wal: bool = False) -> TacticsDB:
+    """Open (and create or migrate) a tactics DB for writing, in rollback-journal mode unless
+    ``wal`` (:func:`~prepkit.tactics.store.migrate.connect` says why).
 
     ``path=":memory:"`` gives a private in-memory DB (tests).
 

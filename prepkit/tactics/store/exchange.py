@@ -81,6 +81,7 @@ def snapshot(src: Path, dest: Path) -> None:
     """Consistent copy of a possibly-live DB (WAL included) via the backup API."""
     if not src.is_file():
         raise TacticsError(f"{src}: no such tactics DB", hint="check the path")
+    schema.check_no_pending_log(src)
     s = sqlite3.connect(schema.readonly_uri(src), uri=True, timeout=BUSY_TIMEOUT_S)
     try:
         check_header(s, str(src))

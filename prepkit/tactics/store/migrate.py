@@ -63,9 +63,13 @@ def _applied_names(conn: sqlite3.Connection) -> list[str]:
     return [r[0] for r in conn.execute(f"SELECT name FROM {MIGRATIONS_TABLE} WHERE migration_set=?", (MIGRATION_SET,))]
 
 
-def connect(path: str | os.PathLike[str], *, create: bool = True, wal: bool = True) -> Database:
+def connect(path: str | os.PathLike[str], *, create: bool = True, wal: bool = False) -> Database:
     """A migrated connection to the tactics DB at ``path`` (created if missing, unless ``create``
     is false). ``":memory:"`` gives a private in-memory DB (tests).
+
+    Writes run in rollback-journal mode (``wal=False``): once a commit returns, the file alone
+    holds it, so a writer killed right after leaves nothing for a reader to apply, and a
+    read-only folder reads it as it is. Writers wait for each other on the busy timeout.
 
     Raises:
         TacticsError: missing (with ``create=False``), corrupt, foreign, newer-schema or unwritable file.
@@ -121,11 +125,14 @@ def _prepare(conn: sqlite3.Connection, path: str, *, wal: bool) -> Database:
         try:
             check_header(conn, path)
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            if wal and conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if wal and mode != "wal":
                 conn.execute("PRAGMA journal_mode=WAL")
             if wal:
                 # WAL + NORMAL stays consistent on a crash; only a power cut may drop the last commits.
                 conn.execute("PRAGMA synchronous=NORMAL")
+            elif mode == "wal":
+                _leave_wal(conn)
             conn.execute("PRAGMA foreign_keys=ON")
             db = Database(conn)
             _migrate(db, path)
@@ -134,6 +141,20 @@ def _prepare(conn: sqlite3.Connection, path: str, *, wal: bool) -> Database:
             if not is_busy(err) or time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
+
+
+def _leave_wal(conn: sqlite3.Connection) -> None:
+    """Switch a file left in WAL mode (an older prepkit, a killed writer) back to a rollback
+    journal, applying its log. Only the sole connection may: while another process holds the file
+    it stays WAL, and the last one to close switches it (:meth:`StoreBase.close`)."""
+    conn.execute("PRAGMA busy_timeout = 0")
+    try:
+        conn.execute("PRAGMA journal_mode=DELETE")
+    except sqlite3.OperationalError as err:
+        if not is_busy(err):
+            raise
+    finally:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
 
 
 def _migrate(db: Database, path: str) -> None:
