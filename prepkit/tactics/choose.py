@@ -106,7 +106,7 @@ class DenseCall:
     lookup: DenseTacticLookup | None = None
 
     def describe(self) -> str:
-        return f"dense {self.fmt} N={self.n} K={self.k} at {self.num_tokens} tokens"
+        return f"dense {self.fmt} N={self.n} K={self.k}"
 
     def looked_up(self, device: DeviceInfo, activations: ActivationPolicy) -> Slots | None:
         if self.lookup is None:
