@@ -75,10 +75,10 @@ class MoeCall:
     def describe(self) -> str:
         return self.problem.key()
 
-    def looked_up(self, device: DeviceInfo) -> Slots | None:
+    def looked_up(self, device: DeviceInfo, activations: ActivationPolicy) -> Slots | None:
         if self.lookup is None:
             return None
-        pair = self.lookup(self.problem, device)
+        pair = self.lookup(self.problem, device)  # the layer's lookup was built for its policy
         return None if pair is None else (pair[0], pair[1])
 
     def default(self, device: DeviceInfo, activations: ActivationPolicy) -> tuple[GemmTactic, ...]:
@@ -149,8 +149,6 @@ DEFAULT = "default"
 
 
 def _from_lookup(call: Call, device: DeviceInfo, activations: ActivationPolicy) -> Slots | None:
-    if isinstance(call, MoeCall):
-        return call.looked_up(device)
     return call.looked_up(device, activations)
 
 
