@@ -1,10 +1,13 @@
-"""``ModelDims``: the model-wide MoE dimensions, kept free of torch so a manifest can carry them
-without importing it."""
+"""``ModelDims``: the model-wide MoE dimensions, and :func:`dense_shapes`: the dense linears' weight
+shapes, kept free of torch so a manifest (and the tactics lookup) can read them without importing it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from prepkit.errors import RecipeError
 
 if TYPE_CHECKING:
     import torch
@@ -39,3 +42,33 @@ class ModelDims:
             "down_proj_scales": ((E, H, I // BLOCK_ELEMS), torch.uint8),
             "down_proj_bias": ((E, H), torch.bfloat16),
         }
+
+
+@dataclass(frozen=True)
+class DenseShape:
+    """One dense linear of the model: its name and its weight ``[n, k]``."""
+
+    name: str  # "qkv" | "o" | "lm_head"
+    n: int
+    k: int
+
+
+def dense_shapes(config: Mapping[str, Any]) -> list[DenseShape]:
+    """The fused qkv, o and lm_head shapes of a gpt-oss config (config.json keys).
+
+    Raises:
+        RecipeError: a dimension is missing or not a positive integer.
+    """
+    dims = {}
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
+        value = config.get(key)
+        if not isinstance(value, int) or value <= 0:
+            raise RecipeError(f"the model config's {key} is {value!r}: the dense shapes need a positive integer")
+        dims[key] = value
+    hidden, heads, head_dim = dims["hidden_size"], dims["num_attention_heads"], dims["head_dim"]
+    kv = dims["num_key_value_heads"]
+    return [
+        DenseShape("qkv", (heads + 2 * kv) * head_dim, hidden),
+        DenseShape("o", hidden, heads * head_dim),
+        DenseShape("lm_head", dims["vocab_size"], hidden),
+    ]

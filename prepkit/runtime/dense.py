@@ -12,27 +12,20 @@ once, weakly. The tactic of each token count is chosen once and cached.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.runtime.registry import WeakRegistry
+from prepkit.tactics.choose import Choice, DenseCall, DenseTacticLookup, choose, compile_errors, fall_back
+from prepkit.warn_once import new_owner
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights
     from prepkit.kernels.tactic import GemmTactic
-
-
-class DenseTacticLookup(Protocol):
-    """Where an :class:`MxLinear` gets the variant of a call (the tactic DB's:
-    :func:`prepkit.tactics.lookup.make_dense_tactic_lookup`); ``None`` means the default."""
-
-    def __call__(
-        self, num_tokens: int, n: int, k: int, fmt: str, activations: ActivationPolicy, device: DeviceInfo, /
-    ) -> GemmTactic | None: ...
 
 
 _MODULES: WeakRegistry[MxLinear] = WeakRegistry("torch.ops.prepkit.mx_linear", "MxLinear")
@@ -84,7 +77,8 @@ class MxLinear(nn.Module):
         self.register_buffer("weight_scales", scales)
         self.register_buffer("bias", bias.contiguous() if bias is not None else None)
         self.tactic_lookup = tactic_lookup
-        self._tactics: dict[tuple[int, torch.device], GemmTactic] = {}
+        self._tactics: dict[tuple[int, torch.device], Choice] = {}
+        self._warn_owner = new_owner()  # this module's warnings are its own
         self._weights: DenseMxWeights | None = None
         self._device_info: DeviceInfo | None = None
         self.op_id = _MODULES.add(self)
@@ -146,17 +140,35 @@ class MxLinear(nn.Module):
         return self._device_info
 
     def tactic(self, num_tokens: int) -> GemmTactic:
-        """The variant for ``num_tokens`` rows: the lookup's, else the default; chosen once."""
+        """The variant for ``num_tokens`` rows: the lookup's, else the default (warned once per
+        module); chosen once by :func:`prepkit.tactics.choose.choose`."""
+        return self._choice(num_tokens).tactics[0]
+
+    def _call(self, num_tokens: int) -> DenseCall:
+        return DenseCall(num_tokens, self.out_features, self.in_features, self.fmt, self.tactic_lookup)
+
+    def _choice(self, num_tokens: int) -> Choice:
         key = (num_tokens, self.weight_blocks.device)
-        t = self._tactics.get(key)
-        if t is not None:
-            return t
-        t = choose_tactic(
-            self.tactic_lookup, num_tokens, self.out_features, self.in_features, self.fmt, self.activations,
-            self.device_info(), on_cuda=self.weight_blocks.device.type == "cuda",
+        c = self._tactics.get(key)
+        if c is None:
+            c = self._tactics[key] = choose(
+                self._call(num_tokens), self.device_info(), self.activations,
+                on_cuda=self.weight_blocks.device.type == "cuda", owner=self._warn_owner,
+            )  # fmt: skip
+        return c
+
+    def _fall_back(self, num_tokens: int, error: BaseException) -> GemmTactic | None:
+        """After the tuned variant failed to compile: the default from now on (warned), or ``None``
+        when the failing variant was no lookup's."""
+        key = (num_tokens, self.weight_blocks.device)
+        failed = self._tactics.get(key)
+        if failed is None or not failed.tuned:
+            return None
+        c = self._tactics[key] = fall_back(
+            self._call(num_tokens), failed, error, self.device_info(), self.activations,
+            on_cuda=self.weight_blocks.device.type == "cuda",
         )  # fmt: skip
-        self._tactics[key] = t
-        return t
+        return c.tactics[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -179,7 +191,14 @@ class MxLinear(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.bfloat16, device=x.device)
-        launch_dense(x2, weights, self.bias, self.tactic(x2.shape[0]), self.activations, out)
+        try:
+            launch_dense(x2, weights, self.bias, self.tactic(x2.shape[0]), self.activations, out)
+        except compile_errors() as err:
+            # A variant tuned with another Triton may no longer compile: the default always does.
+            fallback = self._fall_back(x2.shape[0], err)
+            if fallback is None:
+                raise
+            launch_dense(x2, weights, self.bias, fallback, self.activations, out)
         y = out.view(*x.shape[:-1], self.out_features)
         return y if dtype == torch.bfloat16 else y.to(dtype)
 
@@ -208,33 +227,6 @@ def kernel_device(device: torch.device) -> DeviceInfo:
     return DeviceInfo.from_torch(device) if device.type == "cuda" else H100
 
 
-def choose_tactic(
-    lookup: DenseTacticLookup | None,
-    num_tokens: int,
-    n: int,
-    k: int,
-    fmt: str,
-    activations: ActivationPolicy,
-    device: DeviceInfo,
-    *,
-    on_cuda: bool,
-) -> GemmTactic:
-    """``lookup``'s variant for the call, else the built-in default; off CUDA (the interpreter,
-    which runs no inline PTX) the PTX upcast becomes its integer-op twin."""
-    from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
-
-    t = lookup(num_tokens, n, k, fmt, activations, device) if lookup is not None else None
-    if t is None:
-        t = default_dense_tactic(
-            num_tokens, n, k, fmt, device.capability, activations=activations, sm_count=device.sm_count
-        )
-    if t.upcast == "asm" and not on_cuda:
-        from dataclasses import replace
-
-        t = replace(t, upcast="bits")
-    return t
-
-
 @functools.cache
 def db_tactic_lookup() -> DenseTacticLookup:
     """One lookup in the tactic DBs for every MX linear of the process (it caches problem keys
@@ -253,10 +245,10 @@ def stored_tactic(tokens: int, blocks: torch.Tensor, scales: torch.Tensor, fmt: 
     key = (tokens, n, k, fmt, activations, blocks.device)
     t = _STORED_TACTICS.get(key)
     if t is None:
-        t = _STORED_TACTICS[key] = choose_tactic(
-            db_tactic_lookup(), tokens, n, k, fmt, check_policy(activations), kernel_device(blocks.device),
+        t = _STORED_TACTICS[key] = choose(
+            DenseCall(tokens, n, k, fmt, db_tactic_lookup()), kernel_device(blocks.device), check_policy(activations),
             on_cuda=blocks.device.type == "cuda",
-        )  # fmt: skip
+        ).tactics[0]  # fmt: skip
     return t
 
 

@@ -2,9 +2,9 @@
 
 A :class:`MoeLayer` holds one layer's experts in the ``triton_moe_v3`` layout on the GPU, plus
 the facts the kernel needs (valid intermediate rows, expert range, whether this TP rank adds the
-down bias). Per call the variant pair comes from the layer's tactic lookup (the tuner's database)
-or, when it has none for the problem, from :func:`default_tactics_for`, with one warning per
-layer. Triton compiles each variant once, on its first use.
+down bias). Per call the variant pair comes from :func:`prepkit.tactics.choose.choose`: the
+layer's tactic lookup (the tuner's database) or, when it has none for the problem, the built-in
+default, with one warning per layer. Triton compiles each variant once, on its first use.
 
 Activation precision is the layer's policy (``activations``: bf16, mxfp8 or mxfp4,
 :mod:`prepkit.kernels.activations`), fixed at load; variants without one of their own for the
@@ -15,10 +15,9 @@ Triton's decomposition, and says so once per process.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,12 +26,13 @@ from prepkit.errors import DeviceError, LayoutError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import NATIVE_MX_TRITON_SM12X, DeviceInfo, lowers_natively
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import default_tactics, policy_variant
+from prepkit.kernels.variants import default_tactics
 from prepkit.layer import MoeProblem, RankLayer, rank_layer
 from prepkit.layouts.base import ExpertWeights, LayoutOptions, ModelDims, RankPlan, RankSpec
 from prepkit.layouts.triton_moe import LAYOUT, tensor_specs
 from prepkit.runtime.op import register as register_layer
-from prepkit.warn_once import new_owner, owned_by, warn_once
+from prepkit.tactics.choose import Choice, MoeCall, TacticLookup, choose, compile_errors, fall_back
+from prepkit.warn_once import new_owner, warn_once
 
 if TYPE_CHECKING:
     from prepkit.kernels.moe_mxfp4.plan import LaunchPlan
@@ -41,14 +41,6 @@ if TYPE_CHECKING:
 # through the constants so that checking a manifest does not import triton.
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
-
-
-class TacticLookup(Protocol):
-    """Where a layer gets the (GEMM1, GEMM2) variants of a call: the pair, or ``None`` after saying
-    why, if it wants to (the tactics DB's does, once per layer: the layer runs it as the warning
-    owner). Without a lookup, or on ``None``, the layer's default serves and the layer warns."""
-
-    def __call__(self, problem: MoeProblem, device: DeviceInfo, /) -> tuple[GemmTactic, GemmTactic] | None: ...
 
 
 def default_tactics_for(
@@ -225,47 +217,23 @@ class MoeLayer:
             raise LayoutError("not a triton_moe_v3 layer: " + "; ".join(problems))
 
     def tactics(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
-        """The variant pair for ``num_tokens``: the lookup's, else the default (warned once)."""
+        """The variant pair for ``num_tokens``: the lookup's, else the default (warned once per
+        layer), chosen once by :func:`prepkit.tactics.choose.choose`."""
         chosen = self._chosen.get(num_tokens)
         if chosen is not None:
             return chosen
-        device = self._device_info()
-        problem = self.problem(num_tokens)
-        if self.tactic_lookup is not None:
-            # The lookup's own warnings about a miss are this layer's: once per layer.
-            with owned_by(self._warn_owner):
-                chosen = self.tactic_lookup(problem, device)
-        else:
-            chosen = None
-            with owned_by(self._warn_owner):
-                warn_once(
-                    "no tuned tactic",
-                    f"no tuned tactic for {problem.key()} on {device.name}; using the built-in default "
-                    "(run `prepkit tune` for faster variants)",
-                    stacklevel=3,
-                )
-        if chosen is not None:
+        choice = choose(
+            MoeCall(self.problem(num_tokens), self.tactic_lookup), self._device_info(), self.activations,
+            on_cuda=self._on_cuda(), owner=self._warn_owner,
+        )  # fmt: skip
+        if choice.tuned:
             self._tuned.add(num_tokens)
-            chosen = self._as_policy(chosen)
-        else:
-            chosen = self._default_pair(num_tokens)
-        self._chosen[num_tokens] = chosen
+        chosen = self._chosen[num_tokens] = _pair(choice)
         return chosen
 
     def _default_pair(self, num_tokens: int) -> tuple[GemmTactic, GemmTactic]:
-        pair = default_tactics_for(self.problem(num_tokens), self._device_info(), self.activations)
-        if self.w13_blocks.device.type != "cuda":
-            # CPU tensors run on the Triton interpreter, which cannot run inline PTX.
-            pair = tuple(replace(t, upcast="bits") if t.upcast == "asm" else t for t in pair)  # type: ignore[assignment]
-        return self._as_policy(pair)
-
-    def _as_policy(self, pair: tuple[GemmTactic, GemmTactic]) -> tuple[GemmTactic, GemmTactic]:
-        # A bf16 pair (a default, or a lookup that knows no policy) runs as the policy's variant.
-        device = self._device_info()
-        return (
-            policy_variant(pair[0], "gemm1", device, self.activations),
-            policy_variant(pair[1], "gemm2", device, self.activations),
-        )
+        return _pair(choose(MoeCall(self.problem(num_tokens)), self._device_info(), self.activations,
+                            on_cuda=self._on_cuda(), warn=False))  # fmt: skip
 
     def fall_back_to_default(self, num_tokens: int, error: BaseException) -> tuple[GemmTactic, GemmTactic] | None:
         """After a tuned pair failed to compile: the default pair for ``num_tokens`` from now on
@@ -273,17 +241,16 @@ class MoeLayer:
         if num_tokens not in self._tuned:
             return None
         self._tuned.discard(num_tokens)
-        failed = self._chosen.get(num_tokens)
-        pair = self._default_pair(num_tokens)
-        self._chosen[num_tokens] = pair
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        warnings.warn(
-            f"tuned variants {failed[0].key() if failed else '?'} / {failed[1].key() if failed else '?'} for "
-            f"{num_tokens} tokens do not compile with this Triton ({first}); using the built-in default "
-            "(`prepkit tune` re-measures)",
-            stacklevel=3,
-        )
+        failed = Choice(self._chosen[num_tokens], "lookup")
+        choice = fall_back(
+            MoeCall(self.problem(num_tokens)), failed, error, self._device_info(), self.activations,
+            on_cuda=self._on_cuda(),
+        )  # fmt: skip
+        pair = self._chosen[num_tokens] = _pair(choice)
         return pair
+
+    def _on_cuda(self) -> bool:
+        return self.w13_blocks.device.type == "cuda"
 
     def _device_info(self) -> DeviceInfo:
         if self.device_info is None:
@@ -295,6 +262,11 @@ class MoeLayer:
             else:
                 self.device_info = DeviceInfo.from_torch(self.w13_blocks.device)
         return self.device_info
+
+
+def _pair(choice: Choice) -> tuple[GemmTactic, GemmTactic]:
+    g1, g2 = choice.tactics
+    return g1, g2
 
 
 def _warn_if_decomposed(layer: MoeLayer, device: DeviceInfo, on_cuda: bool) -> None:
@@ -366,7 +338,7 @@ def moe(
     plan_key = _plan_key(layer, x, logits) if planned else None
     try:
         out = _launch(layer, x, logits, pair, plan_key)
-    except _compile_errors() as err:
+    except compile_errors() as err:
         # Tuned variants from another Triton may no longer compile: the default always does.
         fallback = None if tactics is not None else layer.fall_back_to_default(num_tokens, err)
         if fallback is None:
@@ -412,14 +384,6 @@ def _launch(
     if plan is not None:
         layer._plans[plan_key] = plan
     return out
-
-
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What Triton raises when a variant does not compile, or needs more than the GPU has."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return (CompilationError, OutOfResources)
 
 
 def scales_are_small(scales: torch.Tensor) -> bool:

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from prepkit.errors import PrepkitError, TacticsError
 from prepkit.tactics import store
-from prepkit.tactics.lookup import Range, RangeTable
+from prepkit.tactics.ranges import Range, RangeTable
+from prepkit.tactics.store.exchange import snapshot
 
 
 def _thin(tdb: store.TacticsDB) -> None:
@@ -76,7 +77,7 @@ def write_bundle(src: str | os.PathLike[str], dest: str | os.PathLike[str]) -> d
         raise TacticsError(f"{dest_path}: the bundle would overwrite its own source", hint="pick another DEST")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "bundle.db"
-        store._snapshot(src_path, work)  # a consistent private copy, migrated below
+        snapshot(src_path, work)  # a consistent private copy, migrated below
         with store.open_db(work, wal=False) as tdb:
             _thin(tdb)
             dest_path.parent.mkdir(parents=True, exist_ok=True)

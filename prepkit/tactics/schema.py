@@ -206,6 +206,19 @@ JSON_COLUMNS: dict[str, tuple[str, ...]] = {
     "measurement": ("samples_json",),
     "correctness": ("m_values",),
 }
+# Columns holding when a row was written: ISO 8601 text (a merge compares run dates by them).
+TIMESTAMP_COLUMNS: dict[str, tuple[str, ...]] = {
+    "env": ("created_at",),
+    "tuning_run": ("started_at", "finished_at"),
+    "measurement": ("measured_at",),
+    "correctness": ("checked_at",),
+    "blocklist": ("first_seen",),
+}
+# Columns holding timings or ratios of timings: finite and never negative.
+TIMING_COLUMNS: dict[str, tuple[str, ...]] = {
+    "measurement": ("median_us", "p10_us", "p90_us", "mean_us"),
+    "winner": ("median_us", "default_median_us", "speedup_vs_default"),
+}
 # A reference that is not a declared foreign key (SQLite cannot declare a nullable one usefully).
 EXTRA_REFERENCES: dict[str, tuple[tuple[str, str, str], ...]] = {
     "winner": (("runner_up_tactic_hash", "tactic", "tactic_hash"),),
@@ -303,16 +316,47 @@ def readonly_uri(path: Path) -> str:
     return uri if folder_writable(path.parent) else f"{uri}&immutable=1"
 
 
+def check_no_pending_log(path: Path) -> None:
+    """Refuse to read ``path`` from a read-only folder while a non-empty ``-wal`` or ``-journal``
+    beside it holds a write SQLite has not applied (a writer killed after, or during, a commit):
+    an immutable open would ignore it and read stale or half-written pages.
+
+    Raises:
+        TacticsError: naming the file and how to apply it.
+    """
+    if folder_writable(path.resolve().parent):
+        return  # SQLite applies the log itself on open
+    for suffix, how in (
+        ("-wal", "PRAGMA wal_checkpoint(TRUNCATE); PRAGMA journal_mode=DELETE;"),
+        ("-journal", "PRAGMA integrity_check;"),
+    ):
+        log = path.with_name(path.name + suffix)
+        try:
+            pending = log.stat().st_size > 0
+        except OSError:
+            continue
+        if pending:
+            kind = "write-ahead log" if suffix == "-wal" else "rollback journal of an interrupted write"
+            raise TacticsError(
+                f"{path}: {log.name} beside it is a {kind} SQLite has not applied, and the folder is "
+                "read-only, so it cannot be applied here (reading without it would give stale rows)",
+                hint=f"copy the folder somewhere writable and run there: sqlite3 COPY/{path.name} '{how}'; "
+                "then use or ship that copy (or make the folder writable and run it in place)",
+            )
+
+
 def open_readonly(path: str | os.PathLike[str], *, timeout_s: float = 5.0) -> tuple[sqlite3.Connection, int]:
     """Open a tactics DB without writing to it (:func:`readonly_uri`); returns the connection and its
     schema version (0 for an empty file). The one read-only opener of the package.
 
     Raises:
-        TacticsError: missing, unreadable, busy, foreign or newer-schema DB.
+        TacticsError: missing, unreadable, busy, foreign or newer-schema DB, or one whose pending
+            log a read-only folder keeps from being applied.
     """
     p = Path(path)
     if not p.is_file():
         raise TacticsError(f"{p}: no such tactics DB", hint="run `prepkit tune` first, or pass another --db")
+    check_no_pending_log(p)
     try:
         conn = sqlite3.connect(readonly_uri(p), uri=True, timeout=timeout_s)
     except sqlite3.Error as err:

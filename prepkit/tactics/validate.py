@@ -10,8 +10,10 @@ Standard library only, like :mod:`prepkit.tactics.schema`.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
+import re
 import sqlite3
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -25,6 +27,31 @@ EXPORT_FORMAT = "prepkit-tactics"
 MAX_TUNED_TOKENS = 1 << 20
 
 _SQL_TYPES: dict[str, tuple[str, ...]] = {"TEXT": ("text",), "INTEGER": ("integer",), "REAL": ("real", "integer")}
+# What the writer stores (datetime.isoformat), with or without seconds, fraction and offset.
+_ISO = re.compile(r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,6})?)?([+-]\d{2}:\d{2}|Z)?")
+# How far a row's date may lie ahead of this clock (another machine's clock may run ahead).
+FUTURE_SLACK = dt.timedelta(days=1)
+
+
+def parse_timestamp(value: Any) -> dt.datetime | None:
+    """``value`` as an aware datetime (no offset: UTC), or ``None`` if it is no ISO 8601 timestamp."""
+    if not isinstance(value, str) or not _ISO.fullmatch(value):
+        return None
+    try:
+        when = dt.datetime.fromisoformat(value[:-1] + "+00:00" if value.endswith("Z") else value)
+    except ValueError:
+        return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+
+
+def timestamp_problem(value: Any, now: dt.datetime | None = None) -> str | None:
+    """Why ``value`` cannot be a row's date, or ``None``: not ISO 8601, or later than now."""
+    when = parse_timestamp(value)
+    if when is None:
+        return f"{value!r:.40} is not an ISO 8601 timestamp"
+    if when > (now or dt.datetime.now(dt.timezone.utc)) + FUTURE_SLACK:
+        return f"{value} lies in the future"
+    return None
 
 
 def _type_ok(value: Any, sql_type: str) -> bool:
@@ -193,10 +220,28 @@ def _row_problems(conn: sqlite3.Connection, name: str) -> Iterator[str]:
         ):
             yield f"{name} row ({_key(row[:-1])}): {col} {row[-1]!r} names no {other} row"
     if name == "tactic":
+        from prepkit.tactics.keys import tactic_hash
+
         for th, pj in conn.execute("SELECT tactic_hash, params_json FROM tactic"):
             why = tactic_problem(pj)
             if why:
                 yield f"tactic row {th!r}: params_json {why}"
+            elif tactic_hash(pj) != th:
+                # A row whose hash names other params would serve them wherever the hash is used.
+                yield f"tactic row {th!r}: tactic_hash does not match its params_json (hash {tactic_hash(pj)!r})"
+    now = dt.datetime.now(dt.timezone.utc)
+    for col in schema.TIMESTAMP_COLUMNS.get(name, ()):
+        for row in conn.execute(f"SELECT {key}, {col} FROM {name} WHERE {col} IS NOT NULL"):
+            why = timestamp_problem(row[-1], now)
+            if why:
+                yield f"{name} row ({_key(row[:-1])}): {col} {why}"
+                break
+    for col in schema.TIMING_COLUMNS.get(name, ()):
+        # SQLite stores NaN as NULL; infinities compare above any finite double.
+        for row in conn.execute(
+            f"SELECT {key}, {col} FROM {name} WHERE {col} < 0 OR abs({col}) > 1.7976931348623157e308 LIMIT 1"
+        ):
+            yield f"{name} row ({_key(row[:-1])}): {col} {row[-1]!r} is no possible timing"
     if name == "winner":
         for row in conn.execute(
             f"SELECT {key}, m_hi FROM winner WHERE m_lo < 1 OR m_hi < m_lo OR m_hi > ? LIMIT 1", (MAX_TUNED_TOKENS,)

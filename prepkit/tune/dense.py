@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prepkit.dims import dense_shapes
 from prepkit.errors import RecipeError
 from prepkit.tactics.keys import DENSE_ROLE, DENSE_W_DTYPES, KERNEL_NAME, ProblemKey, dense_problem
 
@@ -33,41 +34,11 @@ DENSE_ANCHORS = (1, 4, 16, 32, 128, 1024, 4096)
 
 
 @dataclass(frozen=True)
-class DenseShape:
-    """One dense linear of the model: its name and its weight ``[n, k]``."""
-
-    name: str  # "qkv" | "o" | "lm_head"
-    n: int
-    k: int
-
-
-@dataclass(frozen=True)
 class DenseTarget:
     """One dense problem to sweep and what people call it."""
 
     problem: ProblemKey
     label: str  # e.g. "dense mxfp4 qkv 5120x2880"
-
-
-def dense_shapes(config: Mapping[str, Any]) -> list[DenseShape]:
-    """The fused qkv, o and lm_head shapes of a gpt-oss config (config.json keys).
-
-    Raises:
-        RecipeError: a dimension is missing or not a positive integer.
-    """
-    dims = {}
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size"):
-        value = config.get(key)
-        if not isinstance(value, int) or value <= 0:
-            raise RecipeError(f"the model config's {key} is {value!r}: the dense shapes need a positive integer")
-        dims[key] = value
-    hidden, heads, head_dim = dims["hidden_size"], dims["num_attention_heads"], dims["head_dim"]
-    kv = dims["num_key_value_heads"]
-    return [
-        DenseShape("qkv", (heads + 2 * kv) * head_dim, hidden),
-        DenseShape("o", hidden, heads * head_dim),
-        DenseShape("lm_head", dims["vocab_size"], hidden),
-    ]
 
 
 def dense_formats(choice: str | None, held: Sequence[str], activations: ActivationPolicy, source: str) -> list[str]:

@@ -72,14 +72,15 @@ class DenseBench:
         self._copies: list[DenseMxWeights] = []
         self._inputs: dict[str, Any] = {}
 
-    def tactic(self, tactic: str) -> GemmTactic:
-        from dataclasses import replace
-
+    def tactic(self, tactic: str, m: int) -> GemmTactic:
+        """``tactic`` (JSON) as the runtime's chooser runs it for ``m`` tokens on this device (on the
+        CPU the interpreter's fix-up applies)."""
         from prepkit.kernels.tactic import GemmTactic
+        from prepkit.tactics.choose import DenseCall, choose
 
-        t = GemmTactic.from_json(tactic)
-        # The interpreter cannot run inline PTX; on the CPU the asm upcast falls back to bits.
-        return replace(t, upcast="bits") if self.dev.type != "cuda" and t.upcast == "asm" else t
+        pinned = GemmTactic.from_json(tactic)
+        call = DenseCall(m, self.problem.n, self.problem.k, self.fmt, lambda *_: pinned)
+        return choose(call, self.info, self.activations, on_cuda=self.dev.type == "cuda", warn=False).tactics[0]
 
     def check(self, tactic: str, m_values: Sequence[int] | None = None) -> dict[str, Any]:
         """Run ``tactic`` at each of ``m_values`` tokens (default :data:`~prepkit.tune.worker.CHECK_M`)
@@ -91,9 +92,9 @@ class DenseBench:
         ms = tuple(int(m) for m in m_values) if m_values else CHECK_M
         if any(m < 1 for m in ms):
             raise ValueError(f"check token counts must be positive, got {list(ms)}")
-        t = self.tactic(tactic)
         worst, max_abs, bad = 0.0, 0.0, 0
         for m in ms:
+            t = self.tactic(tactic, m)
             x = torch.randn((m, self.problem.k), generator=self.gen, device=self.dev).to(torch.bfloat16)
             ref = dense_reference(x, self.reference_weight, self.bias, self.activations)
             out = mx_linear(x, self.weights, self.bias, activations=self.activations, tactic=t)
@@ -129,7 +130,7 @@ class DenseBench:
             out = torch.empty((m, self.problem.n), dtype=torch.bfloat16, device=self.dev)
             self._inputs = {"m": m, "x": x, "out": out}  # one token count's buffers at a time
         x, out = self._inputs["x"], self._inputs["out"]
-        copies, bias, acts, t = self.copies(), self.bias, self.activations, self.tactic(tactic)
+        copies, bias, acts, t = self.copies(), self.bias, self.activations, self.tactic(tactic, m)
 
         def launch(i: int) -> Any:
             return mx_linear(x, copies[i], bias, activations=acts, tactic=t, out=out)

@@ -184,11 +184,10 @@ class GpuBench:
 
     def pair(self, tactic: str | None, m: int, pair: Sequence[str] | None = None) -> tuple[GemmTactic, GemmTactic]:
         from prepkit.kernels.tactic import GemmTactic
-        from prepkit.kernels.variants import default_tactics
 
         if pair is not None:
             return GemmTactic.from_json(pair[0]), GemmTactic.from_json(pair[1])
-        g1, g2 = (self._runnable(t) for t in default_tactics(self.layer.problem(m), self.info, self.activations))
+        g1, g2 = self._defaults(m)
         assert tactic is not None
         t = GemmTactic.from_json(tactic)
         return (t, g2) if self.problem.role == "gemm1" else (g1, t)
@@ -287,17 +286,17 @@ class GpuBench:
         return run_gemm2, "gemm2"
 
     def _default(self, m: int, idx: int) -> str:
-        from prepkit.kernels.variants import default_tactics
+        return canon(self._defaults(m)[idx])
 
-        return canon(self._runnable(default_tactics(self.layer.problem(m), self.info, self.activations)[idx]))
+    def _defaults(self, m: int) -> tuple[GemmTactic, GemmTactic]:
+        """The pair the runtime's chooser gives a layer without tuned rows, as it runs here."""
+        from prepkit.tactics.choose import MoeCall, choose
 
-    def _runnable(self, t: GemmTactic) -> GemmTactic:
-        # The interpreter cannot run inline PTX; on the CPU the default upcast falls back to bits.
-        if self.dev.type != "cuda" and t.upcast == "asm":
-            from dataclasses import replace
-
-            return replace(t, upcast="bits")
-        return t
+        choice = choose(
+            MoeCall(self.layer.problem(m)), self.info, self.activations, on_cuda=self.dev.type == "cuda", warn=False
+        )
+        g1, g2 = choice.tactics
+        return g1, g2
 
     def time(
         self, tactic: str | None, m: int, pair: Sequence[str] | None = None, screen: Screen | None = None

@@ -96,7 +96,6 @@ def test_dense_keys_never_match_moe_keys() -> None:
 def test_dense_lookup_falls_back_to_the_default(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import warnings
 
-    from prepkit.kernels.variants import dense_default
     from prepkit.tactics.lookup import TacticResolver, make_dense_tactic_lookup
 
     res = TacticResolver(user_db=tmp_path / "none.db", bundled_db=False)
@@ -104,8 +103,14 @@ def test_dense_lookup_falls_back_to_the_default(tmp_path) -> None:  # type: igno
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = lookup(1, 2880, 4096, "mxfp4", "bf16", H100)
-    assert t == dense_default(1, 2880, 4096, "mxfp4", H100)
+    assert t is None  # the lookup's Protocol: None means the default, which the chooser fills in
     assert any("dense mxfp4_e2m1 N=2880 K=4096" in str(w.message) for w in caught)
+    from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+    from prepkit.tactics.choose import DenseCall, choose
+
+    chosen = choose(DenseCall(1, 2880, 4096, "mxfp4", lookup), H100, "bf16", on_cuda=True)
+    default = default_dense_tactic(1, 2880, 4096, "mxfp4", H100.capability, sm_count=H100.sm_count)
+    assert chosen.tactics == (default,) and not chosen.tuned
 
 
 def test_compiles_fullgraph_through_the_op(device: str) -> None:

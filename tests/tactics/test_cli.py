@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from prepkit.cli import cli
 from prepkit.kernels.device import H100 as KH100
 from prepkit.tactics.keys import Environment
-from prepkit.tactics.lookup import TacticTable
+from prepkit.tactics.table import TacticTable
 from prepkit.tune import FunctionBackend, Worker
 from prepkit.tune import run as tune_run
 

@@ -18,7 +18,7 @@ from prepkit.dims import ModelDims
 from prepkit.errors import TacticsError
 from prepkit.layer import rank_layer
 from prepkit.layouts.base import RankSpec
-from prepkit.tactics import keys, lookup, schema, store
+from prepkit.tactics import keys, lookup, resolver, schema, store
 from prepkit.tactics.keys import Environment, gpt_oss_problems, layer_problems
 from prepkit.tactics.lookup import (
     TOKEN_POINTS,
@@ -64,12 +64,12 @@ def fill(path: Path | str, env: Environment = H100, winners: list[WinnerRow] | N
 # ------------------------------------------------------------------------- schema, bad files
 
 
-def test_new_file_gets_schema_wal_and_application_id(tmp_path: Path) -> None:
+def test_new_file_gets_schema_rollback_journal_and_application_id(tmp_path: Path) -> None:
     path = tmp_path / "t.db"
     with open_db(path) as tdb:
         assert tdb.conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         assert tdb.conn.execute("PRAGMA application_id").fetchone()[0] == schema.APPLICATION_ID
-        assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
         assert set(tdb.counts()) >= {"env", "kernel", "problem", "measurement", "correctness", "winner"}
     with open_db(path) as tdb:  # reopening applies nothing twice
         names = [r[0] for r in tdb.conn.execute("SELECT name FROM _sqlite_migrations ORDER BY id")]
@@ -321,15 +321,18 @@ def test_adapter_for_the_moe_runtime(tmp_path: Path) -> None:
     from prepkit.kernels.device import H100 as KH100
     from prepkit.kernels.tactic import GemmTactic
     from prepkit.kernels.variants import default_tactics
+    from prepkit.tactics.choose import MoeCall, choose
 
     path = tmp_path / "u.db"
     g1 = GemmTactic(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4)
     fill(path, env=Environment.of(KH100), winners=[WinnerRow(1, 8192, g1.to_json(), True)])
     tactic_lookup = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=1)
     prob = GPT_OSS_120B_TP1.problem(7)
-    with pytest.warns(TacticsDBWarning):  # GEMM2 has no rows: its default, warned once
+    with pytest.warns(TacticsDBWarning):  # GEMM2 has no rows: the chooser's default fills it, warned once
         pair = tactic_lookup(prob, KH100)
-    assert pair == (g1, default_tactics(prob, KH100)[1])
+    assert pair == (g1, None)
+    chosen = choose(MoeCall(prob, tactic_lookup), KH100, "bf16", on_cuda=True)
+    assert chosen.tactics == (g1, default_tactics(prob, KH100)[1]) and chosen.tuned
     other = lookup.make_tactic_lookup(resolver=TacticResolver(user_db=path, bundled_db=False), kernel_version=2)
     with pytest.warns(TacticsDBWarning):
         assert other(prob, KH100) is None
@@ -364,13 +367,15 @@ def test_merge_unions_rows_and_keeps_newer_winner_sets(tmp_path: Path) -> None:
     fill(b, env=H100, winners=[WinnerRow(1, 4, tac(128), False)])
     b_before = b.read_bytes()
     with open_db(a) as tdb:
-        added = tdb.merge_from(b)
+        summary = tdb.merge_from(b)
+        added = summary.added
+        assert summary.replaced == 2  # a's two ranges gave way to b's newer one
         assert added["env"] == 1 and added["tuning_run"] == 2
         rows = tdb.db.execute("SELECT m_lo, m_hi FROM winner WHERE env_hash = ? ORDER BY m_lo", [env_a]).fetchall()
         assert rows == [(1, 4)]
         assert tdb.counts()["winner"] == 2
         again = tdb.merge_from(b)
-        assert set(again.values()) == {0}
+        assert set(again.added.values()) == {0} and again.replaced == 0
         with pytest.raises(TacticsError, match="itself"):
             tdb.merge_from(a)
     assert b.read_bytes() == b_before
@@ -559,7 +564,7 @@ def test_the_runtime_uses_rows_of_another_triton_and_says_so_once(tmp_path: Path
         assert strict(prob, KH100) is None
     # The runtime's own resolver (what load_moe_layers uses when given none).
     monkeypatch.setattr(
-        lookup, "_runtime_resolver", TacticResolver(user_db=path, bundled_db=False, smoke_check=lookup._all_decode)
+        resolver, "_runtime_resolver", TacticResolver(user_db=path, bundled_db=False, smoke_check=resolver._all_decode)
     )
     runtime = lookup.make_tactic_lookup(kernel_version=1)
     with warnings.catch_warnings(record=True) as caught:
@@ -576,7 +581,7 @@ def test_rows_that_no_longer_decode_do_not_serve(tmp_path: Path) -> None:
     path = tmp_path / "u.db"
     older = replace(Environment.of(KH100), triton_version="2.9.0")
     fill(path, env=older, winners=[WinnerRow(1, 8192, json.dumps({"block_q": 3}), True)])
-    res = TacticResolver(user_db=path, bundled_db=False, smoke_check=lookup._all_decode)
+    res = TacticResolver(user_db=path, bundled_db=False, smoke_check=resolver._all_decode)
     table = res.table(G1, KH100)
     assert table.ranges == () and any("smoke check" in n for n in table.notes)
     prob = GPT_OSS_120B_TP1.problem(7)

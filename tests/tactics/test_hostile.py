@@ -178,13 +178,21 @@ def test_every_db_prepkit_writes_is_left_in_rollback_journal_mode(source: Path, 
         assert journal_files(db) == []
 
 
-def test_a_writer_open_beside_another_leaves_wal_to_the_last_one(tmp_path: Path) -> None:
+def test_a_writer_open_beside_another_never_switches_to_wal(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     first = open_db(db)
     fill(db)  # opens, writes and closes while `first` still holds the file
-    assert db.read_bytes()[18:20] == b"\x02\x02"
+    assert db.read_bytes()[18:20] == ROLLBACK and journal_files(db) == []
     first.close()
     assert db.read_bytes()[18:20] == ROLLBACK
+
+
+def test_a_writer_alone_switches_a_wal_left_file_back_when_it_opens(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    _wal_left(db)
+    with open_db(db) as tdb:
+        assert tdb.conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        assert db.read_bytes()[18:20] == ROLLBACK
 
 
 def _wal_left(db: Path) -> None:
