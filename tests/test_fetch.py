@@ -2,7 +2,7 @@
 a transfer breaking off, disk full), plus the pure parts (sources, folders, the record).
 
 The fake hub here is two monkeypatches: the tree listing comes from a local folder, and
-``hf_hub_download`` copies from it. Everything else runs for real.
+``snapshot_download`` copies from it, one file at a time. Everything else runs for real.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from huggingface_hub import errors as hf_errors
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
-from prepkit.fetch import hashing, worker
-from prepkit.fetch import plan as fetch_plan
+from prepkit.fetch import hub as fetch_hub
+from prepkit.fetch import state as fetch_state
 
 COMMIT = "c0ffee" + "0" * 34
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
@@ -82,26 +82,32 @@ Downloader = Callable[..., str]
 
 @dataclass
 class FakeHub:
-    """The listing comes from ``src``; downloads go through ``download`` (default: ``copy``)."""
+    """The listing comes from ``src``; ``snapshot_download`` fetches each matching file through
+    ``download`` (default: ``copy``), in order, and stops at the first error, as the library does."""
 
     src: Path
     calls: list[str] = field(default_factory=list)
     download: Downloader | None = None
 
-    def copy(self, repo_id: str, filename: str, *, local_dir: Path, tqdm_class: Any = None, **_: Any) -> str:
+    def copy(self, repo_id: str, filename: str, *, local_dir: Path, bar: Any = None, **_: Any) -> str:
         data = (self.src / filename).read_bytes()
-        bar = tqdm_class(total=len(data), initial=0) if tqdm_class else None
         target = Path(local_dir) / filename
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-        if bar:  # in two steps, like a streamed body
+        if bar is not None:  # in two steps, like a streamed body
             bar.update(len(data) // 2)
             bar.update(len(data) - len(data) // 2)
         return str(target)
 
-    def __call__(self, repo_id: str, filename: str, **kwargs: Any) -> str:
-        self.calls.append(filename)
-        return (self.download or self.copy)(repo_id, filename, **kwargs)
+    def __call__(self, repo_id: str, *, allow_patterns: list[str], tqdm_class: Any = None, **kwargs: Any) -> str:
+        from huggingface_hub.utils import filter_repo_objects
+
+        bar = tqdm_class(total=0, unit="B") if tqdm_class else None
+        names = sorted(p.relative_to(self.src).as_posix() for p in self.src.rglob("*") if p.is_file())
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            self.calls.append(name)
+            (self.download or self.copy)(repo_id, name, local_dir=kwargs["local_dir"], bar=bar)
+        return str(kwargs["local_dir"])
 
 
 @pytest.fixture()
@@ -111,8 +117,8 @@ def fake_hub(src: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     def listing(source: fetching.Source, **_: Any) -> tuple[str, list[fetching.RemoteFile]]:
         return COMMIT, _remote(src)
 
-    monkeypatch.setattr(fetch_plan, "_plan_online", listing)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub)
+    monkeypatch.setattr(fetch_hub, "list_remote", listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
     return hub
 
 
@@ -153,7 +159,7 @@ def test_default_patterns_skip_original_and_metal() -> None:
     ]
     remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
     source = fetching.resolve_source("gpt-oss-120b")
-    pick = lambda original: sorted(f.path for f in fetch_plan._select(remote, *source.patterns(original)))  # noqa: E731
+    pick = lambda original: sorted(f.path for f in fetching.plan._select(remote, *source.patterns(original)))  # noqa: E731
     assert pick(False) == ["chat_template.jinja", "config.json", "model-00000-of-00001.safetensors"]
     assert pick(True) == pick(False) + ["original/config.json", "original/model--00001-of-00007.safetensors"]
     assert not any(p.startswith("metal/") for p in pick(True))
@@ -201,15 +207,17 @@ def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
 
 
 def test_fetch_verifies_records_and_reports_progress(fake_hub: FakeHub, src: Path, tmp_path: Path) -> None:
-    seen: dict[str, tuple[int, int]] = {}
+    seen: list[tuple[str, int, int]] = []
     result = fetching.fetch(
-        _plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.update({label: (done, total)})
+        _plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.append((label, done, total))
     )
     sizes = {p.name: p.stat().st_size for p in src.iterdir()}
     assert set(result.downloaded) == set(sizes)
-    assert seen[fetching.TOTAL_LABEL] == (sum(sizes.values()), sum(sizes.values()))
-    per_file = {k: v for k, v in seen.items() if k != fetching.TOTAL_LABEL}
-    assert per_file == {n: (s, s) for n, s in sizes.items()}
+    total = sum(sizes.values())
+    # One total, as huggingface_hub counts the bytes of all its transfers together; never backwards.
+    assert {label for label, _, _ in seen} == {fetching.TOTAL_LABEL}
+    assert seen[0][1:] == (0, total) and seen[-1][1:] == (total, total)
+    assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
     record = fetching.read_fetch_record(tmp_path / "m")
     assert record is not None and record.commit == COMMIT
     assert {e.path: e.sha256 for e in record.entries} == {
@@ -302,7 +310,8 @@ def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
     fake_hub.download = full
     result = fetch_cli(dest, "--max-workers", "1")
     assert result.exit_code == FetchError.exit_code
-    assert f"disk full while writing {shard}" in result.stderr
+    # The library's parallel download does not say which file hit the full disk: the repo is named.
+    assert "disk full while writing someorg/model" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dest / shard).exists()
     assert not (dest / FETCH_RECORD).exists()
@@ -316,7 +325,7 @@ def test_server_error_on_a_file(fake_hub: FakeHub, tmp_path: Path) -> None:
     result = fetch_cli(tmp_path / "m")
     assert result.exit_code == FetchError.exit_code
     assert "HTTP 503" in result.stderr and "again" in result.stderr
-    assert len(fake_hub.calls) == 1  # the first failure stops the rest from starting (1 worker busy)
+    assert len(fake_hub.calls) == 1  # a server error is not retried: the hint says to rerun
 
 
 def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fake_hub: FakeHub, tmp_path: Path) -> None:
@@ -387,20 +396,20 @@ def test_each_file_is_read_once_and_lfs_files_get_no_git_blob_id(
     fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     digests: list[tuple[str, Any]] = []
-    real_digest_file = hashing.digest_file
+    real_digest_file = fetch_state.digest_file
 
     def recording(path: Path, **kwargs: Any) -> Any:
         digest = real_digest_file(path, **kwargs)
         digests.append((path.name, digest))
         return digest
 
-    monkeypatch.setattr(worker, "digest_file", recording)
+    monkeypatch.setattr(fetch_state, "digest_file", recording)
     result = fetching.fetch(_plan(tmp_path / "m"))
     assert sorted(name for name, _ in digests) == sorted(f.path for f in result.plan.files)
     lfs = {f.path for f in result.plan.files if f.remote.sha256 is not None}
     assert lfs and len(lfs) < len(digests)
     for name, digest in digests:
-        assert (digest.git_blob is None) == (name in lfs), name
+        assert (digest["git_blob"] is None) == (name in lfs), name
     # A rerun trusts what it verified (same size and mtime): nothing is read again.
     digests.clear()
     fetching.fetch(_plan(tmp_path / "m"))

@@ -368,22 +368,22 @@ def test_transient_corruption_is_healed_by_the_retry(hub: Hub, tmp_path: Path, m
 
     repo = hub.repos[FLAKY_REPO]
     good = _corrupt_object(repo, (hub.src / SHARD).read_bytes())
-    real_download = huggingface_hub.hf_hub_download
-    calls: list[str] = []
+    real_download = huggingface_hub.snapshot_download
+    calls: list[list[str]] = []
 
-    def download_then_repair(repo_id: str, filename: str, **kwargs: object) -> str:
-        path = real_download(repo_id, filename, **kwargs)
-        calls.append(filename)
-        if filename == SHARD:  # the server serves good bytes from now on
+    def download_then_repair(repo_id: str, **kwargs: Any) -> Any:
+        path = real_download(repo_id, **kwargs)
+        calls.append(list(kwargs["allow_patterns"]))
+        if SHARD in calls[-1]:  # the server serves good bytes from now on
             repo.lfs_object(hub.sha256(SHARD)).write_bytes(good)
         return path
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download_then_repair)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download_then_repair)
     dest = tmp_path / "model"
     result = run_cli(*fetch_args(hub, dest, "--json", repo=FLAKY_REPO))
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["retried"] == [SHARD]
-    assert calls.count(SHARD) == 2
+    assert calls[1:] == [[SHARD]]  # the second download asks for the failed file only
     assert_identical(hub, dest, DEFAULT_FILES)
 
 

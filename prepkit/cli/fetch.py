@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 from rich.text import Text
 
@@ -21,10 +22,12 @@ _STATUS = {
     "cached": "in the cache, to link and verify",
     "wrong-size": Text("wrong size, to replace", style="yellow"),
     "missing": "to download",
+    "forced": "to download again (--force-download)",
 }
 
 
 @cli.command("fetch")
+@click.argument("repo_id", required=False, metavar="[REPO_ID]")
 @model_option
 @click.option("--revision", help="Branch, tag or commit sha. Default: the recipe's pinned commit (main for ORG/NAME).")
 @click.option(
@@ -49,6 +52,11 @@ _STATUS = {
 @click.option("--include-original", is_flag=True, help="Also fetch original/ (a second copy in OpenAI's format).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and the disk check; download nothing.")
 @click.option("--offline", is_flag=True, help="No network: verify a model fetched before and record it.")
+@click.option(
+    "--force-download",
+    is_flag=True,
+    help="Download every file again, even those already present and verified (as for `hf download`).",
+)
 @click.option("--endpoint", envvar="HF_ENDPOINT", help="Hub URL. Default: $HF_ENDPOINT or the Hugging Face hub.")
 @click.option("--token", help="Hub token for gated or private repos. Default: $HF_TOKEN, or the `hf auth login` one.")
 @click.option(
@@ -61,6 +69,7 @@ _STATUS = {
 @json_option
 @quiet_option
 def fetch_command(
+    repo_id: str | None,
     model: str,
     revision: str | None,
     include: tuple[str, ...],
@@ -70,6 +79,7 @@ def fetch_command(
     include_original: bool,
     dry_run: bool,
     offline: bool,
+    force_download: bool,
     endpoint: str | None,
     token: str | None,
     max_workers: int,
@@ -83,21 +93,29 @@ def fetch_command(
     original/ only with --include-original. A rerun skips files already verified and removes
     partial files of an interrupted run. Prints the model folder (for `prepare --src`) on stdout.
 
-    Any ORG/NAME on the hub works too (at main, with the gpt-oss file set).
+    REPO_ID (or --model) is a recipe name or hub id: openai/gpt-oss-120b and openai/gpt-oss-20b
+    fetch the commit their recipe pins; any other ORG/NAME works too (at main, with the gpt-oss file
+    set). Under HF_HUB_OFFLINE=1, as with --offline, the hub is never asked.
 
     \b
     Example:
-        prepkit fetch --model gpt-oss-120b --dry-run
-        prepkit fetch --model gpt-oss-20b --local-dir ~/models/gpt-oss-20b --json
-        prepkit fetch --model openai/gpt-oss-20b --revision main --include '*.json'
+        prepkit fetch openai/gpt-oss-120b --dry-run
+        prepkit fetch gpt-oss-20b --local-dir ~/models/gpt-oss-20b --json
+        prepkit fetch openai/gpt-oss-20b --revision main --include '*.json'
     """
-    source = fetching.resolve_source(model, revision=revision).narrowed(include, exclude)
+    ctx = click.get_current_context()
+    if repo_id is not None and ctx.get_parameter_source("model") is ParameterSource.COMMANDLINE and model != repo_id:
+        raise click.UsageError(f"REPO_ID {repo_id!r} and --model {model!r} disagree: give one of them")
+    if force_download and offline:
+        raise click.UsageError("--force-download needs the hub; it cannot be combined with --offline")
+    source = fetching.resolve_source(repo_id or model, revision=revision).narrowed(include, exclude)
     plan = fetching.plan_fetch(
         source,
         local_dir,
         cache_dir=cache_dir,
         include_original=include_original,
         offline=offline,
+        force=force_download,
         endpoint=endpoint,
         token=token,
     )
@@ -130,7 +148,7 @@ def _show_plan(plan: fetching.FetchPlan, show: Callable[..., None]) -> None:
     show(table)
     show(
         f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {plan.count('verified')} verified, "
-        f"{plan.count('unverified') + plan.count('cached')} to verify, {format_bytes(plan.download_bytes)} to download"
+        f"{plan.count('unverified', 'cached')} to verify, {format_bytes(plan.download_bytes)} to download"
     )
     orphans = f" + {format_bytes(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
     show(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")

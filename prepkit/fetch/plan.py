@@ -1,38 +1,31 @@
-"""The fetch plan: the files to fetch with their hub sizes and hashes (listed online, or reused from
-an earlier fetch offline), what the target folder already holds of each, and the disk it needs.
-Planning writes nothing."""
+"""The fetch plan: the files to fetch with their hub sizes and hashes (listed online, or those of an
+earlier fetch offline), what the target already holds of each, and the disk it needs. Writes nothing."""
 
 from __future__ import annotations
 
-import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prepkit import __version__
 from prepkit.errors import FetchError
-from prepkit.fetch.cache import (
-    COMMIT_SHA,
-    cached_commit,
-    earlier_local_dir,
-    hub_cache_dir,
-    repo_cache_dir,
-    snapshot_dir,
-)
-from prepkit.fetch.folder import find_orphans
-from prepkit.fetch.hub_errors import hub_errors
+from prepkit.fetch import hub
+from prepkit.fetch.cache import cached_snapshot, earlier_local_dir, find_model_dir, hub_cache_dir, snapshot_path
 from prepkit.fetch.record import read_fetch_record
 from prepkit.fetch.source import REQUIRED, RemoteFile, Source
 from prepkit.fetch.state import FetchState
 from prepkit.fsutil import free_bytes
 
+# "verified" (hashed by an earlier run, untouched since) | "unverified" (present, hub's size) | "cached"
+# (the hub cache holds its bytes from another commit: linked, not downloaded) | "wrong-size" | "missing"
+# | "forced" (--force-download)
+HELD = ("verified", "unverified", "cached")
+
 
 @dataclass(frozen=True)
 class PlannedFile:
     remote: RemoteFile
-    # "verified" | "unverified" (present, right size, not hashed yet) | "cached" (its blob is in the
-    # hub cache, not yet linked into this snapshot) | "wrong-size" | "missing"
     status: str
     local_size: int = 0
 
@@ -42,10 +35,8 @@ class PlannedFile:
 
     @property
     def need_bytes(self) -> int:
-        """Extra disk bytes a download of this file takes (a stale copy is deleted first)."""
-        if self.status in ("verified", "unverified", "cached"):
-            return 0
-        return max(self.remote.size - self.local_size, 0)
+        """Extra disk bytes its download takes (a stale copy is deleted first)."""
+        return 0 if self.status in HELD else max(self.remote.size - self.local_size, 0)
 
 
 @dataclass(frozen=True)
@@ -59,7 +50,8 @@ class FetchPlan:
     offline: bool
     include_original: bool
     free_bytes: int
-    orphan_bytes: int  # partial files of earlier runs, deleted before downloading
+    orphans: tuple[tuple[Path, int], ...]  # partial files of killed runs, removed before downloading
+    force: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -71,7 +63,11 @@ class FetchPlan:
 
     @property
     def download_bytes(self) -> int:
-        return sum(f.remote.size for f in self.files if f.status in ("missing", "wrong-size"))
+        return sum(f.remote.size for f in self.files if f.status not in HELD)
+
+    @property
+    def orphan_bytes(self) -> int:
+        return sum(size for _, size in self.orphans)
 
     @property
     def margin_bytes(self) -> int:
@@ -82,28 +78,28 @@ class FetchPlan:
     def fits(self) -> bool:
         return self.need_bytes + self.margin_bytes <= self.free_bytes + self.orphan_bytes
 
-    def count(self, status: str) -> int:
-        return sum(1 for f in self.files if f.status == status)
+    def count(self, *statuses: str) -> int:
+        return sum(1 for f in self.files if f.status in statuses)
 
     def to_json(self) -> dict[str, Any]:
+        keys = ("commit", "endpoint", "offline", "include_original", "total_bytes", "download_bytes", "need_bytes")
         return {
             "repo_id": self.source.repo_id,
             "revision": self.source.revision,
-            "commit": self.commit,
             "recipe": self.source.recipe,
             "dir": str(self.dest),
             "cache": str(self.cache) if self.cache else None,
-            "endpoint": self.endpoint,
-            "offline": self.offline,
-            "include_original": self.include_original,
-            "total_bytes": self.total_bytes,
-            "download_bytes": self.download_bytes,
-            "need_bytes": self.need_bytes,
-            "free_bytes": self.free_bytes,
-            "orphan_bytes": self.orphan_bytes,
-            "fits": self.fits,
+            **{k: getattr(self, k) for k in (*keys, "free_bytes", "orphan_bytes", "fits", "force")},
             "files": [{"path": f.path, "size": f.remote.size, "status": f.status} for f in self.files],
         }
+
+
+def offline_env() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE", "").upper()
+    return constants.is_offline_mode() or value in {"1", "ON", "YES", "TRUE"}
 
 
 def plan_fetch(
@@ -113,16 +109,16 @@ def plan_fetch(
     cache_dir: Path | None = None,
     include_original: bool = False,
     offline: bool = False,
+    force: bool = False,
     endpoint: str | None = None,
     token: str | bool | None = None,
 ) -> FetchPlan:
     """List the files to fetch with their hub sizes and hashes, and what the target already holds.
 
-    The target is ``local_dir`` when given (a plain folder), else the hub cache (``cache_dir``, by
-    default :func:`hub_cache_dir`): the snapshot folder of the resolved commit, where blobs already
-    in the cache count as present. A model an earlier prepkit fetched into ``$PREPKIT_HOME/models``
-    is completed there. Online this asks the hub for the commit and the file tree; offline it reuses
-    the plan an earlier fetch stored. Nothing is written.
+    The target is ``local_dir`` when given (a plain folder), else the snapshot of the resolved commit
+    in the hub cache (``cache_dir``, by default :func:`hub_cache_dir`). A model an earlier prepkit
+    fetched into ``$PREPKIT_HOME/models`` is completed there. Online this asks the hub for the commit
+    and the file tree; offline (also under HF_HUB_OFFLINE) it reuses the list of an earlier fetch.
 
     Raises:
         FetchError: the repo or revision does not exist, access is denied, the hub is unreachable,
@@ -131,45 +127,49 @@ def plan_fetch(
     """
     from huggingface_hub import constants
 
-    local = Path(local_dir).expanduser().resolve() if local_dir is not None else earlier_local_dir(source)
+    earlier = earlier_local_dir(source.repo_id, source.revision)
+    local = Path(local_dir).expanduser().resolve() if local_dir is not None else earlier
     cache = None if local is not None else Path(cache_dir or hub_cache_dir()).expanduser().resolve()
-    offline = offline or bool(constants.HF_HUB_OFFLINE)
-    endpoint = (endpoint or constants.ENDPOINT).rstrip("/")
-    include, exclude = source.patterns(include_original)
+    offline = offline or offline_env()
+    endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     if offline:
-        commit, remote = _plan_offline(source, local, cache, include_original)
+        dest = local or find_model_dir(source.repo_id, source.revision, cache=cache)
+        commit, remote = _listed_before(source, dest, include_original)
     else:
-        commit, remote = _plan_online(source, endpoint=endpoint, token=token)
-    dest = local if local is not None else snapshot_dir(cache, source.repo_id, commit)  # type: ignore[arg-type]
-    selected = _select(remote, include, exclude)
+        commit, remote = hub.list_remote(source, endpoint=endpoint, token=token, cache=cache)
+        snapshot = None if cache is None else cached_snapshot(source.repo_id, commit, cache=cache)
+        dest = local or snapshot or snapshot_path(cache, source.repo_id, commit)  # type: ignore[arg-type]
+    selected = _select(remote, *source.patterns(include_original))
     if not selected:
         raise FetchError(
-            f"no file of {source.repo_id} at {commit[:12]} matches {include} (excluding {exclude})",
-            hint="check --model and --include; a repo without safetensors shards cannot be prepared",
+            f"no file of {source.repo_id} at {commit[:12]} matches {list(source.include)}",
+            hint="check the repo id and --include; a repo without safetensors shards cannot be prepared",
         )
-    if source.recipe is not None and not source.subset:
-        names = {f.path for f in selected}
-        missing = [name for name in REQUIRED if name not in names]
-        if missing:
-            raise FetchError(
-                f"{source.repo_id} at {commit[:12]} has no {', '.join(missing)}: it is not a "
-                "transformers-format gpt-oss checkpoint",
-                hint="check --model and --revision",
-            )
+    missing = [name for name in REQUIRED if name not in {f.path for f in selected}]
+    if source.recipe is not None and not source.subset and missing:
+        raise FetchError(
+            f"{source.repo_id} at {commit[:12]} has no {', '.join(missing)}: it is not a transformers-format "
+            "gpt-oss checkpoint",
+            hint="check the repo id and --revision",
+        )
     state = FetchState.load(dest)
-    blobs = repo_cache_dir(cache, source.repo_id) / "blobs" if cache is not None else None
-    files = tuple(_local_status(dest, f, state, blobs) for f in selected)
+    files = [_local_status(dest, f, state, force) for f in selected]
+    absent = [f.path for f in files if f.status == "missing"]
+    if cache is not None and absent and not offline and not force:
+        linked = hub.in_store(source, commit, absent, cache=cache, endpoint=endpoint, token=token)
+        files = [PlannedFile(f.remote, "cached") if f.path in linked else f for f in files]
     return FetchPlan(
         source=source,
         commit=commit,
         dest=dest,
-        files=files,
+        files=tuple(files),
         endpoint=endpoint,
         cache=cache,
         offline=offline,
         include_original=include_original,
         free_bytes=free_bytes(dest),
-        orphan_bytes=sum(size for _, size in find_orphans(dest, cache, source.repo_id)),
+        orphans=tuple(hub.find_orphans(dest, cache, selected)),
+        force=force,
     )
 
 
@@ -181,50 +181,8 @@ def _select(files: Sequence[RemoteFile], include: list[str], exclude: list[str])
     return sorted(chosen, key=lambda f: f.path)
 
 
-def _plan_online(source: Source, *, endpoint: str, token: str | bool | None) -> tuple[str, list[RemoteFile]]:
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
-
-    api = HfApi(endpoint=endpoint, token=token, library_name="prepkit", library_version=__version__)
-    with hub_errors(source, endpoint, api=api, stage="listing"):
-        if COMMIT_SHA.match(source.revision):
-            commit = source.revision  # immutable: no need to resolve it
-        else:
-            sha = api.repo_info(source.repo_id, revision=source.revision).sha
-            if not sha:
-                raise FetchError(f"{endpoint} did not resolve {source.repo_id}@{source.revision} to a commit")
-            commit = sha
-        tree = list(api.list_repo_tree(source.repo_id, revision=commit, recursive=True))
-    remote = []
-    for entry in tree:
-        if not isinstance(entry, RepoFile):
-            continue
-        lfs = entry.lfs
-        remote.append(
-            RemoteFile(
-                path=entry.path,
-                size=int(lfs.size if lfs is not None else entry.size),
-                sha256=lfs.sha256 if lfs is not None else None,
-                git_blob=None if lfs is not None else entry.blob_id,
-            )
-        )
-    return commit, remote
-
-
-def _plan_offline(
-    source: Source, local: Path | None, cache: Path | None, include_original: bool
-) -> tuple[str, list[RemoteFile]]:
-    if local is not None:
-        dest = local
-    else:
-        assert cache is not None
-        commit = cached_commit(cache, source.repo_id, source.revision)
-        if commit is None:
-            raise FetchError(
-                f"--offline: {source.repo_id}@{source.revision} is not in the Hugging Face cache {cache}",
-                hint="run `prepkit fetch` once with network access, or give the folder it used with --local-dir",
-            )
-        dest = snapshot_dir(cache, source.repo_id, commit)
+def _listed_before(source: Source, dest: Path, include_original: bool) -> tuple[str, list[RemoteFile]]:
+    """Offline, the hub's list is the one an earlier fetch into ``dest`` stored."""
     state = FetchState.load(dest)
     if state is not None and state.matches(source):
         if include_original and not state.include_original:
@@ -243,19 +201,13 @@ def _plan_offline(
     )
 
 
-def _local_status(dest: Path, remote: RemoteFile, state: FetchState | None, blobs: Path | None) -> PlannedFile:
-    path = dest / remote.path
+def _local_status(dest: Path, remote: RemoteFile, state: FetchState | None, force: bool) -> PlannedFile:
     try:
-        st = path.stat()
-    except FileNotFoundError:
-        # In the hub cache, the same bytes may already be a blob (another revision, or a broken link).
-        if blobs is not None and remote.oid is not None:
-            with contextlib.suppress(OSError):
-                if (blobs / remote.oid).stat().st_size == remote.size:
-                    return PlannedFile(remote, "cached", remote.size)
-        return PlannedFile(remote, "missing")
-    if st.st_size != remote.size:
-        return PlannedFile(remote, "wrong-size", st.st_size)
-    if state is not None and state.is_verified(remote, st):
-        return PlannedFile(remote, "verified", st.st_size)
-    return PlannedFile(remote, "unverified", st.st_size)
+        size = (dest / remote.path).stat().st_size
+    except OSError:  # absent, or a link to a blob that is gone
+        return PlannedFile(remote, "forced" if force else "missing")
+    if force:
+        return PlannedFile(remote, "forced", size)
+    if size != remote.size:
+        return PlannedFile(remote, "wrong-size", size)
+    return PlannedFile(remote, "verified" if state is not None and state.is_verified(remote) else "unverified", size)

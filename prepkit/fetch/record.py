@@ -34,8 +34,6 @@ class RecordFile:
 
 @dataclass(frozen=True)
 class FetchRecord:
-    """What ``prepkit-fetch.json`` says: the repo, the exact commit, and every file with its hash."""
-
     path: Path
     repo_id: str
     revision: str
@@ -53,10 +51,6 @@ class FetchRecord:
             RemoteFile(e.path, e.size, e.sha256 if e.lfs else None, None if e.lfs else e.git_blob) for e in self.entries
         )
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(e.size for e in self.entries)
-
     def matches(self, source: Source) -> bool:
         return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
 
@@ -71,7 +65,7 @@ class FetchRecord:
             "recipe": self.recipe,
             "include_original": self.include_original,
             "fetched_at": self.fetched_at,
-            "total_bytes": self.total_bytes,
+            "total_bytes": sum(e.size for e in self.entries),
             "files": [
                 {"path": e.path, "size": e.size, "sha256": e.sha256, "lfs": e.lfs}
                 | ({} if e.lfs else {"git_blob": e.git_blob})
@@ -97,26 +91,15 @@ def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
         if raw.get("format") != RECORD_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {RECORD_FORMAT!r}")
         entries = tuple(
-            RecordFile(
-                path=f["path"],
-                size=int(f["size"]),
-                sha256=f["sha256"],
-                lfs=bool(f["lfs"]),
-                git_blob=f.get("git_blob"),
-            )
-            for f in raw["files"]
+            RecordFile(f["path"], int(f["size"]), f["sha256"], bool(f["lfs"]), f.get("git_blob")) for f in raw["files"]
         )
+        keys = ("repo_id", "revision", "commit", "endpoint")
+        head = {k: raw[k] for k in keys} | {
+            "recipe": raw.get("recipe"),
+            "include_original": bool(raw.get("include_original")),
+        }
         return FetchRecord(
-            path=path,
-            repo_id=raw["repo_id"],
-            revision=raw["revision"],
-            commit=raw["commit"],
-            endpoint=raw["endpoint"],
-            recipe=raw.get("recipe"),
-            include_original=bool(raw.get("include_original")),
-            fetched_at=raw["fetched_at"],
-            prepkit_version=raw["prepkit_version"],
-            entries=entries,
+            path, **head, fetched_at=raw["fetched_at"], prepkit_version=raw["prepkit_version"], entries=entries
         )
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise FetchError(f"{path} is not a prepkit fetch record: {err}", hint=REWRITE_HINT) from err
@@ -125,15 +108,10 @@ def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
 def write_record(plan: FetchPlan, state: FetchState) -> FetchRecord:
     entries = []
     for f in plan.files:
+        lfs = f.remote.sha256 is not None
         verified = state.verified[f.path]
         entries.append(
-            RecordFile(
-                path=f.path,
-                size=f.remote.size,
-                sha256=verified["sha256"],
-                lfs=f.remote.sha256 is not None,
-                git_blob=None if f.remote.sha256 is not None else verified.get("git_blob"),
-            )
+            RecordFile(f.path, f.remote.size, verified["sha256"], lfs, None if lfs else verified.get("git_blob"))
         )
     record = FetchRecord(
         path=plan.dest / FETCH_RECORD,

@@ -89,7 +89,7 @@ class RemoteFile:
 
     @property
     def oid(self) -> str | None:
-        """The name of its blob in the hub cache (huggingface_hub names blobs by the file's etag)."""
+        """The hub's id of its bytes (also the etag huggingface_hub names its blob and partial files by)."""
         return self.sha256 or self.git_blob
 
     def to_json(self) -> dict[str, Any]:

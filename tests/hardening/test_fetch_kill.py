@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from prepkit.fetch import plan, progress, worker
+    from prepkit.fetch import hub, state
 
     step, marker = sys.argv[1], Path(sys.argv[2])
     BIG = "model-00000-of-00002.safetensors"
@@ -50,25 +50,25 @@ CHILD = textwrap.dedent(
         time.sleep(30)
 
     if step == "planning":
-        real_plan = plan._plan_online
-        def plan_online(*args, **kwargs):
+        real_list = hub.list_remote
+        def list_remote(*args, **kwargs):
             arrived()
-            return real_plan(*args, **kwargs)
-        plan._plan_online = plan_online
+            return real_list(*args, **kwargs)
+        hub.list_remote = list_remote
     elif step == "streaming":
-        real_update = progress.ProgressBar.update
-        def update(self, n=1):
-            real_update(self, n)
-            if self._remote.path == BIG and self.n >= 2**20:
+        real_advance = hub.Progress.advance
+        def advance(self, bar):
+            real_advance(self, bar)
+            if bar.n >= 2**20:  # only the big shard is over 1 MiB
                 arrived()
-        progress.ProgressBar.update = update
+        hub.Progress.advance = advance
     elif step == "hashing":
-        real_hash = worker.digest_file
+        real_hash = state.digest_file
         def hash_file(path, **kwargs):
             if path.name == BIG:
                 arrived()
             return real_hash(path, **kwargs)
-        worker.digest_file = hash_file
+        state.digest_file = hash_file
 
     from prepkit.cli import main
     sys.argv = ["prepkit", *sys.argv[3:]]
@@ -119,6 +119,10 @@ def test_fetch_killed_mid_step_resumes_complete_and_verified(
     big_blob_done = any((s / BIG_SHARD).exists() for s in snapshots)
     if step == "streaming":
         assert _leftovers(cache), "the kill should leave the big shard's partial file"
+    # huggingface_hub cannot delete the partial file of a killed download; the rerun does, once no live
+    # download can own it (idle for twice the library's read timeout): as if it came a minute later.
+    for partial in _leftovers(cache):
+        os.utime(partial, (time.time() - 60, time.time() - 60))
     # A temp file of a killed state write, which the rerun must clear too.
     for snapshot in snapshots:
         stray = snapshot / fetching.STATE_PATH.parent / "fetch-state.json.tmp-999999-1"
