@@ -24,8 +24,10 @@ from huggingface_hub import errors as hf_errors
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
+from prepkit.fetch import cache as fetch_cache
 from prepkit.fetch import hub as fetch_hub
-from prepkit.fetch import state as fetch_state
+from prepkit.fetch import record as fetch_record
+from prepkit.fetch import run as fetch_run
 
 COMMIT = "c0ffee" + "0" * 34
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
@@ -159,7 +161,13 @@ def test_default_patterns_skip_original_and_metal() -> None:
     ]
     remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
     source = fetching.resolve_source("gpt-oss-120b")
-    pick = lambda original: sorted(f.path for f in fetching.plan._select(remote, *source.patterns(original)))  # noqa: E731
+    from huggingface_hub.utils import filter_repo_objects  # the matcher the plan uses
+
+    def pick(original: bool) -> list[str]:
+        include, exclude = source.patterns(original)
+        chosen = filter_repo_objects(remote, allow_patterns=include, ignore_patterns=exclude, key=lambda f: f.path)
+        return sorted(f.path for f in chosen)
+
     assert pick(False) == ["chat_template.jinja", "config.json", "model-00000-of-00001.safetensors"]
     assert pick(True) == pick(False) + ["original/config.json", "original/model--00001-of-00007.safetensors"]
     assert not any(p.startswith("metal/") for p in pick(True))
@@ -190,7 +198,9 @@ def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path:
     (repo / "snapshots" / commit).mkdir()
     (repo / "snapshots" / commit / INDEX_NAME).write_text("{}")
     assert fetching.find_model_dir("openai/gpt-oss-120b", "main") == repo / "snapshots" / commit
-    assert fetching.model_dir_for("a/b", "refs/pr/1") == tmp_path / "prepkit-home" / "models" / "a--b" / "refs--pr--1"
+    assert (
+        fetch_cache.model_dir_for("a/b", "refs/pr/1") == tmp_path / "prepkit-home" / "models" / "a--b" / "refs--pr--1"
+    )
 
 
 def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
@@ -341,7 +351,7 @@ def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fak
         "    print('held', flush=True)\n"
         "    time.sleep(60)\n"
     )
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(dest / fetching.LOCK_PATH)], stdout=subprocess.PIPE)
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(dest / fetch_run.LOCK_PATH)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
         result = fetch_cli(dest)
@@ -395,25 +405,25 @@ def test_quiet_prints_only_the_folder(fake_hub: FakeHub, tmp_path: Path) -> None
 def test_each_file_is_read_once_and_lfs_files_get_no_git_blob_id(
     fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    digests: list[tuple[str, Any]] = []
-    real_digest_file = fetch_state.digest_file
+    hashed: list[tuple[str, Any]] = []
+    real_verify_file = fetch_record.verify_file
 
-    def recording(path: Path, **kwargs: Any) -> Any:
-        digest = real_digest_file(path, **kwargs)
-        digests.append((path.name, digest))
-        return digest
+    def recording(dest: Path, remote: fetching.RemoteFile) -> Any:
+        entry = real_verify_file(dest, remote)
+        hashed.append((remote.path, entry))
+        return entry
 
-    monkeypatch.setattr(fetch_state, "digest_file", recording)
+    monkeypatch.setattr(fetch_record, "verify_file", recording)
     result = fetching.fetch(_plan(tmp_path / "m"))
-    assert sorted(name for name, _ in digests) == sorted(f.path for f in result.plan.files)
+    assert sorted(name for name, _ in hashed) == sorted(f.path for f in result.plan.files)
     lfs = {f.path for f in result.plan.files if f.remote.sha256 is not None}
-    assert lfs and len(lfs) < len(digests)
-    for name, digest in digests:
-        assert (digest["git_blob"] is None) == (name in lfs), name
+    assert lfs and len(lfs) < len(hashed)
+    for name, entry in hashed:
+        assert (entry.git_blob is None) == (name in lfs), name
     # A rerun trusts what it verified (same size and mtime): nothing is read again.
-    digests.clear()
+    hashed.clear()
     fetching.fetch(_plan(tmp_path / "m"))
-    assert digests == []
+    assert hashed == []
 
 
 # ------------------------------------------------------------------------- listing errors

@@ -24,6 +24,7 @@ from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.data import recipes_dir
 from prepkit.errors import FetchError
+from prepkit.fetch.source import DEFAULT_INCLUDE
 
 try:  # tests/ is a package here; without its __init__.py pytest puts tests/ itself on sys.path
     from tests import olah_server
@@ -286,7 +287,7 @@ class _Requests:
 def _hf_snapshot(hub: Hub, repo: str, **where: Any) -> Path:
     import huggingface_hub
 
-    patterns = list(fetching.DEFAULT_INCLUDE)
+    patterns = list(DEFAULT_INCLUDE)
     path = huggingface_hub.snapshot_download(
         repo, revision="main", endpoint=hub.endpoint, allow_patterns=patterns, **where
     )

@@ -16,7 +16,7 @@ from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, model_option, quiet_option
 from prepkit.fsutil import format_bytes
 
-_STATUS = {
+_STATUS: dict[str, str | Text] = {
     "verified": Text("verified", style="green"),
     "unverified": "present, to verify",
     "cached": "in the cache, to link and verify",

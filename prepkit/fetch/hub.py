@@ -1,97 +1,108 @@
-"""The hub side of a fetch, all through huggingface_hub's public API: the commit and file list, which
-files the cache already holds, the download itself (parallelism, locks, atomic renames and the cache
-layout are the library's), its progress, and the partial files a killed download leaves."""
+"""The hub side of a fetch, through huggingface_hub's public API only: the commit and file list, and
+``snapshot_download`` (its threads, locks, atomic renames and cache layout), with its progress, the
+partial files killed runs leave, and its errors as FetchErrors."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
-import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from prepkit import __version__
 from prepkit.errors import FetchError
-from prepkit.fetch.hub_errors import hub_errors
 from prepkit.fetch.source import RemoteFile, Source
 
-COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 ProgressFn = Callable[[str, int, int], None]
 TOTAL_LABEL = "all files"
+AGAIN = "run the same command again; finished files are kept"
 
 
-def list_remote(
-    source: Source, *, endpoint: str, token: str | bool | None, cache: Path | None
-) -> tuple[str, list[RemoteFile]]:
-    """The commit ``source.revision`` names and every file of the repo there, with size and hash. In
-    the cache, a branch or tag gets its ref (so ``prepare --model`` and ``--offline`` find it)."""
+def list_remote(source: Source, *, endpoint: str, token: Any, cache: Path | None) -> tuple[str, list[RemoteFile]]:
+    """The commit ``source.revision`` names and the repo's files there; in the cache a branch or tag
+    gets its ref, for ``prepare --model`` and ``--offline``."""
     from huggingface_hub import HfApi
     from huggingface_hub.hf_api import RepoFile
 
     api = HfApi(endpoint=endpoint, token=token, library_name="prepkit", library_version=__version__)
     with hub_errors(source, endpoint, api=api):
-        # repo_info first, even for a commit (then at the default branch: servers differ on unknown
-        # commits): it fails at once without network, where the paged tree listing retries for 26 s.
-        is_commit = COMMIT_SHA.fullmatch(source.revision) is not None
+        # repo_info first, even for a commit (then of the default branch: servers differ on unknown
+        # commits): without network it fails at once, where the paged tree listing retries for 26 s.
+        is_commit = re.fullmatch(r"[0-9a-f]{40}", source.revision)
         commit = source.revision if is_commit else api.repo_info(source.repo_id, revision=source.revision).sha
         if is_commit:
             api.repo_info(source.repo_id)
+        elif commit and cache is not None:
+            api.resolve_revision(source.repo_id, revision=source.revision, cache_dir=cache)
         if not commit:
             raise FetchError(f"{endpoint} did not resolve {source.repo_id}@{source.revision} to a commit")
-        if cache is not None and commit != source.revision:
-            api.resolve_revision(source.repo_id, revision=source.revision, cache_dir=cache)
-        tree = list(api.list_repo_tree(source.repo_id, revision=commit, recursive=True))
-    files = []
-    for e in tree:
-        if isinstance(e, RepoFile):
-            lfs = e.lfs
-            size = int(lfs.size if lfs is not None else e.size)
-            files.append(RemoteFile(e.path, size, lfs.sha256 if lfs else None, None if lfs else e.blob_id))
-    return commit, files
+        tree = [
+            e for e in api.list_repo_tree(source.repo_id, revision=commit, recursive=True) if isinstance(e, RepoFile)
+        ]
+    return commit, [
+        RemoteFile(e.path, e.lfs.size, e.lfs.sha256, None) if e.lfs else RemoteFile(e.path, e.size, None, e.blob_id)
+        for e in sorted(tree, key=lambda e: e.path)
+    ]
 
 
-def in_store(source: Source, commit: str, paths: list[str], *, cache: Path, endpoint: str, token: Any) -> set[str]:
-    """Which of ``paths`` (absent from the snapshot) the cache holds already, from another commit:
-    huggingface_hub links those instead of downloading them."""
+def held_in_cache(source: Source, commit: str, paths: list[str], *, endpoint: str, cache: Path, token: Any) -> set[str]:
+    """Which of ``paths`` the cache holds from another commit: the library links those, not downloads."""
+    kw = {"cache_dir": cache, "token": token, "dry_run": True}
+    infos = snapshot(source, commit, paths, endpoint=endpoint, progress=Progress(None, 0), **kw)
+    return {i.filename for i in infos if not i.will_download}
+
+
+def snapshot(source: Source, commit: str, paths: list[str], *, endpoint: str, progress: Progress, **kw: Any) -> Any:
+    """``snapshot_download`` of exactly ``paths`` at ``commit`` (``kw``: its other arguments), in a
+    daemon thread so that Ctrl-C returns at once: the main thread calls it off through ``progress``,
+    and each transfer stops at its next chunk and deletes its partial file."""
     from huggingface_hub import snapshot_download
 
-    with hub_errors(source, endpoint):
-        infos = snapshot_download(
-            source.repo_id, revision=commit, cache_dir=cache, allow_patterns=_exactly(paths), endpoint=endpoint,
-            token=token, dry_run=True, tqdm_class=_Bar,
-        )  # fmt: skip
-    return {info.filename for info in infos if not isinstance(info, str) and not info.will_download}
+    kw |= {"revision": commit, "endpoint": endpoint, "library_name": "prepkit", "library_version": __version__}
+    kw["allow_patterns"] = [glob.escape(p) for p in paths]  # patterns matching these paths only
+    kw["tqdm_class"] = type("ProgressBar", (_Bar,), {"owner": progress})
+    outcome: list[Any] = []
 
+    def run() -> None:
+        try:
+            outcome.append(snapshot_download(source.repo_id, **kw))
+        except BaseException as err:  # handed to the main thread
+            outcome.append(err)
 
-def _exactly(paths: list[str]) -> list[str]:
-    return [glob.escape(p) for p in paths]  # patterns that match these paths and nothing else
+    thread = threading.Thread(target=run, daemon=True, name="prepkit-fetch")
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+    except BaseException:
+        progress.cancel.set()
+        thread.join(15)
+        raise
+    if outcome and isinstance(outcome[0], BaseException):
+        with hub_errors(source, endpoint, filename=paths[0] if len(paths) == 1 else None):
+            raise outcome[0]
+    return outcome[0]
 
 
 class Progress:
-    """Bytes written by the download, reported as one total; also how a download is called off: every
-    chunk written passes through :meth:`advance`, which raises once :attr:`cancel` is set."""
+    """The bytes written, reported as one total; set :attr:`cancel` to call a download off."""
 
     def __init__(self, on_progress: ProgressFn | None, total: int) -> None:
-        self.report = on_progress or (lambda label, done, total: None)
-        self.total, self.done, self.base = total, 0, 0
-        self.cancel = threading.Event()
-        self.lock = threading.Lock()
+        self.report, self.total, self.done = on_progress or (lambda label, done, total: None), total, 0
+        self.cancel, self.lock = threading.Event(), threading.Lock()
         if total:
             self.report(TOTAL_LABEL, 0, total)
 
-    def bar_class(self) -> type[_Bar]:
-        self.base = self.done  # a new download starts new bars
-        return type("ProgressBar", (_Bar,), {"owner": self})
-
-    def advance(self, bar: _Bar) -> None:
+    def advance(self, n: int) -> None:
         if self.cancel.is_set():
-            raise _CalledOff
-        with self.lock:
-            self.done = max(self.done, min(self.total, self.base + bar.n))
+            raise _CalledOff  # inside a download thread
+        with self.lock:  # the library's byte bars move together: the highest counts
+            self.done = max(self.done, min(self.total, n))
             self.report(TOTAL_LABEL, self.done, self.total)
 
     def finish(self) -> None:
@@ -100,23 +111,22 @@ class Progress:
 
 
 class _CalledOff(Exception):
-    """Raised inside huggingface_hub's download threads to stop them (they delete their partial file)."""
+    pass
 
 
 class _Bar:
-    """The part of tqdm huggingface_hub drives; draws nothing. Of its bars, those counting bytes feed
-    :class:`Progress` (the byte bars move together; the highest is taken)."""
+    """The part of tqdm huggingface_hub drives; draws nothing, passes bytes on to its Progress."""
 
-    owner: Progress | None = None
+    owner: Progress
     format_dict: dict[str, Any] = {}
 
-    def __init__(self, *args: Any, total: int | None = None, initial: int = 0, unit: str = "", **kwargs: Any) -> None:
+    def __init__(self, *args: Any, total: int | None = None, initial: int = 0, unit: str = "", **kw: Any) -> None:
         self.n, self.total, self.bytes = int(initial or 0), total, unit == "B"
 
     def update(self, n: float | None = 1) -> None:
         self.n += int(n or 0)
-        if self.bytes and self.owner is not None:
-            self.owner.advance(self)
+        if self.bytes:
+            self.owner.advance(self.n)
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *args, **kwargs: None  # refresh, close, set_postfix_str, set_description, ...
@@ -128,83 +138,81 @@ class _Bar:
         pass
 
 
-def download(
-    source: Source,
-    commit: str,
-    paths: list[str],
-    *,
-    where: dict[str, Path],
-    force: bool,
-    endpoint: str,
-    token: str | bool | None,
-    max_workers: int,
-    progress: Progress,
-) -> None:
-    """``snapshot_download`` of exactly ``paths`` at ``commit`` into ``where`` (cache_dir or local_dir).
-
-    It runs in a daemon thread so that Ctrl-C returns at once: the main thread then calls the
-    download off, and each transfer stops at its next chunk, deleting its partial file."""
-    from huggingface_hub import snapshot_download
-
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            snapshot_download(
-                source.repo_id, revision=commit, allow_patterns=_exactly(paths), force_download=force,
-                max_workers=max_workers, tqdm_class=progress.bar_class(), endpoint=endpoint, token=token,
-                library_name="prepkit", library_version=__version__, **where,
-            )  # fmt: skip
-        except BaseException as err:  # handed to the main thread
-            failure.append(err)
-
-    thread = threading.Thread(target=run, daemon=True, name="prepkit-fetch")
-    thread.start()
-    try:
-        while thread.is_alive():
-            thread.join(0.2)
-    except BaseException:
-        progress.cancel.set()
-        thread.join(15)
-        raise
-    if failure:
-        with hub_errors(source, endpoint, filename=paths[0] if len(paths) == 1 else None):
-            raise failure[0]
-
-
 def find_orphans(dest: Path, cache: Path | None, files: list[RemoteFile]) -> list[tuple[Path, int]]:
-    """Partial files of downloads killed before they could delete them (huggingface_hub never resumes
-    them). In a plain folder, all under its ``.cache/huggingface`` (the fetch holds the folder). In the
-    cache, those of the planned files only, as huggingface_hub's cache scan lists them, and only
-    when idle for twice the library's read timeout: a live download writes more often than that."""
-    if cache is None:
-        root = dest / ".cache" / "huggingface"
-        found = list(root.rglob("*.incomplete")) if root.is_dir() else []
-    else:
-        from huggingface_hub import constants, scan_cache_dir
+    """Partial files of killed downloads (huggingface_hub deletes its own on an error, and resumes
+    none). In a plain folder, all under ``.cache/huggingface`` (the fetch holds the folder); in the
+    cache, those of the planned files in the library's cache scan once idle for twice its read
+    timeout, as a live download (of another process, maybe) writes more often."""
+    from huggingface_hub import constants, scan_cache_dir
 
-        try:
-            partial = scan_cache_dir(cache).incomplete_files
-        except Exception:  # no cache yet, or one it cannot read: nothing of ours to clean
-            return []
-        oids = {f.oid for f in files}
-        idle = time.time() - 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT
-        found = [p.file_path for p in partial if p.file_path.name.split(".")[0] in oids]
-        found = [p for p in found if _mtime(p) < idle]
-    return [(p, p.stat().st_size) for p in found if p.exists()]
+    found: list[Path] = list((dest / ".cache" / "huggingface").rglob("*.incomplete")) if cache is None else []
+    with contextlib.suppress(Exception):  # no cache yet, or one the scan cannot read: nothing to clean
+        oids = {f.oid for f in files} if cache is not None else set()
+        found += [p.file_path for p in scan_cache_dir(cache).incomplete_files if p.file_path.name.split(".")[0] in oids]
+    idle = time.time() - 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT if cache is not None else float("inf")
+    sizes = []
+    for path in found:
+        with contextlib.suppress(OSError):
+            if (st := path.stat()).st_mtime < idle:
+                sizes.append((path, st.st_size))
+    return sizes
 
 
-def _mtime(path: Path) -> float:
+@contextlib.contextmanager
+def hub_errors(source: Source, endpoint: str, *, api: Any = None, filename: str | None = None) -> Iterator[None]:
+    """huggingface_hub, httpx2 and OS errors as one FetchError with the next step. ``api`` is given
+    while listing (the hint then names the repo's branches); ``filename`` names the file at fault."""
+    import httpx2
+    from huggingface_hub import errors as hf
+
+    repo, what = source.repo_id, f"{filename} of {source.repo_id}" if filename else source.repo_id
+    token_hint = "if the repo is private, set HF_TOKEN (or run `hf auth login`)"
+    network_hint = "check the network and HF_ENDPOINT; if the model was fetched completely before, add --offline"
+
+    def no_revision() -> FetchError:
+        names = _branches(api, repo)
+        hint = "give a branch, a tag or a full 40-character commit sha with --revision"
+        hint += f"; {repo} has: {names}" if names else ""
+        return FetchError(f"revision {source.revision!r} not found in {repo}", hint=hint)
+
     try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return float("inf")
+        yield
+    except FetchError:
+        raise
+    except hf.GatedRepoError as err:  # before RepositoryNotFoundError: it is a subclass of it
+        hint = f"accept the terms at {endpoint}/{repo}, then set HF_TOKEN to a token of that account"
+        raise FetchError(f"{repo} is gated and this account has not been granted access", hint=hint) from err
+    except (hf.RevisionNotFoundError, hf.RepositoryNotFoundError, hf.RemoteEntryNotFoundError) as err:
+        # olah answers an unknown branch with RepoNotFound and the tree of an unknown commit with EntryNotFound
+        if isinstance(err, hf.RevisionNotFoundError) or _branches(api, repo):
+            raise no_revision() from err
+        if isinstance(err, hf.RemoteEntryNotFoundError):
+            raise FetchError(f"{what} is missing at {source.revision}", hint="check --revision") from err
+        raise FetchError(f"repository {repo} not found at {endpoint}", hint=f"check the repo id; {token_hint}") from err
+    except hf.HfHubHTTPError as err:
+        status = err.response.status_code if err.response is not None else None
+        if status in (401, 403):
+            raise FetchError(f"{endpoint} refused access to {what} (HTTP {status})", hint=token_hint) from err
+        late = "wait a few minutes, then " + AGAIN if status == 429 else AGAIN.replace("again", "again later")
+        message = "is rate limiting requests for" if status == 429 else "failed on"
+        raise FetchError(f"{endpoint} {message} {what} (HTTP {status})", hint=late) from err
+    except (httpx2.ConnectError, httpx2.TimeoutException, hf.OfflineModeIsEnabled, hf.LocalEntryNotFoundError) as err:
+        raise FetchError(f"cannot reach {endpoint} for {what}: {err}", hint=network_hint) from err
+    except httpx2.HTTPError as err:
+        raise FetchError(f"the transfer of {what} broke off: {err}", hint=AGAIN) from err
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = f"free some space, then {AGAIN}; partial ones are removed"
+            raise FetchError(f"disk full while writing {what}: {err.strerror}", hint=hint) from err
+        if "Consistency check failed" in str(err):
+            raise FetchError(f"{what} arrived with the wrong size (the connection dropped?)", hint=AGAIN) from err
+        raise FetchError(f"cannot write {what}: {err}") from err
 
 
-def remove_orphans(orphans: list[tuple[Path, int]]) -> int:
-    removed = 0
-    for path, _ in orphans:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed += 1
-    return removed
+def _branches(api: Any, repo: str) -> str:
+    """The repo's branches and tags ("" when there is no ``api`` or they cannot be listed)."""
+    try:
+        refs = api.list_repo_refs(repo)
+        return ", ".join(sorted({b.name for b in refs.branches} | {t.name for t in refs.tags})[:10])
+    except Exception:
+        return ""

@@ -26,6 +26,7 @@ from click.testing import CliRunner
 from prepkit import fetch as fetching
 from prepkit.cli import cli
 from prepkit.constants import FETCH_RECORD
+from prepkit.fetch.record import STATE_PATH
 from tests import olah_server
 from tests.test_fetch_olah import DEFAULT_FILES, OLAH_CLI, _write_source
 
@@ -40,7 +41,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from prepkit.fetch import hub, state
+    from prepkit.fetch import hub, record
 
     step, marker = sys.argv[1], Path(sys.argv[2])
     BIG = "model-00000-of-00002.safetensors"
@@ -57,18 +58,18 @@ CHILD = textwrap.dedent(
         hub.list_remote = list_remote
     elif step == "streaming":
         real_advance = hub.Progress.advance
-        def advance(self, bar):
-            real_advance(self, bar)
-            if bar.n >= 2**20:  # only the big shard is over 1 MiB
+        def advance(self, n):
+            real_advance(self, n)
+            if n >= 2**20:  # only the big shard is over 1 MiB
                 arrived()
         hub.Progress.advance = advance
     elif step == "hashing":
-        real_hash = state.digest_file
-        def hash_file(path, **kwargs):
-            if path.name == BIG:
+        real_verify = record.verify_file
+        def verify_file(dest, remote):
+            if remote.path == BIG:
                 arrived()
-            return real_hash(path, **kwargs)
-        state.digest_file = hash_file
+            return real_verify(dest, remote)
+        record.verify_file = verify_file
 
     from prepkit.cli import main
     sys.argv = ["prepkit", *sys.argv[3:]]
@@ -125,7 +126,7 @@ def test_fetch_killed_mid_step_resumes_complete_and_verified(
         os.utime(partial, (time.time() - 60, time.time() - 60))
     # A temp file of a killed state write, which the rerun must clear too.
     for snapshot in snapshots:
-        stray = snapshot / fetching.STATE_PATH.parent / "fetch-state.json.tmp-999999-1"
+        stray = snapshot / STATE_PATH.parent / "fetch-state.json.tmp-999999-1"
         stray.parent.mkdir(parents=True, exist_ok=True)
         stray.write_text("{")
 
