@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 from click.core import ParameterSource
@@ -123,14 +124,14 @@ def fetch_command(
     _show_plan(plan, console.result if dry_run and not as_json else console.info)
     if dry_run:
         if as_json:
-            console.emit_json({"dry_run": True, **plan.to_json()})
+            console.emit_json({"dry_run": True, **_plan_json(plan)})
         return
     # In a log, lines for the total only: one per file would be noise.
     with console.progress(enabled=not quiet, log_labels=(fetching.TOTAL_LABEL,)) as on_progress:
         result = fetching.fetch(plan, token=token, max_workers=max_workers, on_progress=on_progress)
     _show_result(result)
     if as_json:
-        console.emit_json({"dry_run": False, **result.to_json()})
+        console.emit_json({"dry_run": False, **_result_json(result)})
     else:
         click.echo(str(result.plan.dest))
 
@@ -147,11 +148,10 @@ def _show_plan(plan: fetching.FetchPlan, show: Callable[..., None]) -> None:
         table.add_row(Text(f.path), format_bytes(f.remote.size), _STATUS.get(f.status, f.status))
     show(table)
     show(
-        f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {plan.count('verified')} verified, "
-        f"{plan.count('unverified', 'cached')} to verify, {format_bytes(plan.download_bytes)} to download"
+        f"{len(plan.files)} files, {format_bytes(plan.total_bytes)}: {_count(plan, 'verified')} verified, "
+        f"{_count(plan, 'unverified', 'cached')} to verify, {format_bytes(plan.download_bytes)} to download"
     )
-    orphans = f" + {format_bytes(plan.orphan_bytes)} of partial files to remove" if plan.orphan_bytes else ""
-    show(f"free disk: {format_bytes(plan.free_bytes)}{orphans}")
+    show(f"free disk: {format_bytes(plan.free_bytes)}")
     if not plan.fits:
         needed = f"{format_bytes(plan.need_bytes)} + {format_bytes(plan.margin_bytes)} margin"
         console.warn(f"not enough disk space: {needed} needed; the download would be refused")
@@ -162,7 +162,46 @@ def _show_result(result: fetching.FetchResult) -> None:
     if result.retried:
         names = ", ".join(result.retried)
         parts.append(f"{len(result.retried)} fetched twice after a hash mismatch: {names}")
-    if result.orphans_removed:
-        parts.append(f"{result.orphans_removed} partial file(s) of an interrupted run removed")
     console.info(f"{'; '.join(parts)}.", label="Done:", style="green")
     console.info(f"record: {result.record.path}")
+
+
+def _count(plan: fetching.FetchPlan, *statuses: str) -> int:
+    return sum(1 for f in plan.files if f.status in statuses)
+
+
+def _plan_json(plan: fetching.FetchPlan) -> dict[str, Any]:
+    source = plan.source
+    return {
+        "repo_id": source.repo_id,
+        "revision": source.revision,
+        "commit": plan.commit,
+        "recipe": source.recipe,
+        "dir": str(plan.dest),
+        "cache": str(plan.cache) if plan.cache else None,
+        "endpoint": plan.endpoint,
+        "offline": plan.offline,
+        "include_original": plan.include_original,
+        "force_download": plan.force,
+        **{k: getattr(plan, k) for k in ("total_bytes", "download_bytes", "need_bytes", "free_bytes")},
+        "fits": plan.fits,
+        "files": [{"path": f.path, "size": f.remote.size, "status": f.status} for f in plan.files],
+    }
+
+
+def _result_json(result: fetching.FetchResult) -> dict[str, Any]:
+    plan = result.plan
+    sizes = {f.path: f.remote.size for f in plan.files}
+    return {
+        "repo_id": plan.source.repo_id,
+        "revision": plan.source.revision,
+        "commit": plan.commit,
+        "dir": str(plan.dest),
+        "record": str(result.record.path),
+        "total_bytes": plan.total_bytes,
+        "downloaded": list(result.downloaded),
+        "downloaded_bytes": sum(sizes[p] for p in result.downloaded),
+        "reused": list(result.reused),
+        "retried": list(result.retried),
+        "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in result.record.entries],
+    }

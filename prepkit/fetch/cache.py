@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from prepkit.constants import FETCH_RECORD, INDEX_NAME
 from prepkit.fetch.record import STATE_PATH
 
-
-class RecipeLike(Protocol):
-    repo_id: str
-    revision: str
+if TYPE_CHECKING:
+    from prepkit.recipes import Recipe
 
 
 def model_dir_for(repo_id: str, revision: str) -> Path:
@@ -66,7 +64,7 @@ def find_model_dir(repo_id: str, revision: str, *, cache: Path | None = None) ->
     return snapshot
 
 
-def default_model_dir(recipe: RecipeLike) -> Path:
+def default_model_dir(recipe: Recipe) -> Path:
     """Where ``prepare --model <recipe>`` looks when no ``--src`` is given."""
     return find_model_dir(recipe.repo_id, recipe.revision)
 

@@ -1,6 +1,6 @@
 """The hub side of a fetch, through huggingface_hub's public API only: the commit and file list, and
-``snapshot_download`` (its threads, locks, atomic renames and cache layout), with its progress, the
-partial files killed runs leave, and its errors as FetchErrors."""
+``snapshot_download`` (its threads, locks, atomic renames and cache layout), with its progress and
+its errors as FetchErrors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import errno
 import glob
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -90,24 +89,19 @@ def snapshot(source: Source, commit: str, paths: list[str], *, endpoint: str, pr
 
 
 class Progress:
-    """The bytes written, reported as one total; set :attr:`cancel` to call a download off."""
+    """The bytes written, reported as one total; set :attr:`cancel` to call the download off."""
 
     def __init__(self, on_progress: ProgressFn | None, total: int) -> None:
-        self.report, self.total, self.done = on_progress or (lambda label, done, total: None), total, 0
-        self.cancel, self.lock = threading.Event(), threading.Lock()
-        if total:
-            self.report(TOTAL_LABEL, 0, total)
+        self.report = on_progress if on_progress and total else lambda label, done, total: None
+        self.total, self.done, self.cancel, self.lock = total, 0, threading.Event(), threading.Lock()
+        self.report(TOTAL_LABEL, 0, total)
 
     def advance(self, n: int) -> None:
         if self.cancel.is_set():
-            raise _CalledOff  # inside a download thread
+            raise _CalledOff  # in a download thread, which then deletes its partial file
         with self.lock:  # the library's byte bars move together: the highest counts
             self.done = max(self.done, min(self.total, n))
             self.report(TOTAL_LABEL, self.done, self.total)
-
-    def finish(self) -> None:
-        if self.total:
-            self.report(TOTAL_LABEL, self.total, self.total)
 
 
 class _CalledOff(Exception):
@@ -120,8 +114,8 @@ class _Bar:
     owner: Progress
     format_dict: dict[str, Any] = {}
 
-    def __init__(self, *args: Any, total: int | None = None, initial: int = 0, unit: str = "", **kw: Any) -> None:
-        self.n, self.total, self.bytes = int(initial or 0), total, unit == "B"
+    def __init__(self, *args: Any, initial: int = 0, unit: str = "", **kw: Any) -> None:
+        self.n, self.total, self.bytes = int(initial or 0), kw.get("total"), unit == "B"
 
     def update(self, n: float | None = 1) -> None:
         self.n += int(n or 0)
@@ -136,26 +130,6 @@ class _Bar:
 
     def __exit__(self, *exc: object) -> None:
         pass
-
-
-def find_orphans(dest: Path, cache: Path | None, files: list[RemoteFile]) -> list[tuple[Path, int]]:
-    """Partial files of killed downloads (huggingface_hub deletes its own on an error, and resumes
-    none). In a plain folder, all under ``.cache/huggingface`` (the fetch holds the folder); in the
-    cache, those of the planned files in the library's cache scan once idle for twice its read
-    timeout, as a live download (of another process, maybe) writes more often."""
-    from huggingface_hub import constants, scan_cache_dir
-
-    found: list[Path] = list((dest / ".cache" / "huggingface").rglob("*.incomplete")) if cache is None else []
-    with contextlib.suppress(Exception):  # no cache yet, or one the scan cannot read: nothing to clean
-        oids = {f.oid for f in files} if cache is not None else set()
-        found += [p.file_path for p in scan_cache_dir(cache).incomplete_files if p.file_path.name.split(".")[0] in oids]
-    idle = time.time() - 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT if cache is not None else float("inf")
-    sizes = []
-    for path in found:
-        with contextlib.suppress(OSError):
-            if (st := path.stat()).st_mtime < idle:
-                sizes.append((path, st.st_size))
-    return sizes
 
 
 @contextlib.contextmanager

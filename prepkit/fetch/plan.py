@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError
@@ -44,7 +43,6 @@ class FetchPlan:
     offline: bool
     include_original: bool
     free_bytes: int
-    orphans: tuple[tuple[Path, int], ...]  # partial files of killed runs, removed before downloading
     force: bool = False
 
     @property
@@ -64,24 +62,8 @@ class FetchPlan:
         return 64 * 2**20 + self.need_bytes // 100
 
     @property
-    def orphan_bytes(self) -> int:
-        return sum(size for _, size in self.orphans)
-
-    @property
     def fits(self) -> bool:
-        return self.need_bytes + self.margin_bytes <= self.free_bytes + self.orphan_bytes
-
-    def count(self, *statuses: str) -> int:
-        return sum(1 for f in self.files if f.status in statuses)
-
-    def to_json(self) -> dict[str, Any]:
-        source, cache = self.source, str(self.cache) if self.cache else None
-        head = {"repo_id": source.repo_id, "revision": source.revision, "recipe": source.recipe, "dir": str(self.dest)}
-        keys = "commit endpoint offline include_original force total_bytes download_bytes need_bytes free_bytes"
-        files = [{"path": f.path, "size": f.remote.size, "status": f.status} for f in self.files]
-        return head | {k: getattr(self, k) for k in keys.split()} | {
-            "cache": cache, "orphan_bytes": self.orphan_bytes, "fits": self.fits, "files": files,
-        }  # fmt: skip
+        return self.need_bytes + self.margin_bytes <= self.free_bytes
 
 
 def plan_fetch(
@@ -95,14 +77,12 @@ def plan_fetch(
     endpoint: str | None = None,
     token: str | bool | None = None,
 ) -> FetchPlan:
-    """Plan a fetch into ``local_dir`` (a plain folder), else into the snapshot of the commit in the
-    hub cache (``cache_dir``, default :func:`hub_cache_dir`); a model an earlier prepkit fetched into
-    ``$PREPKIT_HOME/models`` is completed there. Offline (also under HF_HUB_OFFLINE) the hub's list is
-    the record of an earlier complete fetch.
+    """Plan a fetch into ``local_dir``, else (but for a prepkit 0.1 folder) the commit's snapshot in
+    the hub cache. Offline (also under HF_HUB_OFFLINE) the hub's list is an earlier fetch's record.
 
     Raises:
-        FetchError: the repo or revision does not exist, access is denied, the hub is unreachable, no
-            file matches, a required file is missing, or (offline) no fetch was completed there.
+        FetchError: no such repo or revision, no access, no hub, no matching or required file, or
+            (offline) no fetch completed there.
     """
     from huggingface_hub import constants
     from huggingface_hub.utils import filter_repo_objects
@@ -121,7 +101,7 @@ def plan_fetch(
                 hint="run `prepkit fetch` once with network access (it reuses the files already there), "
                 "or give the folder it used with --local-dir",
             )
-        commit, remote = record.commit, list(record.files)
+        commit, remote = record.commit, record.files
     else:
         commit, remote = hub.list_remote(source, endpoint=endpoint, token=token, cache=cache)
         dest = local or snapshot_dir(cache, source.repo_id, commit)  # type: ignore[arg-type]
@@ -140,11 +120,8 @@ def plan_fetch(
     if cache is not None and absent and not offline:
         held = hub.held_in_cache(source, commit, absent, endpoint=endpoint, cache=cache, token=token)
         files = [PlannedFile(f.remote, "cached") if f.path in held else f for f in files]
-    orphans = tuple(hub.find_orphans(dest, cache, selected))
     free = free_bytes(dest)
-    return FetchPlan(
-        source, commit, dest, tuple(files), endpoint, cache, offline, include_original, free, orphans, force
-    )
+    return FetchPlan(source, commit, dest, tuple(files), endpoint, cache, offline, include_original, free, force)
 
 
 def _verified_before(dest: Path, source: Source, commit: str) -> dict[str, RecordFile]:

@@ -1,7 +1,7 @@
-"""The sha256 record. ``prepkit-fetch.json`` is written last, once every file is verified: the repo,
-the exact commit and every file with its hash, which ``prepare`` cites as provenance. While a fetch
-runs, the same record of the files verified so far lies in ``.cache/prepkit/fetch-state.json``, so a
-killed run's rerun hashes no file twice (a file's size and mtime tell that it was not touched since)."""
+"""The sha256 record. ``prepkit-fetch.json``, written once every file is verified, names the repo,
+the commit and every file with its hash; ``prepare`` cites it as provenance. While a fetch runs, the
+same record of the files verified so far is its resume state (``.cache/prepkit/fetch-state.json``):
+a rerun hashes no file twice (an unchanged size and mtime tell it was not touched since)."""
 
 from __future__ import annotations
 
@@ -29,15 +29,10 @@ class RecordFile:
     mtime_ns: int | None = None
 
     def matches(self, remote: RemoteFile) -> bool:
-        """Whether these are the bytes the hub lists (by the hash the hub gives: sha256 for LFS files,
-        the git blob id for small ones; with neither, the size is all there is)."""
+        """The bytes the hub lists, by the hash it gives (sha256 for LFS files, else the git blob id)."""
         if self.size != remote.size:
             return False
         return self.sha256 == remote.sha256 if remote.sha256 else remote.git_blob in (None, self.git_blob)
-
-    @property
-    def remote(self) -> RemoteFile:
-        return RemoteFile(self.path, self.size, self.sha256 if self.lfs else None, None if self.lfs else self.git_blob)
 
 
 @dataclass(frozen=True)
@@ -54,8 +49,8 @@ class FetchRecord:
     entries: tuple[RecordFile, ...]
 
     @property
-    def files(self) -> tuple[RemoteFile, ...]:
-        return tuple(e.remote for e in self.entries)
+    def files(self) -> list[RemoteFile]:
+        return [RemoteFile(e.path, e.size, e.sha256 if e.lfs else None, e.git_blob) for e in self.entries]
 
     def matches(self, source: Source) -> bool:
         return self.repo_id == source.repo_id and source.revision in (self.revision, self.commit)
@@ -68,11 +63,7 @@ class FetchRecord:
 
 
 def read_record(path: Path) -> FetchRecord | None:
-    """The record at ``path``, or None when there is none.
-
-    Raises:
-        FetchError: the file exists but is not a prepkit fetch record this version can read.
-    """
+    """The record at ``path``; None when there is none, FetchError when it is not one."""
     hint = "run `prepkit fetch` again to rewrite it"
     try:
         raw = json.loads(path.read_text())
@@ -86,10 +77,9 @@ def read_record(path: Path) -> FetchRecord | None:
         known = {f.name for f in fields(RecordFile)}
         entries = tuple(RecordFile(**{k: v for k, v in f.items() if k in known}) for f in raw["files"])
         head = {f.name: raw.get(f.name) for f in fields(FetchRecord) if f.name not in ("path", "entries")}
-        record = FetchRecord(path=path, **head, entries=entries)
-        if not all(isinstance(v, str) for v in (record.repo_id, record.commit, record.revision)):
+        if not all(isinstance(head[k], str) for k in ("repo_id", "revision", "commit")):
             raise ValueError("repo_id, revision and commit must be strings")
-        return record
+        return FetchRecord(path=path, **head, entries=entries)
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise FetchError(f"{path} is not a prepkit fetch record: {err}", hint=hint) from err
 
@@ -100,8 +90,7 @@ def read_fetch_record(model_dir: str | Path) -> FetchRecord | None:
 
 
 def verify_file(dest: Path, remote: RemoteFile) -> RecordFile | None:
-    """Hash ``dest/remote.path`` in one read (and its git blob id, for a small file): its record entry
-    when it matches the hub, else None."""
+    """Hash the file in one read (with its git blob id, for a small one): its entry when it matches."""
     path = dest / remote.path
     try:
         st = path.stat()

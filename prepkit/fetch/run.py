@@ -1,6 +1,5 @@
 """One fetch, under the folder's lock: hash what is there, let huggingface_hub download the rest,
-verify every file against the hub's hashes (one more download for a file that fails), check that
-the index is complete, and write the record."""
+verify it (a file that fails is downloaded once more), check the index, write the record."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from prepkit import __version__
 from prepkit.constants import FETCH_RECORD, INDEX_NAME
@@ -31,18 +29,7 @@ class FetchResult:
     downloaded: tuple[str, ...]  # fetched from the hub in this run
     reused: tuple[str, ...]  # already there (or in the cache) and verified
     retried: tuple[str, ...]  # failed verification once, fetched again, then passed
-    orphans_removed: int
     record: FetchRecord
-
-    def to_json(self) -> dict[str, Any]:
-        plan, sizes = self.plan, {f.path: f.remote.size for f in self.plan.files}
-        head = {"repo_id": plan.source.repo_id, "revision": plan.source.revision, "commit": plan.commit}
-        lists = {k: list(getattr(self, k)) for k in ("downloaded", "reused", "retried")}
-        return head | lists | {
-            "dir": str(plan.dest), "record": str(self.record.path), "total_bytes": plan.total_bytes,
-            "downloaded_bytes": sum(sizes[p] for p in self.downloaded), "orphans_removed": self.orphans_removed,
-            "files": [{"path": e.path, "size": e.size, "sha256": e.sha256} for e in self.record.entries],
-        }  # fmt: skip
 
 
 def fetch(
@@ -51,9 +38,8 @@ def fetch(
     """Bring ``plan.dest`` to the planned snapshot, verify every file, and write the fetch record.
 
     Raises:
-        FetchError: not enough disk space (checked first), a hub or network error, disk full, a file
-            that failed verification twice, a shard the index names that the repo lacks, or (offline)
-            files missing or failing verification.
+        FetchError: no disk space, a hub, network or disk error, a file failing verification twice,
+            an incomplete index, or (offline) files missing or failing verification.
         OutputError: another fetch holds the folder.
     """
     dest, progress, lock = plan.dest, hub.Progress(on_progress, plan.download_bytes), threading.Lock()
@@ -98,11 +84,10 @@ def fetch(
     with exclusive(dest / LOCK_PATH, busy=busy):
         for temp in [*dest.glob(f"{FETCH_RECORD}.tmp-*"), *(dest / STATE_PATH.parent).glob("*.tmp-*")]:
             temp.unlink(missing_ok=True)  # of a killed run: the lock says no live run owns them
-        removed = sum(1 for path, _ in plan.orphans if _discard(path))
         if not plan.fits:
             raise FetchError(
                 f"not enough disk space in {dest}: {format_bytes(plan.need_bytes)} to download + "
-                f"{format_bytes(plan.margin_bytes)} margin, {format_bytes(plan.free_bytes + plan.orphan_bytes)} free",
+                f"{format_bytes(plan.margin_bytes)} margin, {format_bytes(plan.free_bytes)} free",
                 hint="free some space, or fetch elsewhere with --local-dir DIR or --cache-dir DIR",
             )
         todo = [f for f in plan.files if f.status != "verified"]
@@ -130,26 +115,22 @@ def fetch(
                 + ", ".join(f.path for f in still_bad),
                 hint="the hub, a proxy or the disk corrupts data; run the fetch again (check HF_ENDPOINT for a mirror)",
             )
-        progress.finish()
+        progress.advance(progress.total)
         if not plan.source.subset:
             _check_index(plan)
         final = save(dest / FETCH_RECORD)
     linked = {f.path for f in fetched if f.status == "cached"}
     downloaded = {f.path for f in fetched} - linked | {f.path for f in failed}
     reused, retried = {f.path for f in plan.files} - downloaded, {f.path for f in failed} - linked
-    return FetchResult(plan, tuple(sorted(downloaded)), tuple(sorted(reused)), tuple(sorted(retried)), removed, final)
+    return FetchResult(plan, tuple(sorted(downloaded)), tuple(sorted(reused)), tuple(sorted(retried)), final)
 
 
-def _discard(path: Path) -> bool:
+def _discard(path: Path) -> None:
     """Delete a file that failed its check; in the cache also the blob its link points to, so its bytes
     are not linked again under a hash they do not have."""
-    try:
-        if path.is_symlink():
-            Path(os.path.realpath(path)).unlink(missing_ok=True)
-        path.unlink()
-    except FileNotFoundError:
-        return False
-    return True
+    if path.is_symlink():
+        Path(os.path.realpath(path)).unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
 
 
 def _check_index(plan: FetchPlan) -> None:

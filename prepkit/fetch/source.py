@@ -20,8 +20,8 @@ DEFAULT_INCLUDE = (
     "chat_template.jinja",
 )
 DEFAULT_EXCLUDE = ("original/*", "metal/*")
-DEFAULT_ORIGINAL = ("original/*",)
-NEVER = ("metal/*",)  # a third copy of the weights (65 GB, Xet-only) that nothing here reads
+ORIGINAL = "original/*"  # a second copy of the weights, in OpenAI's format: only with --include-original
+NEVER = "metal/*"  # a third copy (65 GB, Xet-only) that nothing here reads
 REQUIRED = ("config.json", "model.safetensors.index.json")  # a repo without them is refused up front
 
 
@@ -32,7 +32,6 @@ class Source:
     recipe: str | None = None
     include: tuple[str, ...] = DEFAULT_INCLUDE
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
-    original: tuple[str, ...] = DEFAULT_ORIGINAL
     subset: bool = False  # the user chose the files (--include): no completeness checks
 
     def narrowed(self, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Source:
@@ -43,9 +42,9 @@ class Source:
         return replace(self, include=tuple(include) or self.include, exclude=self.exclude + more, subset=bool(include))
 
     def patterns(self, include_original: bool) -> tuple[list[str], list[str]]:
-        include = list(self.include) + (list(self.original) if include_original else [])
-        exclude = [p for p in self.exclude if not (include_original and p in self.original)]
-        return include, exclude + [p for p in NEVER if p not in exclude]
+        include = list(self.include) + ([ORIGINAL] if include_original else [])
+        exclude = [p for p in self.exclude if not (include_original and p == ORIGINAL)]
+        return include, exclude + ([] if NEVER in exclude else [NEVER])
 
 
 def resolve_source(model: str, *, revision: str | None = None) -> Source:
@@ -66,7 +65,6 @@ def resolve_source(model: str, *, revision: str | None = None) -> Source:
         recipe=recipe.name,
         include=tuple(lists.get("include", DEFAULT_INCLUDE)),
         exclude=tuple(lists.get("exclude", DEFAULT_EXCLUDE)),
-        original=tuple(lists.get("original", DEFAULT_ORIGINAL)),
     )
 
 
