@@ -24,7 +24,6 @@ from huggingface_hub import errors as hf_errors
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
-from prepkit.fetch import cache as fetch_cache
 from prepkit.fetch import hub as fetch_hub
 from prepkit.fetch import record as fetch_record
 from prepkit.fetch import run as fetch_run
@@ -35,9 +34,8 @@ DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a n
 
 @pytest.fixture(autouse=True)
 def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    """No test reads or fills the user's Hugging Face cache."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -173,23 +171,17 @@ def test_default_patterns_skip_original_and_metal() -> None:
     assert not any(p.startswith("metal/") for p in pick(True))
 
 
-def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path: Path) -> None:
+def test_prepare_finds_the_model_in_the_hub_cache(tmp_path: Path) -> None:
     from prepkit.constants import INDEX_NAME
     from prepkit.recipes import load_recipe
 
     recipe = load_recipe("gpt-oss-120b")
-    repo = tmp_path / "hf-cache" / "models--openai--gpt-oss-120b"
+    repo = tmp_path / "hf-cache" / "models--openai--gpt-oss-120b"  # huggingface_hub's layout, as `hf download` left it
     snapshot = repo / "snapshots" / recipe.revision
-    legacy = tmp_path / "prepkit-home" / "models" / "openai--gpt-oss-120b" / recipe.revision
-    assert fetching.default_model_dir(recipe) == snapshot  # nothing anywhere: where fetch would put it
-    legacy.mkdir(parents=True)
-    (legacy / INDEX_NAME).write_text("{}")
-    assert fetching.default_model_dir(recipe) == legacy  # fetched by prepkit 0.1
+    assert fetching.default_model_dir(recipe) == snapshot  # nothing there: where fetch would put it
     snapshot.mkdir(parents=True)
     (snapshot / INDEX_NAME).write_text("{}")
-    assert fetching.default_model_dir(recipe) == snapshot  # e.g. by `hf download`: the cache wins
-    (legacy / FETCH_RECORD).write_text("{}")
-    assert fetching.default_model_dir(recipe) == legacy  # a verified fetch wins over an unverified copy
+    assert fetching.default_model_dir(recipe) == snapshot
 
     # A branch is found through refs/<branch>, as huggingface_hub writes it.
     commit = "ab" * 20
@@ -198,9 +190,6 @@ def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path:
     (repo / "snapshots" / commit).mkdir()
     (repo / "snapshots" / commit / INDEX_NAME).write_text("{}")
     assert fetching.find_model_dir("openai/gpt-oss-120b", "main") == repo / "snapshots" / commit
-    assert (
-        fetch_cache.model_dir_for("a/b", "refs/pr/1") == tmp_path / "prepkit-home" / "models" / "a--b" / "refs--pr--1"
-    )
 
 
 def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:

@@ -115,9 +115,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
 
 @pytest.fixture(autouse=True)
 def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    """No test reads or fills the user's Hugging Face cache."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:

@@ -40,20 +40,10 @@ def list_remote(source: Source, *, endpoint: str, token: Any, cache: Path | None
             api.resolve_revision(source.repo_id, revision=source.revision, cache_dir=cache)
         if not commit:
             raise FetchError(f"{endpoint} did not resolve {source.repo_id}@{source.revision} to a commit")
-        tree = [
-            e for e in api.list_repo_tree(source.repo_id, revision=commit, recursive=True) if isinstance(e, RepoFile)
-        ]
-    return commit, [
-        RemoteFile(e.path, e.lfs.size, e.lfs.sha256, None) if e.lfs else RemoteFile(e.path, e.size, None, e.blob_id)
-        for e in sorted(tree, key=lambda e: e.path)
-    ]
-
-
-def held_in_cache(source: Source, commit: str, paths: list[str], *, endpoint: str, cache: Path, token: Any) -> set[str]:
-    """Which of ``paths`` the cache holds from another commit: the library links those, not downloads."""
-    kw = {"cache_dir": cache, "token": token, "dry_run": True}
-    infos = snapshot(source, commit, paths, endpoint=endpoint, progress=Progress(None, 0), **kw)
-    return {i.filename for i in infos if not i.will_download}
+        tree = api.list_repo_tree(source.repo_id, revision=commit, recursive=True)
+        files = sorted((e for e in tree if isinstance(e, RepoFile)), key=lambda e: e.path)
+    rows = [(e.path, e.lfs.size, e.lfs.sha256, None) if e.lfs else (e.path, e.size, None, e.blob_id) for e in files]
+    return commit, [RemoteFile(*row) for row in rows]
 
 
 def snapshot(source: Source, commit: str, paths: list[str], *, endpoint: str, progress: Progress, **kw: Any) -> Any:

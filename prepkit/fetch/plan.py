@@ -10,14 +10,13 @@ from pathlib import Path
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError
 from prepkit.fetch import hub
-from prepkit.fetch.cache import earlier_local_dir, find_model_dir, hub_cache_dir, snapshot_dir
+from prepkit.fetch.cache import hub_cache_dir, snapshot_dir
 from prepkit.fetch.record import STATE_PATH, RecordFile, read_record
 from prepkit.fetch.source import REQUIRED, RemoteFile, Source
 from prepkit.fsutil import free_bytes
 
-# Verified by an earlier run | present, to hash | its bytes in the cache from another commit, to link.
-# The others: "wrong-size", "missing", "forced" (--force-download).
-HELD = ("verified", "unverified", "cached")
+# Hashed by an earlier run | present, to hash | in the cache from another commit, to link. Not held:
+HELD = ("verified", "unverified", "cached")  # "wrong-size", "missing", "forced" (--force-download)
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,8 @@ def plan_fetch(
     endpoint: str | None = None,
     token: str | bool | None = None,
 ) -> FetchPlan:
-    """Plan a fetch into ``local_dir``, else (but for a prepkit 0.1 folder) the commit's snapshot in
-    the hub cache. Offline (also under HF_HUB_OFFLINE) the hub's list is an earlier fetch's record.
+    """Plan a fetch into ``local_dir``, else the commit's snapshot in the hub cache. Offline (also under
+    HF_HUB_OFFLINE) the hub's list is an earlier fetch's record.
 
     Raises:
         FetchError: no such repo or revision, no access, no hub, no matching or required file, or
@@ -87,12 +86,12 @@ def plan_fetch(
     from huggingface_hub import constants
     from huggingface_hub.utils import filter_repo_objects
 
-    local = Path(local_dir).expanduser().resolve() if local_dir else earlier_local_dir(source.repo_id, source.revision)
+    local = Path(local_dir).expanduser().resolve() if local_dir else None
     cache = None if local is not None else Path(cache_dir or hub_cache_dir()).expanduser().resolve()
     offline = offline or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
     if offline:
-        dest = local or find_model_dir(source.repo_id, source.revision, cache=cache)
+        dest = local or snapshot_dir(cache, source.repo_id, source.revision)  # type: ignore[arg-type]
         record = read_record(dest / FETCH_RECORD)
         if record is None or not record.matches(source) or (include_original and not record.include_original):
             what = "with original/ " if record and record.matches(source) else ""
@@ -117,11 +116,14 @@ def plan_fetch(
     known = _verified_before(dest, source, commit)
     files = [_status(dest, f, known.get(f.path), force) for f in selected]
     absent = [f.path for f in files if f.status == "missing"]
-    if cache is not None and absent and not offline:
-        held = hub.held_in_cache(source, commit, absent, endpoint=endpoint, cache=cache, token=token)
+    if cache is not None and absent and not offline:  # the library links these, not downloads them
+        kw = {"cache_dir": cache, "token": token, "dry_run": True}
+        infos = hub.snapshot(source, commit, absent, endpoint=endpoint, progress=hub.Progress(None, 0), **kw)
+        held = {i.filename for i in infos if not i.will_download}
         files = [PlannedFile(f.remote, "cached") if f.path in held else f for f in files]
-    free = free_bytes(dest)
-    return FetchPlan(source, commit, dest, tuple(files), endpoint, cache, offline, include_original, free, force)
+    return FetchPlan(
+        source, commit, dest, tuple(files), endpoint, cache, offline, include_original, free_bytes(dest), force
+    )
 
 
 def _verified_before(dest: Path, source: Source, commit: str) -> dict[str, RecordFile]:

@@ -1,7 +1,6 @@
-"""The sha256 record. ``prepkit-fetch.json``, written once every file is verified, names the repo,
-the commit and every file with its hash; ``prepare`` cites it as provenance. While a fetch runs, the
-same record of the files verified so far is its resume state (``.cache/prepkit/fetch-state.json``):
-a rerun hashes no file twice (an unchanged size and mtime tell it was not touched since)."""
+"""The sha256 record, ``prepkit-fetch.json``: written once every file is verified, cited by ``prepare``.
+While a fetch runs, the record of the files verified so far is its resume state: a rerun hashes no
+file twice (an unchanged size and mtime tell it was not touched since)."""
 
 from __future__ import annotations
 

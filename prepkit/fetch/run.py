@@ -99,11 +99,9 @@ def fetch(
             _discard(dest / f.path)  # else the library keeps it: it checks names, not bytes
         fetched = stale + [f for f in todo if f.status not in ("unverified", "wrong-size")]
         if plan.offline and fetched:
-            more = f" and {len(fetched) - 10} more" if len(fetched) > 10 else ""
-            listed = ", ".join(f.path for f in fetched[:10]) + more
             raise FetchError(
                 f"--offline: the snapshot in {dest} is incomplete: {len(fetched)} file(s) missing, of the wrong size, "
-                f"or that do not match the hub's hashes (deleted): {listed}",
+                f"or that do not match the hub's hashes (deleted): {', '.join(f.path for f in fetched)}",
                 hint="run the same command without --offline to fetch them again",
             )
         failed = download(fetched, force=plan.force)
@@ -126,8 +124,7 @@ def fetch(
 
 
 def _discard(path: Path) -> None:
-    """Delete a file that failed its check; in the cache also the blob its link points to, so its bytes
-    are not linked again under a hash they do not have."""
+    """Delete a file that failed its check, and in the cache the blob it links to (not to be relinked)."""
     if path.is_symlink():
         Path(os.path.realpath(path)).unlink(missing_ok=True)
     path.unlink(missing_ok=True)

@@ -9,16 +9,9 @@ from dataclasses import dataclass, replace
 from prepkit.errors import RecipeError
 
 # For an ORG/NAME without a recipe; recipes carry their own lists (recipes/*.json "fetch").
-DEFAULT_INCLUDE = (
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
+MODEL_FILES = ("*.safetensors", "model.safetensors.index.json", "config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+DEFAULT_INCLUDE = MODEL_FILES + TOKENIZER_FILES
 DEFAULT_EXCLUDE = ("original/*", "metal/*")
 ORIGINAL = "original/*"  # a second copy of the weights, in OpenAI's format: only with --include-original
 NEVER = "metal/*"  # a third copy (65 GB, Xet-only) that nothing here reads

@@ -102,7 +102,6 @@ def test_fetch_killed_mid_step_resumes_complete_and_verified(
     url, src = endpoint
     cache = tmp_path / "hf-cache"
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
     args = ["fetch", "--model", REPO, "--endpoint", url, "--max-workers", "1", "-q"]
     marker = tmp_path / "arrived"
     proc = subprocess.Popen(
