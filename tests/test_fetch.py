@@ -87,6 +87,7 @@ class FakeHub:
 
     src: Path
     calls: list[str] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)  # force_download, per call of snapshot_download
     download: Downloader | None = None
 
     def copy(self, repo_id: str, filename: str, *, local_dir: Path, bar: Any = None, **_: Any) -> str:
@@ -102,6 +103,7 @@ class FakeHub:
     def __call__(self, repo_id: str, *, allow_patterns: list[str], tqdm_class: Any = None, **kwargs: Any) -> str:
         from huggingface_hub.utils import filter_repo_objects
 
+        self.forced.append(bool(kwargs.get("force_download")))
         bar = tqdm_class(total=0, unit="B") if tqdm_class else None
         names = sorted(p.relative_to(self.src).as_posix() for p in self.src.rglob("*") if p.is_file())
         for name in filter_repo_objects(names, allow_patterns=allow_patterns):
@@ -455,3 +457,69 @@ def test_progress_reaches_a_log_as_lines_for_the_total(fake_hub: FakeHub, tmp_pa
     assert "(100%)" in lines[-1]
     quiet = fetch_cli(tmp_path / "q", "-q", env={PROGRESS_INTERVAL_ENV: "0"})
     assert quiet.exit_code == 0 and "elapsed" not in quiet.stderr
+
+
+# ------------------------------------------------------------------------- options like hf download
+
+
+def test_the_repo_id_may_be_given_as_an_argument(fake_hub: FakeHub, tmp_path: Path) -> None:
+    common = ["--revision", COMMIT, "--endpoint", DEAD_ENDPOINT, "--json"]
+    result = run_cli("fetch", "someorg/model", "--local-dir", str(tmp_path / "m"), *common)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["repo_id"] == "someorg/model" and set(summary["downloaded"]) == set(fake_hub.calls)
+    # A recipe name works as for --model, and the same name twice is no conflict.
+    same = run_cli("fetch", "gpt-oss-120b", "--model", "gpt-oss-120b", "--local-dir", str(tmp_path / "r"), *common)
+    assert same.exit_code == 0, same.stderr
+    assert json.loads(same.stdout)["repo_id"] == "openai/gpt-oss-120b"
+    clash = run_cli("fetch", "someorg/model", "--model", "gpt-oss-20b", "--local-dir", str(tmp_path / "x"))
+    assert clash.exit_code == 2 and "disagree" in clash.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_force_download_fetches_verified_files_again(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    assert fetch_cli(dest).exit_code == 0
+    fake_hub.calls.clear()
+    dry = json.loads(fetch_cli(dest, "--force-download", "--dry-run", "--json").stdout)
+    assert {f["status"] for f in dry["files"]} == {"forced"} and dry["force_download"] is True
+    result = fetch_cli(dest, "--force-download", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert sorted(summary["downloaded"]) == sorted(fake_hub.calls) == sorted(f["path"] for f in dry["files"])
+    assert fake_hub.forced[-1] is True and summary["reused"] == []
+    refused = fetch_cli(dest, "--force-download", "--offline")
+    assert refused.exit_code == 2 and "--offline" in refused.stderr
+
+
+def test_hf_hub_offline_never_asks_the_hub(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    dest = tmp_path / "m"
+    assert fetch_cli(dest).exit_code == 0
+    _hub_api_raising(monkeypatch, AssertionError("the hub was asked under HF_HUB_OFFLINE=1"))
+    result = fetch_cli(dest, "--json", env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["downloaded"] == []
+    start = time.monotonic()
+    never = fetch_cli(tmp_path / "never", env={"HF_HUB_OFFLINE": "1"})
+    assert never.exit_code == FetchError.exit_code and "no earlier fetch" in never.stderr
+    assert time.monotonic() - start < 5
+
+
+def test_no_network_fails_within_seconds_even_for_a_commit(tmp_path: Path) -> None:
+    """The tree listing retries a dead connection for half a minute; the repo_info asked first does not."""
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    result = run_cli(
+        "fetch", "someorg/model", "--revision", COMMIT, "--local-dir", str(tmp_path / "m"), "--endpoint", dead
+    )
+    assert time.monotonic() - start < 5
+    assert result.exit_code == FetchError.exit_code
+    assert f"cannot reach {dead}" in result.stderr and "--offline" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -52,7 +52,9 @@ _STATUS: dict[str, str | Text] = {
 )
 @click.option("--include-original", is_flag=True, help="Also fetch original/ (a second copy in OpenAI's format).")
 @click.option("--dry-run", is_flag=True, help="Show the plan and the disk check; download nothing.")
-@click.option("--offline", is_flag=True, help="No network: verify a model fetched before and record it.")
+@click.option(
+    "--offline", is_flag=True, help="No network: hash again a model a fetch completed before, against its record."
+)
 @click.option(
     "--force-download",
     is_flag=True,
@@ -91,8 +93,9 @@ def fetch_command(
 
     Files go to the Hugging Face cache, shared with `hf download` and transformers: a model
     already there is hashed and reused, not downloaded again. Never fetches metal/; fetches
-    original/ only with --include-original. A rerun skips files already verified and removes
-    partial files of an interrupted run. Prints the model folder (for `prepare --src`) on stdout.
+    original/ only with --include-original. huggingface_hub moves the bytes; a rerun skips files
+    already verified, and a failed or interrupted download leaves no partial file (one a kill -9
+    leaves is removed by `hf cache prune`). Prints the model folder on stdout.
 
     REPO_ID (or --model) is a recipe name or hub id: openai/gpt-oss-120b and openai/gpt-oss-20b
     fetch the commit their recipe pins; any other ORG/NAME works too (at main, with the gpt-oss file
