@@ -319,6 +319,32 @@ def test_a_model_already_in_the_hub_cache_downloads_nothing(
     assert record.commit in (out / "manifest.json").read_text()
 
 
+def test_verify_src_from_cache_compares_with_the_snapshot_the_manifest_names(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert run_cli(*fetch_args(hub, None)).exit_code == 0  # into the Hugging Face cache
+    recipe = json.loads((recipes_dir() / "gpt-oss-120b.json").read_text())
+    recipe_path = tmp_path / "recipe.json"
+    recipe_path.write_text(json.dumps(recipe | {"revision": "main"}))  # olah has not the pinned commit
+    out = tmp_path / "prepared"
+    assert run_cli("prepare", "--model", str(recipe_path), "--tp", "1", "--out", str(out), "-q").exit_code == 0
+
+    result = run_cli("verify", str(out), "--src-from-cache", "--sample", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["experts_checked"] > 0 and report["shared_tensors_checked"] > 0
+
+    both = run_cli("verify", str(out), "--src", str(tmp_path), "--src-from-cache")
+    assert both.exit_code == 2 and "give one of them" in both.stderr
+
+    commit = hub.repos[REPO].commit
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    missing = run_cli("verify", str(out), "--src-from-cache")
+    assert missing.exit_code == 3, missing.stderr
+    assert "has no snapshot" in missing.stderr and f"prepkit fetch {REPO} --revision {commit}" in missing.stderr
+    assert "Traceback" not in missing.stderr
+
+
 def test_an_hf_download_local_dir_folder_is_reused(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dest = _hf_snapshot(hub, REPO, local_dir=tmp_path / "model")
     bad = dest / "model-00002-of-00002.safetensors"
