@@ -475,6 +475,8 @@ def test_the_repo_id_may_be_given_as_an_argument(fake_hub: FakeHub, tmp_path: Pa
     clash = run_cli("fetch", "someorg/model", "--model", "gpt-oss-20b", "--local-dir", str(tmp_path / "x"))
     assert clash.exit_code == 2 and "disagree" in clash.stderr
     assert not (tmp_path / "x").exists()
+    empty = run_cli("fetch", "", "--local-dir", str(tmp_path / "x"))  # not the default model in disguise
+    assert empty.exit_code == 3 and "no recipe ''" in empty.stderr
 
 
 def test_force_download_fetches_verified_files_again(fake_hub: FakeHub, tmp_path: Path) -> None:

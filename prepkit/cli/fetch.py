@@ -112,7 +112,8 @@ def fetch_command(
         raise click.UsageError(f"REPO_ID {repo_id!r} and --model {model!r} disagree: give one of them")
     if force_download and offline:
         raise click.UsageError("--force-download needs the hub; it cannot be combined with --offline")
-    source = fetching.resolve_source(repo_id or model, revision=revision).narrowed(include, exclude)
+    source = fetching.resolve_source(model if repo_id is None else repo_id, revision=revision)
+    source = source.narrowed(include, exclude)
     plan = fetching.plan_fetch(
         source,
         local_dir,
