@@ -566,6 +566,10 @@ def test_new_commit_on_the_branch_fetches_only_the_changed_file(hub: Hub, tmp_pa
     assert run_cli(*fetch_args(hub, dest, repo=MOVING_REPO)).exit_code == 0
     config = json.loads((hub.src / "config.json").read_text()) | {"use_cache": False}
     new = olah_server.commit_file(hub.repos[MOVING_REPO], "config.json", json.dumps(config).encode())
+    # What was verified at the old commit still counts where the hub's hash did not change.
+    dry = json.loads(run_cli(*fetch_args(hub, dest, "--dry-run", "--json", repo=MOVING_REPO)).stdout)
+    status = {f["path"]: f["status"] for f in dry["files"]}
+    assert status.pop("config.json") != "verified" and set(status.values()) == {"verified"}
 
     result = run_cli(*fetch_args(hub, dest, "--json", repo=MOVING_REPO))
     assert result.exit_code == 0, result.stderr

@@ -113,7 +113,7 @@ def plan_fetch(
         what = f"no {', '.join(lacking)}: not a transformers-format gpt-oss checkpoint" if selected else "no file"
         hint = "check the repo id, --revision and --include"
         raise FetchError(f"{source.repo_id} at {commit[:12]} has {what} (files: {list(source.include)})", hint=hint)
-    known = _verified_before(dest, source, commit)
+    known = _verified_before(dest, source)
     files = [_status(dest, f, known.get(f.path), force) for f in selected]
     absent = [f.path for f in files if f.status == "missing"]
     if cache is not None and absent and not offline:  # the library links these, not downloads them
@@ -126,15 +126,16 @@ def plan_fetch(
     )
 
 
-def _verified_before(dest: Path, source: Source, commit: str) -> dict[str, RecordFile]:
-    """The entries of the state and record of earlier runs at this commit (the record wins)."""
+def _verified_before(dest: Path, source: Source) -> dict[str, RecordFile]:
+    """The entries of the state and record of earlier runs (the record wins); of another commit too, as
+    an entry counts only while its hash is the hub's and the file is untouched."""
     known: dict[str, RecordFile] = {}
     for path in (dest / STATE_PATH, dest / FETCH_RECORD):
         try:
             record = read_record(path)
         except FetchError:
             continue  # unreadable: its files are hashed again
-        if record is not None and record.repo_id == source.repo_id and record.commit == commit:
+        if record is not None and record.repo_id == source.repo_id:
             known |= {e.path: e for e in record.entries}
     return known
 
