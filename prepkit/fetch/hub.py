@@ -25,8 +25,7 @@ AGAIN = "run the same command again; finished files are kept"
 def list_remote(source: Source, *, endpoint: str, token: Any, cache: Path | None) -> tuple[str, list[RemoteFile]]:
     """The commit ``source.revision`` names and the repo's files there; in the cache a branch or tag
     gets its ref, for ``prepare --model`` and ``--offline``."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub import HfApi, RepoFile
 
     api = HfApi(endpoint=endpoint, token=token, library_name="prepkit", library_version=__version__)
     with hub_errors(source, endpoint, api=api):
