@@ -525,3 +525,24 @@ def test_no_network_fails_within_seconds_even_for_a_commit(tmp_path: Path) -> No
     assert result.exit_code == FetchError.exit_code
     assert f"cannot reach {dead}" in result.stderr and "--offline" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_prepkit_uses_only_the_public_api_of_huggingface_hub() -> None:
+    """The library's private layout and helpers may change in any minor release: prepkit imports only
+    names the package exports, or its public errors, constants and utils modules."""
+    import ast
+
+    public_modules = {"huggingface_hub.errors", "huggingface_hub.constants", "huggingface_hub.utils"}
+    root = Path(fetching.__file__).resolve().parent.parent
+    used = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("huggingface_hub"):
+                used += [(path.relative_to(root).as_posix(), node.module, alias.name) for alias in node.names]
+    assert used, "no import of huggingface_hub found: the scan is broken"
+    for where, module, name in used:
+        if module == "huggingface_hub":
+            public = name in huggingface_hub.__all__ or name in ("constants", "errors", "utils")
+        else:
+            public = module in public_modules and not name.startswith("_")
+        assert public, f"{where} imports {name} from {module}"
