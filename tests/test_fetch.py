@@ -492,6 +492,8 @@ def test_force_download_fetches_verified_files_again(fake_hub: FakeHub, tmp_path
     assert fake_hub.forced[-1] is True and summary["reused"] == []
     refused = fetch_cli(dest, "--force-download", "--offline")
     assert refused.exit_code == 2 and "--offline" in refused.stderr
+    refused = fetch_cli(dest, "--force-download", env={"HF_HUB_OFFLINE": "1"})
+    assert refused.exit_code == FetchError.exit_code and "HF_HUB_OFFLINE" in refused.stderr
 
 
 def test_hf_hub_offline_never_asks_the_hub(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -86,15 +86,11 @@ class Progress:
         self.report(TOTAL_LABEL, 0, total)
 
     def advance(self, n: int) -> None:
-        if self.cancel.is_set():
-            raise _CalledOff  # in a download thread, which then deletes its partial file
+        if self.cancel.is_set():  # raised in a download thread, which then deletes its partial file
+            raise FetchError("the download was called off")
         with self.lock:  # the library's byte bars move together: the highest counts
             self.done = max(self.done, min(self.total, n))
             self.report(TOTAL_LABEL, self.done, self.total)
-
-
-class _CalledOff(Exception):
-    pass
 
 
 class _Bar:

@@ -90,6 +90,8 @@ def plan_fetch(
     cache = None if local is not None else Path(cache_dir or hub_cache_dir()).expanduser().resolve()
     offline = offline or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}
     endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+    if offline and force:
+        raise FetchError("--force-download needs the hub, and --offline or HF_HUB_OFFLINE=1 says not to ask it")
     if offline:
         dest = local or snapshot_dir(cache, source.repo_id, source.revision)  # type: ignore[arg-type]
         record = read_record(dest / FETCH_RECORD)
