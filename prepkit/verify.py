@@ -15,12 +15,13 @@ import torch
 from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
+from prepkit.constants import INDEX_NAME
 from prepkit.dense_weights import check_stored_weight
-from prepkit.errors import LayoutError, OutputError, VerifyError
+from prepkit.errors import CheckpointError, LayoutError, OutputError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
 from prepkit.layouts.dense_mx import mx_format
-from prepkit.manifest import DenseRecord, DenseTensorRecord, Manifest, experts_file
+from prepkit.manifest import SYNTHESIZED, DenseRecord, DenseTensorRecord, Manifest, experts_file
 from prepkit.recipes import load_recipe
 
 ProgressFn = Callable[[str, int, int], None]
@@ -49,15 +50,19 @@ def verify(
     out_dir: str | Path,
     *,
     src: str | Path | None = None,
+    src_from_cache: bool = False,
     sample: int | None = None,
     seed: int = 0,
     on_progress: ProgressFn | None = None,
 ) -> VerifyReport:
-    """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor)."""
+    """Check a shard set; raises VerifyError listing every problem (rank, layer, expert, tensor).
+    With ``src_from_cache``, the source is the snapshot the manifest names, in the Hugging Face cache."""
     root = Path(out_dir)
     if not root.is_dir():
         raise OutputError(f"{root}: no such folder", hint="pass the folder `prepkit prepare` wrote (its --out)")
     manifest = Manifest.read(root)
+    if src_from_cache:
+        src = cached_source(manifest)
     report = VerifyReport(root)
     progress = on_progress or (lambda label, done, total: None)
     total = sum(f.bytes for f in manifest.files.values())
@@ -87,6 +92,30 @@ def verify(
             hint="rerun prepkit prepare into a fresh folder (or delete the bad files and rerun to resume)",
         )
     return report
+
+
+def cached_source(manifest: Manifest) -> Path:
+    """The snapshot of the repo and commit the manifest records (those of the fetch it cites, else its
+    recipe's), in the Hugging Face cache.
+
+    Raises:
+        CheckpointError: the cache holds no such snapshot.
+    """
+    from prepkit.fetch import find_model_dir
+    from prepkit.fetch.cache import hub_cache_dir
+
+    model = manifest.model
+    repo = model.provenance.source_repo or model.repo_id
+    commit = model.provenance.source_commit or model.revision
+    folder = find_model_dir(repo, commit)
+    if not (folder / INDEX_NAME).is_file():
+        made_from = "a synthetic checkpoint" if model.provenance.kind == SYNTHESIZED else f"{repo} at {commit}"
+        raise CheckpointError(
+            f"the shards were made from {made_from}, and the Hugging Face cache {hub_cache_dir()} has no "
+            "snapshot of it",
+            hint=f"fetch it with `prepkit fetch {repo} --revision {commit}`, or give the source folder with --src DIR",
+        )
+    return folder
 
 
 def _verify_against_source(

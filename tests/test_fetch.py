@@ -2,7 +2,7 @@
 a transfer breaking off, disk full), plus the pure parts (sources, folders, the record).
 
 The fake hub here is two monkeypatches: the tree listing comes from a local folder, and
-``hf_hub_download`` copies from it. Everything else runs for real.
+``snapshot_download`` copies from it, one file at a time. Everything else runs for real.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from huggingface_hub import errors as hf_errors
 from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.errors import FetchError, RecipeError
-from prepkit.fetch import hashing, worker
-from prepkit.fetch import plan as fetch_plan
+from prepkit.fetch import hub as fetch_hub
+from prepkit.fetch import record as fetch_record
+from prepkit.fetch import run as fetch_run
 
 COMMIT = "c0ffee" + "0" * 34
 DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a network
@@ -33,9 +34,8 @@ DEAD_ENDPOINT = "http://127.0.0.1:9"  # discard port: nothing here may reach a n
 
 @pytest.fixture(autouse=True)
 def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    """No test reads or fills the user's Hugging Face cache."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -82,26 +82,34 @@ Downloader = Callable[..., str]
 
 @dataclass
 class FakeHub:
-    """The listing comes from ``src``; downloads go through ``download`` (default: ``copy``)."""
+    """The listing comes from ``src``; ``snapshot_download`` fetches each matching file through
+    ``download`` (default: ``copy``), in order, and stops at the first error, as the library does."""
 
     src: Path
     calls: list[str] = field(default_factory=list)
+    forced: list[bool] = field(default_factory=list)  # force_download, per call of snapshot_download
     download: Downloader | None = None
 
-    def copy(self, repo_id: str, filename: str, *, local_dir: Path, tqdm_class: Any = None, **_: Any) -> str:
+    def copy(self, repo_id: str, filename: str, *, local_dir: Path, bar: Any = None, **_: Any) -> str:
         data = (self.src / filename).read_bytes()
-        bar = tqdm_class(total=len(data), initial=0) if tqdm_class else None
         target = Path(local_dir) / filename
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-        if bar:  # in two steps, like a streamed body
+        if bar is not None:  # in two steps, like a streamed body
             bar.update(len(data) // 2)
             bar.update(len(data) - len(data) // 2)
         return str(target)
 
-    def __call__(self, repo_id: str, filename: str, **kwargs: Any) -> str:
-        self.calls.append(filename)
-        return (self.download or self.copy)(repo_id, filename, **kwargs)
+    def __call__(self, repo_id: str, *, allow_patterns: list[str], tqdm_class: Any = None, **kwargs: Any) -> str:
+        from huggingface_hub.utils import filter_repo_objects
+
+        self.forced.append(bool(kwargs.get("force_download")))
+        bar = tqdm_class(total=0, unit="B") if tqdm_class else None
+        names = sorted(p.relative_to(self.src).as_posix() for p in self.src.rglob("*") if p.is_file())
+        for name in filter_repo_objects(names, allow_patterns=allow_patterns):
+            self.calls.append(name)
+            (self.download or self.copy)(repo_id, name, local_dir=kwargs["local_dir"], bar=bar)
+        return str(kwargs["local_dir"])
 
 
 @pytest.fixture()
@@ -111,8 +119,8 @@ def fake_hub(src: Path, monkeypatch: pytest.MonkeyPatch) -> FakeHub:
     def listing(source: fetching.Source, **_: Any) -> tuple[str, list[fetching.RemoteFile]]:
         return COMMIT, _remote(src)
 
-    monkeypatch.setattr(fetch_plan, "_plan_online", listing)
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hub)
+    monkeypatch.setattr(fetch_hub, "list_remote", listing)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", hub)
     return hub
 
 
@@ -153,29 +161,29 @@ def test_default_patterns_skip_original_and_metal() -> None:
     ]
     remote = [fetching.RemoteFile(p, 1, None, "x") for p in paths]
     source = fetching.resolve_source("gpt-oss-120b")
-    pick = lambda original: sorted(f.path for f in fetch_plan._select(remote, *source.patterns(original)))  # noqa: E731
+    from huggingface_hub.utils import filter_repo_objects  # the matcher the plan uses
+
+    def pick(original: bool) -> list[str]:
+        include, exclude = source.patterns(original)
+        chosen = filter_repo_objects(remote, allow_patterns=include, ignore_patterns=exclude, key=lambda f: f.path)
+        return sorted(f.path for f in chosen)
+
     assert pick(False) == ["chat_template.jinja", "config.json", "model-00000-of-00001.safetensors"]
     assert pick(True) == pick(False) + ["original/config.json", "original/model--00001-of-00007.safetensors"]
     assert not any(p.startswith("metal/") for p in pick(True))
 
 
-def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path: Path) -> None:
+def test_prepare_finds_the_model_in_the_hub_cache(tmp_path: Path) -> None:
     from prepkit.constants import INDEX_NAME
     from prepkit.recipes import load_recipe
 
     recipe = load_recipe("gpt-oss-120b")
-    repo = tmp_path / "hf-cache" / "models--openai--gpt-oss-120b"
+    repo = tmp_path / "hf-cache" / "models--openai--gpt-oss-120b"  # huggingface_hub's layout, as `hf download` left it
     snapshot = repo / "snapshots" / recipe.revision
-    legacy = tmp_path / "prepkit-home" / "models" / "openai--gpt-oss-120b" / recipe.revision
-    assert fetching.default_model_dir(recipe) == snapshot  # nothing anywhere: where fetch would put it
-    legacy.mkdir(parents=True)
-    (legacy / INDEX_NAME).write_text("{}")
-    assert fetching.default_model_dir(recipe) == legacy  # fetched by prepkit 0.1
+    assert fetching.default_model_dir(recipe) == snapshot  # nothing there: where fetch would put it
     snapshot.mkdir(parents=True)
     (snapshot / INDEX_NAME).write_text("{}")
-    assert fetching.default_model_dir(recipe) == snapshot  # e.g. by `hf download`: the cache wins
-    (legacy / FETCH_RECORD).write_text("{}")
-    assert fetching.default_model_dir(recipe) == legacy  # a verified fetch wins over an unverified copy
+    assert fetching.default_model_dir(recipe) == snapshot
 
     # A branch is found through refs/<branch>, as huggingface_hub writes it.
     commit = "ab" * 20
@@ -184,7 +192,6 @@ def test_prepare_finds_the_model_in_the_hub_cache_else_in_prepkit_home(tmp_path:
     (repo / "snapshots" / commit).mkdir()
     (repo / "snapshots" / commit / INDEX_NAME).write_text("{}")
     assert fetching.find_model_dir("openai/gpt-oss-120b", "main") == repo / "snapshots" / commit
-    assert fetching.model_dir_for("a/b", "refs/pr/1") == tmp_path / "prepkit-home" / "models" / "a--b" / "refs--pr--1"
 
 
 def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
@@ -201,15 +208,17 @@ def test_fetch_record_absent_or_malformed(tmp_path: Path) -> None:
 
 
 def test_fetch_verifies_records_and_reports_progress(fake_hub: FakeHub, src: Path, tmp_path: Path) -> None:
-    seen: dict[str, tuple[int, int]] = {}
+    seen: list[tuple[str, int, int]] = []
     result = fetching.fetch(
-        _plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.update({label: (done, total)})
+        _plan(tmp_path / "m"), on_progress=lambda label, done, total: seen.append((label, done, total))
     )
     sizes = {p.name: p.stat().st_size for p in src.iterdir()}
     assert set(result.downloaded) == set(sizes)
-    assert seen[fetching.TOTAL_LABEL] == (sum(sizes.values()), sum(sizes.values()))
-    per_file = {k: v for k, v in seen.items() if k != fetching.TOTAL_LABEL}
-    assert per_file == {n: (s, s) for n, s in sizes.items()}
+    total = sum(sizes.values())
+    # One total, as huggingface_hub counts the bytes of all its transfers together; never backwards.
+    assert {label for label, _, _ in seen} == {fetching.TOTAL_LABEL}
+    assert seen[0][1:] == (0, total) and seen[-1][1:] == (total, total)
+    assert [done for _, done, _ in seen] == sorted(done for _, done, _ in seen)
     record = fetching.read_fetch_record(tmp_path / "m")
     assert record is not None and record.commit == COMMIT
     assert {e.path: e.sha256 for e in record.entries} == {
@@ -256,7 +265,7 @@ def fetch_cli(dest: Path, *extra: str, env: dict[str, str] | None = None) -> Res
     )
 
 
-def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
+def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_fetches_the_rest(
     fake_hub: FakeHub, tmp_path: Path
 ) -> None:
     dest = tmp_path / "m"
@@ -265,10 +274,7 @@ def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
     def broken(repo_id: str, filename: str, *, local_dir: Path, **kwargs: Any) -> str:
         if filename != shard:
             return fake_hub.copy(repo_id, filename, local_dir=local_dir, **kwargs)
-        # huggingface_hub streams into a uniquely named partial file; a killed process leaves it.
-        partial = Path(local_dir) / ".cache/huggingface/download" / f"{shard}.0badc0de.incomplete"
-        partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(b"\1" * 500)
+        # huggingface_hub streams into a partial file under another name, which it deletes on an error.
         raise httpx2.RemoteProtocolError("peer closed connection without sending complete message body")
 
     fake_hub.download = broken
@@ -284,10 +290,8 @@ def test_transfer_breaking_off_leaves_nothing_complete_and_the_rerun_cleans_up(
     result = fetch_cli(dest, "--json")
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["orphans_removed"] == 1
     assert shard in summary["downloaded"]
     assert set(fake_hub.calls) == set(summary["downloaded"])  # finished files were not fetched again
-    assert not list(dest.rglob("*.incomplete"))
 
 
 def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
@@ -302,7 +306,8 @@ def test_disk_full_mid_download(fake_hub: FakeHub, tmp_path: Path) -> None:
     fake_hub.download = full
     result = fetch_cli(dest, "--max-workers", "1")
     assert result.exit_code == FetchError.exit_code
-    assert f"disk full while writing {shard}" in result.stderr
+    # The library's parallel download does not say which file hit the full disk: the repo is named.
+    assert "disk full while writing someorg/model" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (dest / shard).exists()
     assert not (dest / FETCH_RECORD).exists()
@@ -316,7 +321,7 @@ def test_server_error_on_a_file(fake_hub: FakeHub, tmp_path: Path) -> None:
     result = fetch_cli(tmp_path / "m")
     assert result.exit_code == FetchError.exit_code
     assert "HTTP 503" in result.stderr and "again" in result.stderr
-    assert len(fake_hub.calls) == 1  # the first failure stops the rest from starting (1 worker busy)
+    assert len(fake_hub.calls) == 1  # a server error is not retried: the hint says to rerun
 
 
 def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fake_hub: FakeHub, tmp_path: Path) -> None:
@@ -332,7 +337,7 @@ def test_a_second_fetch_into_the_same_folder_is_refused_with_the_holders_pid(fak
         "    print('held', flush=True)\n"
         "    time.sleep(60)\n"
     )
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(dest / fetching.LOCK_PATH)], stdout=subprocess.PIPE)
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(dest / fetch_run.LOCK_PATH)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
         result = fetch_cli(dest)
@@ -386,25 +391,25 @@ def test_quiet_prints_only_the_folder(fake_hub: FakeHub, tmp_path: Path) -> None
 def test_each_file_is_read_once_and_lfs_files_get_no_git_blob_id(
     fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    digests: list[tuple[str, Any]] = []
-    real_digest_file = hashing.digest_file
+    hashed: list[tuple[str, Any]] = []
+    real_verify_file = fetch_record.verify_file
 
-    def recording(path: Path, **kwargs: Any) -> Any:
-        digest = real_digest_file(path, **kwargs)
-        digests.append((path.name, digest))
-        return digest
+    def recording(dest: Path, remote: fetching.RemoteFile) -> Any:
+        entry = real_verify_file(dest, remote)
+        hashed.append((remote.path, entry))
+        return entry
 
-    monkeypatch.setattr(worker, "digest_file", recording)
+    monkeypatch.setattr(fetch_record, "verify_file", recording)
     result = fetching.fetch(_plan(tmp_path / "m"))
-    assert sorted(name for name, _ in digests) == sorted(f.path for f in result.plan.files)
+    assert sorted(name for name, _ in hashed) == sorted(f.path for f in result.plan.files)
     lfs = {f.path for f in result.plan.files if f.remote.sha256 is not None}
-    assert lfs and len(lfs) < len(digests)
-    for name, digest in digests:
-        assert (digest.git_blob is None) == (name in lfs), name
+    assert lfs and len(lfs) < len(hashed)
+    for name, entry in hashed:
+        assert (entry.git_blob is None) == (name in lfs), name
     # A rerun trusts what it verified (same size and mtime): nothing is read again.
-    digests.clear()
+    hashed.clear()
     fetching.fetch(_plan(tmp_path / "m"))
-    assert digests == []
+    assert hashed == []
 
 
 # ------------------------------------------------------------------------- listing errors
@@ -452,3 +457,94 @@ def test_progress_reaches_a_log_as_lines_for_the_total(fake_hub: FakeHub, tmp_pa
     assert "(100%)" in lines[-1]
     quiet = fetch_cli(tmp_path / "q", "-q", env={PROGRESS_INTERVAL_ENV: "0"})
     assert quiet.exit_code == 0 and "elapsed" not in quiet.stderr
+
+
+# ------------------------------------------------------------------------- options like hf download
+
+
+def test_the_repo_id_may_be_given_as_an_argument(fake_hub: FakeHub, tmp_path: Path) -> None:
+    common = ["--revision", COMMIT, "--endpoint", DEAD_ENDPOINT, "--json"]
+    result = run_cli("fetch", "someorg/model", "--local-dir", str(tmp_path / "m"), *common)
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["repo_id"] == "someorg/model" and set(summary["downloaded"]) == set(fake_hub.calls)
+    # A recipe name works as for --model, and the same name twice is no conflict.
+    same = run_cli("fetch", "gpt-oss-120b", "--model", "gpt-oss-120b", "--local-dir", str(tmp_path / "r"), *common)
+    assert same.exit_code == 0, same.stderr
+    assert json.loads(same.stdout)["repo_id"] == "openai/gpt-oss-120b"
+    clash = run_cli("fetch", "someorg/model", "--model", "gpt-oss-20b", "--local-dir", str(tmp_path / "x"))
+    assert clash.exit_code == 2 and "disagree" in clash.stderr
+    assert not (tmp_path / "x").exists()
+    empty = run_cli("fetch", "", "--local-dir", str(tmp_path / "x"))  # not the default model in disguise
+    assert empty.exit_code == 3 and "no recipe ''" in empty.stderr
+
+
+def test_force_download_fetches_verified_files_again(fake_hub: FakeHub, tmp_path: Path) -> None:
+    dest = tmp_path / "m"
+    assert fetch_cli(dest).exit_code == 0
+    fake_hub.calls.clear()
+    dry = json.loads(fetch_cli(dest, "--force-download", "--dry-run", "--json").stdout)
+    assert {f["status"] for f in dry["files"]} == {"forced"} and dry["force_download"] is True
+    result = fetch_cli(dest, "--force-download", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert sorted(summary["downloaded"]) == sorted(fake_hub.calls) == sorted(f["path"] for f in dry["files"])
+    assert fake_hub.forced[-1] is True and summary["reused"] == []
+    refused = fetch_cli(dest, "--force-download", "--offline")
+    assert refused.exit_code == 2 and "--offline" in refused.stderr
+    refused = fetch_cli(dest, "--force-download", env={"HF_HUB_OFFLINE": "1"})
+    assert refused.exit_code == FetchError.exit_code and "HF_HUB_OFFLINE" in refused.stderr
+
+
+def test_hf_hub_offline_never_asks_the_hub(fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    dest = tmp_path / "m"
+    assert fetch_cli(dest).exit_code == 0
+    _hub_api_raising(monkeypatch, AssertionError("the hub was asked under HF_HUB_OFFLINE=1"))
+    result = fetch_cli(dest, "--json", env={"HF_HUB_OFFLINE": "1"})
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["downloaded"] == []
+    start = time.monotonic()
+    never = fetch_cli(tmp_path / "never", env={"HF_HUB_OFFLINE": "1"})
+    assert never.exit_code == FetchError.exit_code and "no earlier fetch" in never.stderr
+    assert time.monotonic() - start < 5
+
+
+def test_no_network_fails_within_seconds_even_for_a_commit(tmp_path: Path) -> None:
+    """The tree listing retries a dead connection for half a minute; the repo_info asked first does not."""
+    import socket
+    import time
+
+    with socket.socket() as sock:  # a port nobody listens on: connections are refused at once
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    start = time.monotonic()
+    result = run_cli(
+        "fetch", "someorg/model", "--revision", COMMIT, "--local-dir", str(tmp_path / "m"), "--endpoint", dead
+    )
+    assert time.monotonic() - start < 5
+    assert result.exit_code == FetchError.exit_code
+    assert f"cannot reach {dead}" in result.stderr and "--offline" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_prepkit_uses_only_the_public_api_of_huggingface_hub() -> None:
+    """The library's private layout and helpers may change in any minor release: prepkit imports only
+    names the package exports, or its public errors, constants and utils modules."""
+    import ast
+
+    public_modules = {"huggingface_hub.errors", "huggingface_hub.constants", "huggingface_hub.utils"}
+    root = Path(fetching.__file__).resolve().parent.parent
+    used = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("huggingface_hub"):
+                used += [(path.relative_to(root).as_posix(), node.module, alias.name) for alias in node.names]
+    assert used, "no import of huggingface_hub found: the scan is broken"
+    for where, module, name in used:
+        if module == "huggingface_hub":
+            public = name in huggingface_hub.__all__ or name in ("constants", "errors", "utils")
+        else:
+            public = module in public_modules and not name.startswith("_")
+        assert public, f"{where} imports {name} from {module}"

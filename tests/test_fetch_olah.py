@@ -24,6 +24,7 @@ from prepkit import fetch as fetching
 from prepkit.constants import FETCH_RECORD
 from prepkit.data import recipes_dir
 from prepkit.errors import FetchError
+from prepkit.fetch.source import DEFAULT_INCLUDE
 
 try:  # tests/ is a package here; without its __init__.py pytest puts tests/ itself on sys.path
     from tests import olah_server
@@ -114,9 +115,8 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
 
 @pytest.fixture(autouse=True)
 def _own_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No test reads or fills the user's Hugging Face cache or prepkit home."""
+    """No test reads or fills the user's Hugging Face cache."""
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    monkeypatch.setenv("PREPKIT_HOME", str(tmp_path / "prepkit-home"))
 
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> Result:
@@ -194,14 +194,12 @@ def test_rerun_after_interruption_fetches_only_what_is_missing_or_bad(hub: Hub, 
     dest = tmp_path / "model"
     assert run_cli(*fetch_args(hub, dest)).exit_code == 0
     # What an interrupted or damaged run leaves behind: a missing shard, a truncated one, one with
-    # the right size but wrong bytes, and the orphaned partial file of a killed download.
+    # the right size but wrong bytes.
     (dest / "model-00000-of-00002.safetensors").unlink()
     with (dest / "model-00001-of-00002.safetensors").open("r+b") as fh:
         fh.truncate(1000)
     bad = dest / "model-00002-of-00002.safetensors"
     bad.write_bytes(b"\0" * bad.stat().st_size)
-    orphan = dest / ".cache" / "huggingface" / "download" / "model-00000-of-00002.safetensors.ab12.incomplete"
-    orphan.write_bytes(b"partial" * 1000)
 
     dry = json.loads(run_cli(*fetch_args(hub, dest, "--dry-run", "--json")).stdout)
     status = {f["path"]: f["status"] for f in dry["files"]}
@@ -209,14 +207,11 @@ def test_rerun_after_interruption_fetches_only_what_is_missing_or_bad(hub: Hub, 
     assert status["model-00001-of-00002.safetensors"] == "wrong-size"
     assert status["model-00002-of-00002.safetensors"] == "unverified"
     assert status["config.json"] == "verified"
-    assert dry["orphan_bytes"] == 7000
 
     result = run_cli(*fetch_args(hub, dest, "--json"))
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
     assert sorted(summary["downloaded"]) == [f"model-0000{i}-of-00002.safetensors" for i in range(3)]
-    assert summary["orphans_removed"] == 1
-    assert not orphan.exists()
     assert_identical(hub, dest, DEFAULT_FILES)
     assert fetching.read_fetch_record(dest) is not None
 
@@ -286,7 +281,7 @@ class _Requests:
 def _hf_snapshot(hub: Hub, repo: str, **where: Any) -> Path:
     import huggingface_hub
 
-    patterns = list(fetching.DEFAULT_INCLUDE)
+    patterns = list(DEFAULT_INCLUDE)
     path = huggingface_hub.snapshot_download(
         repo, revision="main", endpoint=hub.endpoint, allow_patterns=patterns, **where
     )
@@ -322,6 +317,32 @@ def test_a_model_already_in_the_hub_cache_downloads_nothing(
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["model"]["provenance"] == "prepkit fetch"
     assert record.commit in (out / "manifest.json").read_text()
+
+
+def test_verify_src_from_cache_compares_with_the_snapshot_the_manifest_names(
+    hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert run_cli(*fetch_args(hub, None)).exit_code == 0  # into the Hugging Face cache
+    recipe = json.loads((recipes_dir() / "gpt-oss-120b.json").read_text())
+    recipe_path = tmp_path / "recipe.json"
+    recipe_path.write_text(json.dumps(recipe | {"revision": "main"}))  # olah has not the pinned commit
+    out = tmp_path / "prepared"
+    assert run_cli("prepare", "--model", str(recipe_path), "--tp", "1", "--out", str(out), "-q").exit_code == 0
+
+    result = run_cli("verify", str(out), "--src-from-cache", "--sample", "1", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["experts_checked"] > 0 and report["shared_tensors_checked"] > 0
+
+    both = run_cli("verify", str(out), "--src", str(tmp_path), "--src-from-cache")
+    assert both.exit_code == 2 and "give one of them" in both.stderr
+
+    commit = hub.repos[REPO].commit
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    missing = run_cli("verify", str(out), "--src-from-cache")
+    assert missing.exit_code == 3, missing.stderr
+    assert "has no snapshot" in missing.stderr and f"prepkit fetch {REPO} --revision {commit}" in missing.stderr
+    assert "Traceback" not in missing.stderr
 
 
 def test_an_hf_download_local_dir_folder_is_reused(hub: Hub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -368,22 +389,22 @@ def test_transient_corruption_is_healed_by_the_retry(hub: Hub, tmp_path: Path, m
 
     repo = hub.repos[FLAKY_REPO]
     good = _corrupt_object(repo, (hub.src / SHARD).read_bytes())
-    real_download = huggingface_hub.hf_hub_download
-    calls: list[str] = []
+    real_download = huggingface_hub.snapshot_download
+    calls: list[list[str]] = []
 
-    def download_then_repair(repo_id: str, filename: str, **kwargs: object) -> str:
-        path = real_download(repo_id, filename, **kwargs)
-        calls.append(filename)
-        if filename == SHARD:  # the server serves good bytes from now on
+    def download_then_repair(repo_id: str, **kwargs: Any) -> Any:
+        path = real_download(repo_id, **kwargs)
+        calls.append(list(kwargs["allow_patterns"]))
+        if SHARD in calls[-1]:  # the server serves good bytes from now on
             repo.lfs_object(hub.sha256(SHARD)).write_bytes(good)
         return path
 
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download_then_repair)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download_then_repair)
     dest = tmp_path / "model"
     result = run_cli(*fetch_args(hub, dest, "--json", repo=FLAKY_REPO))
     assert result.exit_code == 0, result.stderr
     assert json.loads(result.stdout)["retried"] == [SHARD]
-    assert calls.count(SHARD) == 2
+    assert calls[1:] == [[SHARD]]  # the second download asks for the failed file only
     assert_identical(hub, dest, DEFAULT_FILES)
 
 
@@ -487,8 +508,8 @@ def test_fetch_then_prepare_end_to_end(hub: Hub, tmp_path: Path) -> None:
 
 
 def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
-    """A real interruption: SIGINT while a big shard streams; the rerun keeps every finished file,
-    removes the orphaned partial file and fetches only the rest."""
+    """A real interruption: SIGINT while a big shard streams stops it at once, leaving no partial file;
+    the rerun keeps every finished file and fetches only the rest."""
     import signal
     import subprocess
     import sys
@@ -528,14 +549,12 @@ def test_ctrl_c_mid_download_then_rerun(hub: Hub, tmp_path: Path) -> None:
         name for name in ("chat_template.jinja", "config.json", "generation_config.json") if (dest / name).exists()
     }
     assert finished  # workers=1 takes files in sorted order: these came before the big shard
-    # Whether the interrupted download left its partial file depends on where the signal landed
-    # (the library deletes it when it still gets to run its cleanup); the rerun removes what is left.
-    left_behind = len(list(dest.rglob("*.incomplete")))
+    # The transfer was called off at its next chunk, so the library deleted its partial file.
+    assert not list(dest.rglob("*.incomplete"))
 
     result = run_cli(*fetch_args(hub, dest, "--json", repo=BIG_REPO))
     assert result.exit_code == 0, result.stderr
     summary = json.loads(result.stdout)
-    assert summary["orphans_removed"] == left_behind
     assert not finished & set(summary["downloaded"])
     assert BIG_SHARD in summary["downloaded"]
     assert not list(dest.rglob("*.incomplete"))
@@ -547,6 +566,10 @@ def test_new_commit_on_the_branch_fetches_only_the_changed_file(hub: Hub, tmp_pa
     assert run_cli(*fetch_args(hub, dest, repo=MOVING_REPO)).exit_code == 0
     config = json.loads((hub.src / "config.json").read_text()) | {"use_cache": False}
     new = olah_server.commit_file(hub.repos[MOVING_REPO], "config.json", json.dumps(config).encode())
+    # What was verified at the old commit still counts where the hub's hash did not change.
+    dry = json.loads(run_cli(*fetch_args(hub, dest, "--dry-run", "--json", repo=MOVING_REPO)).stdout)
+    status = {f["path"]: f["status"] for f in dry["files"]}
+    assert status.pop("config.json") != "verified" and set(status.values()) == {"verified"}
 
     result = run_cli(*fetch_args(hub, dest, "--json", repo=MOVING_REPO))
     assert result.exit_code == 0, result.stderr

@@ -19,7 +19,7 @@ from prepkit.recipes import load_recipe
 
 
 def default_src(model: str) -> Path:
-    """Where a fetched model lies: its snapshot in the Hugging Face cache, else prepkit 0.1's folder."""
+    """Where a fetched model lies: its snapshot in the Hugging Face cache."""
     from prepkit.fetch import default_model_dir
 
     return Path(default_model_dir(load_recipe(model)))
