@@ -171,7 +171,7 @@ def json_requested() -> bool:
 
 
 def _text(message: str | RenderableType, label: str = "", style: str = "") -> RenderableType:
-    """A message as text, never as markup: ``pip install 'prepkit[plot]'`` prints whole."""
+    """A message as text, never as markup: ``pip install 'prepkit-gpt-oss[plot]'`` prints whole."""
     if not isinstance(message, str):
         return message
     return Text.assemble((label, style), " ", message) if label else Text(message)
