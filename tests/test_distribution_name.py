@@ -90,3 +90,9 @@ def test_the_scan_tells_names_apart(line: str, bad: bool) -> None:
 def test_the_wheel_check_looks_for_the_distributions_wheel() -> None:
     text = (ROOT / ".ci" / "wheel-check").read_text()
     assert f"dist/{_pyproject_name().replace('-', '_')}-*.whl" in text
+
+
+def test_the_torch_floor_is_the_oldest_tested() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    floors = re.findall(r'"torch>=([\d.]+)"', text)
+    assert floors == ["2.11"], floors  # the GPU hosts' torch; nothing older was ever run
