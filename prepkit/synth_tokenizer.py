@@ -9,6 +9,7 @@ roles, the chat markers and an unknown token come first, then plain words. Built
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from prepkit.distribution import install_hint
@@ -38,11 +39,7 @@ MIN_VOCAB = len(SPECIAL_TOKENS) + len(CHAT_TOKENS) + 1 + len(COMMON_WORDS)
 def vocabulary(special_ids: dict[str, int], vocab_size: int) -> dict[str, int]:
     """Token -> id for every id below ``vocab_size``: the special tokens at ``special_ids``, the
     rest filled in order with the chat markers, the unknown token, common words, then ``w<N>``."""
-    if vocab_size < MIN_VOCAB:
-        raise RecipeError(
-            f"--vocab {vocab_size} is too small for a tokenizer (it needs at least {MIN_VOCAB} ids)",
-            hint=f"use --vocab {MIN_VOCAB} or more, or leave out --tokenizer",
-        )
+    _check_vocab(vocab_size)
     placed = {special_ids[role]: token for role, token in SPECIAL_TOKENS.items()}
     fill = [*CHAT_TOKENS, UNKNOWN, *COMMON_WORDS]
     vocab: dict[str, int] = {}
@@ -57,6 +54,29 @@ def vocabulary(special_ids: dict[str, int], vocab_size: int) -> dict[str, int]:
             token, n = f"w{n}", n + 1
         vocab[token] = token_id
     return vocab
+
+
+def check_can_write(vocab_size: int) -> None:
+    """What :func:`write_tokenizer` needs, checked before a checkpoint's first byte is written.
+
+    Raises:
+        DependencyError: the ``tokenizers`` library is not installed.
+        RecipeError: ``vocab_size`` cannot hold the tokenizer's fixed tokens.
+    """
+    if importlib.util.find_spec("tokenizers") is None:
+        raise DependencyError(
+            "synth --tokenizer needs the tokenizers library, which is not installed",
+            hint=install_hint("transformers"),
+        )
+    _check_vocab(vocab_size)
+
+
+def _check_vocab(vocab_size: int) -> None:
+    if vocab_size < MIN_VOCAB:
+        raise RecipeError(
+            f"--vocab {vocab_size} is too small for a tokenizer (it needs at least {MIN_VOCAB} ids)",
+            hint=f"use --vocab {MIN_VOCAB} or more, or leave out --tokenizer",
+        )
 
 
 def write_tokenizer(folder: Path, special_ids: dict[str, int], vocab_size: int) -> list[str]:

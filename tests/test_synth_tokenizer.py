@@ -73,3 +73,18 @@ def test_synthetic_checkpoints_of_other_dims_get_other_default_folders(tmp_path:
         assert f"h{hidden}-i{intermediate}" in out
         outs.append(out)
     assert len(set(outs)) == 3
+
+
+def test_synth_tokenizer_without_the_library_is_refused_before_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from prepkit.errors import DependencyError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tokenizers" else real(name, *a))
+    out = tmp_path / "m"
+    r = run("synth", "--out", str(out), *SMALL, "--tokenizer")
+    assert r.exit_code == DependencyError.exit_code and "tokenizers" in r.stderr and "prepkit-gpt-oss" in r.stderr
+    assert not out.exists() or not any(out.iterdir())

@@ -68,13 +68,9 @@ def synth(
     if out.exists() and any(out.iterdir()):
         raise RecipeError(f"{out} is not empty", hint="choose a new folder")
     if tokenizer:
-        from prepkit.synth_tokenizer import MIN_VOCAB
+        from prepkit.synth_tokenizer import check_can_write
 
-        if vocab < MIN_VOCAB:  # before any byte is written
-            raise RecipeError(
-                f"--vocab {vocab} is too small for --tokenizer (it needs at least {MIN_VOCAB} ids)",
-                hint=f"use --vocab {MIN_VOCAB} or more",
-            )
+        check_can_write(vocab)  # before any byte is written
     with console.progress(enabled=not quiet, transient=True) as on_progress:
         path = write_synthetic_checkpoint(
             out,
