@@ -106,7 +106,7 @@ def test_a_resume_adopts_files_the_journal_missed(
 def test_a_finished_folder_reruns_on_a_full_disk_writing_nothing(
     ep_ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prepkit import shards
+    from prepkit import locks, shards
     from prepkit.prepare import plan as prepare_plan
 
     out = tmp_path / "out"
@@ -118,6 +118,7 @@ def test_a_finished_folder_reruns_on_a_full_disk_writing_nothing(
     monkeypatch.setattr(prepare_plan, "free_bytes", lambda path: 0)
     monkeypatch.setattr(Journal, "save", _no_space)
     monkeypatch.setattr(shards, "write_output_file", _no_space)
+    monkeypatch.setattr(locks, "open", _no_space, raising=False)  # even the lock's pid cannot be written
     code, stdout, stderr = run(*args)
     assert code == 0, stderr
     assert f"0 files written, {tensor_files} already complete" in stderr
