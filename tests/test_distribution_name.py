@@ -59,7 +59,7 @@ def test_install_hints_spell_the_distribution() -> None:
 
 
 def _scanned_files() -> list[Path]:
-    files = [ROOT / "README.md", ROOT / "Makefile", ROOT / ".ci" / "wheel-check"]
+    files = [ROOT / "README.md", ROOT / "Makefile", ROOT / ".ci" / "wheel-check", ROOT / ".ci" / "run"]
     for folder, pattern in (("prepkit", "*.py"), ("docs", "*.md"), ("tests", "*.py"), ("benchmarks", "*.py")):
         files += sorted((ROOT / folder).rglob(pattern))
     return [f for f in files if f.resolve() != Path(__file__).resolve()]
@@ -96,3 +96,9 @@ def test_the_torch_floor_is_the_oldest_tested() -> None:
     text = (ROOT / "pyproject.toml").read_text()
     floors = re.findall(r'"torch>=([\d.]+)"', text)
     assert floors == ["2.11"], floors  # the GPU hosts' torch; nothing older was ever run
+
+
+@pytest.mark.parametrize("path", _scanned_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_wheel_glob_looks_for_another_name(path: Path) -> None:
+    # a wheel file spells the distribution with underscores: prepkit_gpt_oss-0.1.0-py3-none-any.whl
+    assert "prepkit-*.whl" not in path.read_text(), f"{path.relative_to(ROOT)} looks for a wheel of another name"
