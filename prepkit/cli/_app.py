@@ -68,7 +68,8 @@ class QuietGroup(click.Group):
     group_class: type[click.Group] | type[type] | None = type
 
     def add_command(self, cmd: click.Command, name: str | None = None) -> None:
-        if not isinstance(cmd, click.Group) and not any(p.name == "quiet" for p in cmd.params):
+        declared = any(p.name == "quiet" or "-q" in getattr(p, "opts", ()) for p in cmd.params)
+        if not isinstance(cmd, click.Group) and not declared:
             cmd.params.append(quiet_parameter())
         super().add_command(cmd, name)
 
