@@ -1,4 +1,5 @@
-"""How long ``prepkit --help`` and shell completion take: median of 5 fresh processes each.
+"""How long ``prepkit --help``, ``prepkit prepare --help`` and shell completion take (the target is
+under 0.5 s each: none of them may import torch): median of 5 fresh processes each.
 
 python benchmarks/bench_cli_startup.py
 """
@@ -24,9 +25,12 @@ def median_s(argv: list[str], env: dict[str, str] | None = None, runs: int = 5) 
 def main() -> None:
     base = [sys.executable, "-m", "prepkit"]
     complete = {**os.environ, "_PREPKIT_COMPLETE": "bash_complete", "COMP_WORDS": "prepkit t", "COMP_CWORD": "1"}
+    layouts = {**complete, "COMP_WORDS": "prepkit prepare --layout ", "COMP_CWORD": "3"}
     rows = [
         ("prepkit --help", median_s([*base, "--help"])),
+        ("prepkit prepare --help", median_s([*base, "prepare", "--help"])),
         ("completion of 'prepkit t'", median_s(base, env=complete)),
+        ("completion of 'prepare --layout '", median_s(base, env=layouts)),
         ("python -c pass (interpreter alone)", median_s([sys.executable, "-c", "pass"])),
     ]
     for name, s in rows:

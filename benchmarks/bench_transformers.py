@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import transformers
     except ImportError:
-        print("bench_transformers needs transformers: pip install 'prepkit[transformers]'", file=sys.stderr)
+        print("bench_transformers needs transformers: pip install 'prepkit-gpt-oss[transformers]'", file=sys.stderr)
         return 2
     L = args.layers
     report: dict[str, Any] = {

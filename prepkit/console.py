@@ -18,6 +18,7 @@ from rich.progress import (
     DownloadColumn,
     MofNCompleteColumn,
     Progress,
+    ProgressColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
@@ -28,9 +29,27 @@ from rich.text import Text
 
 from prepkit.fsutil import format_bytes, format_duration
 
-err_console = Console(stderr=True, highlight=False)
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader of stdout left (``prepkit ... | head -1``): it has what it wanted, so the
+        command ends quietly with 0 (rich's own answer is exit 1, which prepkit keeps for bugs)."""
+        silence_stdout()
+        raise SystemExit(0)
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush into a closed pipe is quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a test's captured stdout)
+        pass
+
+
+err_console = _Console(stderr=True, highlight=False)
 # Results (tables, plans, summaries) go to stdout so they can be piped and grepped.
-out_console = Console(highlight=False)
+out_console = _Console(highlight=False)
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -63,8 +82,9 @@ def progress(
 
     One bar per label on a terminal. Elsewhere (where rich draws nothing live) plain lines, one
     per label that moved, every :func:`progress_interval` seconds; ``log_labels`` limits those
-    lines to the labels named (e.g. a total, not every file); ``eta`` adds the time left to each
-    count line, from the rate observed since the label's first update (which also starts a bar).
+    lines to the labels named (e.g. a total, not every file). A byte line says the time left, from
+    the rate observed since the label's first update; ``eta`` adds it to count lines too (and
+    starts a count bar at the work already done).
     """
     if not enabled:
         yield lambda label, done, total: None
@@ -72,6 +92,7 @@ def progress(
     if not err_console.is_terminal:
         yield _ProgressLines(unit, progress_interval(), log_labels, eta=eta).update
         return
+    columns: tuple[ProgressColumn, ...]
     if unit == "bytes":
         columns = (DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     else:
@@ -126,12 +147,14 @@ class _ProgressLines:
             self.moved.clear()
 
     def line(self, label: str, elapsed: float) -> str:
-        """``source: 1.2 GiB / 4.0 GiB (30%), 120.5 MiB/s, 10 s elapsed``"""
+        """``source: 1.2 GiB / 4.0 GiB (30%), 120.5 MiB/s, 10 s elapsed, about 28 s left``: a byte
+        line always estimates the time left (a log has no bar to read it from)."""
         done, total = self.latest[label]
         share = f" ({100 * done // total}%)" if total > 0 else ""
         if self.unit == "bytes":
             rate = f", {format_bytes(done / elapsed)}/s" if elapsed > 0 else ""
-            return f"{label}: {format_bytes(done)} / {format_bytes(total)}{share}{rate}, {elapsed:.0f} s elapsed"
+            line = f"{label}: {format_bytes(done)} / {format_bytes(total)}{share}{rate}, {elapsed:.0f} s elapsed"
+            return line + self.left(label)
         return f"{label}: {done}/{total}{share}, {elapsed:.0f} s elapsed" + (self.left(label) if self.eta else "")
 
     def left(self, label: str) -> str:
@@ -165,13 +188,18 @@ def set_json(requested: bool) -> None:
     _json, _json_printed = requested, False
 
 
+def json_emitted() -> bool:
+    """Whether the running command printed its JSON document already."""
+    return _json_printed
+
+
 def json_requested() -> bool:
     """Whether an error should be printed as a JSON object on stdout."""
     return _json and not _json_printed
 
 
 def _text(message: str | RenderableType, label: str = "", style: str = "") -> RenderableType:
-    """A message as text, never as markup: ``pip install 'prepkit[plot]'`` prints whole."""
+    """A message as text, never as markup: ``pip install 'prepkit-gpt-oss[plot]'`` prints whole."""
     if not isinstance(message, str):
         return message
     return Text.assemble((label, style), " ", message) if label else Text(message)

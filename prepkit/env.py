@@ -1,16 +1,21 @@
-"""What ``prepkit env`` reports for a bug report: versions, the GPU, the tactics DBs and whether MX
-runs natively here. Every probe tolerates a missing package or GPU: the report says so instead."""
+"""What ``prepkit env`` reports for a bug report: versions (Python, the OS, packages, CUDA and the
+driver), the GPU, the tactics DBs, whether the installed Triton is the one the bundled rows were
+measured with, and whether MX runs natively here. Every probe tolerates a missing package or GPU:
+the report says so instead."""
 
 from __future__ import annotations
 
 import importlib.metadata
+import platform
+import re
 import sqlite3
 from pathlib import Path
 from typing import Any
 
 from prepkit import __version__
 
-PACKAGES = ("torch", "triton", "transformers")
+PACKAGES = ("torch", "triton", "transformers", "huggingface_hub")
+NVIDIA_DRIVER_FILE = Path("/proc/driver/nvidia/version")  # the loaded kernel module's version (Linux)
 
 
 def _version(package: str) -> str | None:
@@ -18,6 +23,47 @@ def _version(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def driver_version(version_file: Path = NVIDIA_DRIVER_FILE) -> str | None:
+    """The NVIDIA driver's version, read from the kernel module (no GPU library loaded); None
+    without one."""
+    try:
+        text = version_file.read_text()
+    except OSError:
+        return None
+    found = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", text)
+    return found[1] if found else None
+
+
+def _minor(version: str) -> str:
+    """``3.6.0`` -> ``3.6``."""
+    return ".".join(version.split(".")[:2])
+
+
+def measured_triton(path: Path) -> list[str]:
+    """The Triton versions (major.minor) the rows of the DB at ``path`` were measured with."""
+    from prepkit.errors import TacticsError
+    from prepkit.tactics.schema import open_readonly
+
+    try:
+        conn, _ = open_readonly(path)
+    except TacticsError:
+        return []
+    try:
+        rows = conn.execute("SELECT DISTINCT triton_version FROM env WHERE triton_version != ''").fetchall()
+    except sqlite3.DatabaseError:
+        return []
+    finally:
+        conn.close()
+    return sorted({_minor(str(v)) for (v,) in rows})
+
+
+def triton_check(installed: str | None, measured: list[str]) -> dict[str, Any]:
+    """Whether the installed Triton is of a minor the bundled rows were measured with: a compiler of
+    another minor makes other code, so their timings (which tactic wins) may not hold here."""
+    differs = bool(installed and measured and _minor(installed) not in measured)
+    return {"installed": installed, "bundled_rows_measured_with": measured, "differs": differs}
 
 
 def _native_mx_rule() -> Any:
@@ -85,13 +131,14 @@ def report() -> dict[str, Any]:
     from prepkit.tactics.lookup import bundled_db_path, user_db_path
 
     gpu = _gpu()
-    versions = {"prepkit": __version__, **{p: _version(p) for p in PACKAGES}}
+    versions = {"prepkit": __version__, "python": platform.python_version(), **{p: _version(p) for p in PACKAGES}}
     try:
         import torch
 
         versions["cuda"] = torch.version.cuda
     except ImportError:
         versions["cuda"] = None
+    versions["driver"] = driver_version()
     kernel_version = installed_kernel_version()
     native: bool | None = None
     if gpu and versions["triton"]:
@@ -102,6 +149,8 @@ def report() -> dict[str, Any]:
         dbs["bundled"] = _db_rows(bundled, gpu, kernel_version)
     return {
         "versions": versions,
+        "os": platform.platform(),
+        "triton_vs_bundled": triton_check(versions["triton"], measured_triton(bundled) if bundled else []),
         "gpu": gpu,
         "kernel_version": kernel_version,
         "tactics_dbs": dbs,

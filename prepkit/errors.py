@@ -87,3 +87,28 @@ class TacticsError(PrepkitError):
 
     exit_code = 3
     exit_meaning = "bad input: tactics DB or export (or held by another merge)"
+
+
+class PathError(PrepkitError):
+    """A path the file system refuses as spelled: a name longer than it allows."""
+
+    exit_code = 3
+    exit_meaning = "bad input: a path the file system refuses (a name too long)"
+
+    @classmethod
+    def name_too_long(cls, path: object) -> PathError:
+        """The error for ENAMETOOLONG on ``path``, naming the part at fault."""
+        import os
+
+        parts = str(path).split(os.sep)
+        longest = max(parts, key=lambda part: len(os.fsencode(part)), default="")
+        size = len(os.fsencode(longest))
+        detail = (
+            f"a name of {size} bytes in it is too long for the file system (most allow 255 a name)"
+            if size > 255
+            else "the path is too long for the file system"
+        )
+        return cls(
+            f"{path}: {detail}",
+            hint="choose a shorter name (--out, --db, PREPKIT_TACTICS_DB or the folder given)",
+        )

@@ -11,8 +11,8 @@ from prepkit.errors import PrepkitError
 FIXED: dict[int, str] = {
     0: "success",
     1: "internal error (a bug: the traceback is shown)",
-    2: "usage error: an unknown or bad option, or an optional dependency the command needs is missing",
-    130: "interrupted",
+    2: "usage error: an unknown or bad option",
+    130: "interrupted (Ctrl-C)",
 }
 
 

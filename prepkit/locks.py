@@ -73,9 +73,12 @@ def exclusive(
         raise busy(holder_pid(lock_path)) from None
     try:
         # filelock opens without truncating, so a refused contender never erases this pid
-        with open(lock_path, "r+") as fh:
-            fh.truncate(0)
-            fh.write(f"{os.getpid()}\n")
+        try:
+            with open(lock_path, "r+") as fh:
+                fh.truncate(0)
+                fh.write(f"{os.getpid()}\n")
+        except OSError:  # a full disk: the pid only names the holder in a busy message
+            pass
         yield
     finally:
         lock.release()

@@ -207,11 +207,13 @@ def write_synthetic_checkpoint(
     seed: int = 0,
     recipe: Recipe | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    tokenizer: bool = False,
 ) -> Path:
     """Write a gpt-oss MXFP4 checkpoint into ``out_dir`` and return it.
 
     ``num_shards`` (if given) overrides ``max_shard_bytes`` with an even split, which is the easy
-    way to make a small model's layers straddle shard files.
+    way to make a small model's layers straddle shard files. ``tokenizer`` adds a small word-level
+    tokenizer with a chat template (:mod:`prepkit.synth_tokenizer`) that fits the vocabulary.
     """
     recipe = recipe or load_recipe("gpt-oss-120b")
     out = Path(out_dir)
@@ -259,6 +261,10 @@ def write_synthetic_checkpoint(
         },
     )
     _write_json(out / "config.json", config)
+    if tokenizer:
+        from prepkit.synth_tokenizer import write_tokenizer
+
+        write_tokenizer(out, ids, vocab_size)
     # Hashes taken now, while the bytes are fresh, so prepare can cite them as provenance
     # instead of reading the whole checkpoint again (as it does with a fetch record).
     record = {
@@ -269,6 +275,8 @@ def write_synthetic_checkpoint(
         "recipe": recipe.name,
         "num_layers": num_layers,
         "num_experts": num_experts,
+        "hidden": hidden,
+        "intermediate": intermediate,
         "seed": seed,
         "files": [
             {"path": p.name, "size": p.stat().st_size, "sha256": sha256_file(p)}
@@ -296,10 +304,15 @@ class SynthRecord:
     recipe: str | None = None  # None in records written before the size was recorded
     num_layers: int | None = None
     num_experts: int | None = None
+    hidden: int | None = None  # None in records written before the dims were recorded
+    intermediate: int | None = None
 
     def label(self, recipe_name: str) -> str:
-        """``synthetic-gpt-oss-120b-2l-4e``: a name that says it is no real checkpoint, and its size."""
+        """``synthetic-gpt-oss-120b-2l-4e-h2880-i2880``: a name that says it is no real checkpoint,
+        and its size and dims, so synthetic checkpoints of other dims get other default folders."""
         size = f"-{self.num_layers}l-{self.num_experts}e" if self.num_layers and self.num_experts else ""
+        if size and self.hidden and self.intermediate:
+            size += f"-h{self.hidden}-i{self.intermediate}"
         return f"synthetic-{self.recipe or recipe_name}{size}"
 
 
@@ -320,7 +333,8 @@ def read_synth_record(model_dir: str | Path) -> SynthRecord | None:
         if raw.get("format") != SYNTH_RECORD_FORMAT:
             raise ValueError(f"format is {raw.get('format')!r}, expected {SYNTH_RECORD_FORMAT!r}")
         files = tuple(SynthFile(f["path"], int(f["size"]), f["sha256"]) for f in raw["files"])
-        size = {k: int(raw[k]) if raw.get(k) is not None else None for k in ("num_layers", "num_experts")}
+        dims = ("num_layers", "num_experts", "hidden", "intermediate")
+        size = {k: int(raw[k]) if raw.get(k) is not None else None for k in dims}
         return SynthRecord(seed=raw.get("seed"), files=files, recipe=raw.get("recipe"), **size)
     except (AttributeError, KeyError, TypeError, ValueError) as err:
         raise CheckpointError(

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from prepkit import console, exit_codes
 from prepkit.cli import cli
-from prepkit.errors import PrepkitError, TacticsError
+from prepkit.distribution import install_hint
+from prepkit.errors import DependencyError, PrepkitError, TacticsError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,14 +30,14 @@ def run(*args: str):
 
 def test_messages_with_brackets_print_whole(capsys: pytest.CaptureFixture[str]) -> None:
     console.set_quiet(False)
-    console.info("pip install 'prepkit[plot]' for shards/[0-9]*.safetensors")
+    console.info("pip install 'prepkit-gpt-oss[plot]' for shards/[0-9]*.safetensors")
     console.warn("tensor model.layers[3].mlp [bold] stays")
-    console.error("needs prepkit[plot]", hint="pip install 'prepkit[plot]'")
+    console.error("needs prepkit[plot]", hint="pip install 'prepkit-gpt-oss[plot]'")
     console.result("[green]not a style[/]")
     out, err = capsys.readouterr()
-    assert "pip install 'prepkit[plot]' for shards/[0-9]*.safetensors" in err
+    assert "pip install 'prepkit-gpt-oss[plot]' for shards/[0-9]*.safetensors" in err
     assert "model.layers[3].mlp [bold] stays" in err
-    assert "Error: needs prepkit[plot]" in err and "Hint: pip install 'prepkit[plot]'" in err
+    assert "Error: needs prepkit[plot]" in err and "Hint: pip install 'prepkit-gpt-oss[plot]'" in err
     assert out == "[green]not a style[/]\n"
 
 
@@ -47,13 +48,13 @@ def test_an_error_hint_with_brackets_reaches_the_terminal_whole(tmp_path: Path) 
         "from prepkit.errors import TacticsError\n"
         "@cli.command('boom')\n"
         "def boom():\n"
-        "    raise TacticsError('bad [x] row', hint=\"pip install 'prepkit[plot]'\")\n"
+        "    raise TacticsError('bad [x] row', hint=\"pip install 'prepkit-gpt-oss[plot]'\")\n"
         "sys.argv = ['prepkit', 'boom']\n"
         "main()\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 3
-    assert "bad [x] row" in out.stderr and "pip install 'prepkit[plot]'" in out.stderr
+    assert "bad [x] row" in out.stderr and "pip install 'prepkit-gpt-oss[plot]'" in out.stderr
 
 
 # -------------------------------------------------------------- 11: stdout, stderr, -q, JSON
@@ -68,8 +69,8 @@ def test_a_dry_run_plan_is_read_from_stdout(ep_ckpt: Path, tmp_path: Path) -> No
     r = run("prepare", "--src", str(ep_ckpt), "--tp", "2", "--out", str(tmp_path / "o"), "-q")
     assert r.exit_code == 0, r.output
     assert "to write:" not in r.stdout and r.stderr == ""
-    assert r.stdout.strip().endswith("manifest.json")
-    r = run("verify", str(tmp_path / "o"), "-q")
+    assert r.stdout.strip() == str(tmp_path / "o")  # the folder: `verify "$(prepkit prepare ... -q)"`
+    r = run("verify", r.stdout.strip(), "-q")
     assert r.exit_code == 0 and r.stdout.startswith("ok: ") and r.stderr == ""
 
 
@@ -154,13 +155,13 @@ def test_a_new_error_class_joins_the_table_by_itself() -> None:
         gc.collect()
 
 
-def test_plot_without_matplotlib_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plot_without_matplotlib_is_a_dependency_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     r = run("tactics", "plot", "--out", str(tmp_path / "x.png"))
-    assert r.exit_code == 2 and "pip install 'prepkit[plot]'" in r.output, r.output
+    assert r.exit_code == DependencyError.exit_code and install_hint("plot") in r.output, r.output
 
 
 def test_verify_of_a_missing_folder_is_bad_input(tmp_path: Path) -> None:
@@ -220,8 +221,10 @@ def test_progress_lines_keep_a_steady_pace(monkeypatch: pytest.MonkeyPatch, caps
             clock[0] = 100.0 + second
             on_progress("source", second * 1024**2, 35 * 1024**2)
     err = capsys.readouterr().err
+    # each line estimates the time left at the rate seen so far (1 MiB/s)
     assert err.splitlines() == [
-        f"source: {mib}.0 MiB / 35.0 MiB ({100 * mib // 35}%), 1.0 MiB/s, {mib} s elapsed" for mib in (10, 20, 30)
+        f"source: {mib}.0 MiB / 35.0 MiB ({100 * mib // 35}%), 1.0 MiB/s, {mib} s elapsed, about {35 - mib} s left"
+        for mib in (10, 20, 30)
     ]
 
 

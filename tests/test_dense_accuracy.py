@@ -88,7 +88,7 @@ def test_logits_agreement_counts_flipped_argmaxes_and_clear_margins() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_config() -> object:
-    pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit[test]')")
+    pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
     return acc.small_gpt_oss_config(2, 4, 512, **TINY_DIMS)
 
 

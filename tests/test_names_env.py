@@ -32,7 +32,7 @@ def test_synth_records_that_it_is_synthetic_and_its_size(small_synth: Path) -> N
     assert raw["synthetic"] is True and raw["num_layers"] == 2 and raw["num_experts"] == 4
     assert raw["recipe"] == "gpt-oss-120b"
     record = read_synth_record(small_synth)
-    assert record is not None and record.label("gpt-oss-120b") == "synthetic-gpt-oss-120b-2l-4e"
+    assert record is not None and record.label("gpt-oss-120b") == "synthetic-gpt-oss-120b-2l-4e-h256-i512"
 
 
 def test_prepare_names_a_synthetic_checkpoint_for_what_it_is(
@@ -42,10 +42,10 @@ def test_prepare_names_a_synthetic_checkpoint_for_what_it_is(
     r = run("prepare", "--src", str(small_synth), "--tp", "2", "--dry-run")
     assert r.exit_code == 0, r.output
     text = " ".join(r.stdout.split())
-    assert text.startswith("synthetic-gpt-oss-120b-2l-4e from "), text
-    assert "into prepared/synthetic-gpt-oss-120b-2l-4e-trtllm-gen-tp2" in text
+    assert text.startswith("synthetic-gpt-oss-120b-2l-4e-h256-i512 from "), text
+    assert "into prepared/synthetic-gpt-oss-120b-2l-4e-h256-i512-trtllm-gen-tp2" in text
     plan = json.loads(run("prepare", "--src", str(small_synth), "--tp", "2", "--dry-run", "--json").stdout)
-    assert plan["plan"]["out"] == "prepared/synthetic-gpt-oss-120b-2l-4e-trtllm-gen-tp2"
+    assert plan["plan"]["out"] == "prepared/synthetic-gpt-oss-120b-2l-4e-h256-i512-trtllm-gen-tp2"
 
 
 def test_a_real_checkpoint_keeps_the_recipe_name(ep_ckpt: Path, tmp_path: Path, monkeypatch) -> None:

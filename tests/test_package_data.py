@@ -16,6 +16,7 @@ import pytest
 
 import prepkit
 from prepkit import data, recipes
+from prepkit.distribution import DISTRIBUTION
 from prepkit.tactics.lookup import bundled_db_path
 
 PKG = Path(prepkit.__file__).resolve().parent
@@ -88,7 +89,7 @@ def test_the_built_wheel_carries_and_serves_the_root_files(tmp_path: Path) -> No
         check=False,
     )
     assert built.returncode == 0, built.stderr
-    (wheel,) = tmp_path.glob("prepkit-*.whl")
+    (wheel,) = tmp_path.glob(f"{DISTRIBUTION.replace('-', '_')}-*.whl")  # the wheel spells the name so
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {
         "prepkit/data/tactics.db",

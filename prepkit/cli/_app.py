@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import click
 
 from prepkit import __version__, exit_codes
-from prepkit.errors import PrepkitError
+from prepkit.cli._options import quiet_parameter
+from prepkit.errors import PathError, PrepkitError
 
 EPILOG = exit_codes.epilog()
 
@@ -53,10 +56,55 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("prepkit.cli.verify", "Check a prepared shard set."),
 }
 
+# Commands that pick up where a stopped run left off when rerun: what Ctrl-C tells the user.
+RESUMABLE = frozenset({"fetch", "prepare", "tune"})
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as shells report a Ctrl-C
 
-class PrepkitGroup(click.Group):
+
+def interrupted_message(command: str | None) -> str:
+    return "interrupted: rerun the same command to resume" if command in RESUMABLE else "interrupted"
+
+
+class QuietGroup(click.Group):
+    """A group whose every command accepts ``-q`` (its one meaning: :data:`_options.QUIET_HELP`),
+    whether or not the command declares it; nested groups are of this class too."""
+
+    # a subgroup is of the same class (the root's subgroups: see PrepkitGroup)
+    group_class: type[click.Group] | type[type] | None = type
+
+    def add_command(self, cmd: click.Command, name: str | None = None) -> None:
+        declared = any(p.name == "quiet" or "-q" in getattr(p, "opts", ()) for p in cmd.params)
+        if not isinstance(cmd, click.Group) and not declared:
+            cmd.params.append(quiet_parameter())
+        super().add_command(cmd, name)
+
+
+def _silence_stdout() -> None:
+    from prepkit.console import silence_stdout
+
+    silence_stdout()
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    return "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+
+
+def _usage_error_json(err: click.UsageError) -> None:
+    from prepkit import console
+
+    if not console.json_emitted():
+        console.emit_json(
+            {"error": {"type": type(err).__name__, "message": err.format_message(), "hint": None,
+                       "exit_code": err.exit_code}}
+        )  # fmt: skip
+
+
+class PrepkitGroup(QuietGroup):
     """Loads commands on first use, and turns :class:`PrepkitError` into one red line, its hint,
-    and the error's exit code."""
+    and the error's exit code; usage errors under ``--json`` into a JSON error too; Ctrl-C into
+    :data:`INTERRUPTED_EXIT`; a closed stdout into a quiet exit 0."""
+
+    group_class = QuietGroup  # `tactics`: a plain group of commands, each with -q
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(set(COMMANDS) | set(self.commands))
@@ -77,6 +125,10 @@ class PrepkitGroup(click.Group):
         names = [n for n in sorted(COMMANDS) if n.startswith(incomplete)]
         return [CompletionItem(n, help=COMMANDS[n][1]) for n in names]
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["prepkit.argv"] = list(args)  # --json is known before the command parses its options
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context) -> Any:
         from prepkit import console
 
@@ -85,16 +137,43 @@ class PrepkitGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PrepkitError as err:
-            if _debug_enabled(ctx):
-                traceback.print_exc()
-            if console.json_requested():
-                # --json: the error is a result too, so a script reading stdout sees what failed
+            self._fail(ctx, err)
+        except OSError as err:
+            if err.errno == errno.EPIPE:  # stdout closed by its reader (`| head -1`): nothing left to say
+                _silence_stdout()
+                ctx.exit(0)
+            if err.errno != errno.ENAMETOOLONG:
+                raise
+            self._fail(ctx, PathError.name_too_long(err.filename))
+        except click.UsageError as err:
+            if _wants_json(ctx.meta.get("prepkit.argv", [])):
+                try:
+                    _usage_error_json(err)
+                except BrokenPipeError:
+                    _silence_stdout()
+            raise
+        except KeyboardInterrupt:
+            click.echo("", err=True)  # past the terminal's ^C
+            click.echo(interrupted_message(ctx.invoked_subcommand), err=True)
+            ctx.exit(INTERRUPTED_EXIT)
+
+    def _fail(self, ctx: click.Context, err: PrepkitError) -> None:
+        from prepkit import console
+
+        if _debug_enabled(ctx):
+            traceback.print_exc()
+        if console.json_requested():
+            # --json: the error is a result too, so a script reading stdout sees what failed
+            try:
                 console.emit_json(
                     {"error": {"type": type(err).__name__, "message": str(err), "hint": err.hint,
                                "exit_code": err.exit_code}}
                 )  # fmt: skip
-            console.error(str(err), err.hint, debug_note=not _debug_enabled(ctx))
-            ctx.exit(err.exit_code)
+            except BrokenPipeError:
+                _silence_stdout()
+        # an expected error is explained by its message: no traceback to offer
+        console.error(str(err), err.hint, debug_note=False)
+        ctx.exit(err.exit_code)
 
 
 @click.group(cls=PrepkitGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,6 +191,8 @@ def cli(debug: bool) -> None:
 
 
 def main() -> None:
+    if sys.stdout is None:  # started with stdout closed (`prepkit ... >&-`): results go nowhere, quietly
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (open for the life of the process)
     try:
         # standalone_mode=False returns the exit code of ctx.exit() instead of raising it
         rv = cli.main(standalone_mode=False, prog_name="prepkit")
@@ -120,11 +201,13 @@ def main() -> None:
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
+        if isinstance(exc, click.UsageError) and _wants_json(sys.argv[1:]):
+            _usage_error_json(exc)  # an error in the group's own options (the command's are answered above)
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo(interrupted_message(None), err=True)
+        sys.exit(INTERRUPTED_EXIT)
+    except BrokenPipeError:
+        _silence_stdout()
+        sys.exit(0)

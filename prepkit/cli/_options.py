@@ -49,6 +49,14 @@ def quiet_option(f: F) -> F:
     return click.option("--quiet", "-q", is_flag=True, callback=_tell_console("set_quiet"), help=QUIET_HELP)(f)
 
 
+def quiet_parameter() -> click.Option:
+    """``-q`` for a command that does not declare it (it then reaches the console only): the group
+    adds it to every command, so each accepts -q."""
+    return click.Option(
+        ["--quiet", "-q"], is_flag=True, expose_value=False, callback=_tell_console("set_quiet"), help=QUIET_HELP
+    )
+
+
 def out_option(help: str, *, file: bool = False) -> Callable[[F], F]:
     """``--out``: the one spelling of where a command writes its result."""
     kind = click.Path(path_type=Path, dir_okay=not file, file_okay=file)

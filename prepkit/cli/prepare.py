@@ -4,23 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from prepkit import console
 from prepkit.cli._app import cli
+from prepkit.cli._choices import DENSE_FORMATS, LAYOUT_NAMES, TRTLLM_VERSIONS
 from prepkit.cli._options import json_option, model_option, quiet_option
-from prepkit.constants import DEFAULT_DENSE_FORMAT, MANIFEST_NAME
+from prepkit.constants import DEFAULT_DENSE_FORMAT
 from prepkit.fsutil import format_bytes
-from prepkit.layouts import LAYOUTS, LayoutOptions, get_layout
-from prepkit.layouts.dense_mx import DENSE_FORMATS
-from prepkit.layouts.trtllm_gen import TRTLLM_VERSIONS
-from prepkit.recipes import load_recipe
+
+if TYPE_CHECKING:
+    from prepkit.prepare import PreparePlan
+
+# Nothing here imports torch at module level (the layouts and recipes do): `prepare --help` and
+# completion inside `prepare` stay fast.
 
 
 def default_src(model: str) -> Path:
     """Where a fetched model lies: its snapshot in the Hugging Face cache."""
     from prepkit.fetch import default_model_dir
+    from prepkit.recipes import load_recipe
 
     return Path(default_model_dir(load_recipe(model)))
 
@@ -32,7 +37,7 @@ def default_src(model: str) -> Path:
     "layout_name",
     default="trtllm-gen",
     show_default=True,
-    type=click.Choice(sorted(LAYOUTS)),
+    type=click.Choice(LAYOUT_NAMES),
     help="Target engine layout.",
 )
 @click.option(
@@ -103,7 +108,8 @@ def prepare(
 
     Reads each layer once, writes every rank's file from it, and finishes with
     OUT/manifest.json (layout id, source hashes, per-rank sizes, sha256 of every
-    file). An interrupted run resumes, even after kill -9: rerun the same command.
+    file), and prints OUT. An interrupted run resumes, even after kill -9: rerun the
+    same command.
     A second run on the same OUT is refused (exit 3) with the pid of the first.
 
     \b
@@ -114,6 +120,8 @@ def prepare(
     """
     from prepkit import prepare as preparing
     from prepkit.errors import OutputError
+    from prepkit.layouts import LayoutOptions, get_layout
+    from prepkit.recipes import load_recipe
     from prepkit.synth import checkpoint_label
 
     recipe = load_recipe(model)
@@ -160,10 +168,11 @@ def prepare(
             label="done:",
             style="green",
         )
-        click.echo(str(result.out_dir / MANIFEST_NAME))
+        # the folder, which `prepkit verify` takes: `prepkit verify "$(prepkit prepare ... -q)"`
+        click.echo(str(result.out_dir))
 
 
-def _show_plan(plan: preparing.PreparePlan, label: str, show: Callable[..., None]) -> None:  # type: ignore[name-defined]  # noqa: F821
+def _show_plan(plan: PreparePlan, label: str, show: Callable[..., None]) -> None:
     from rich.table import Table
     from rich.text import Text
 

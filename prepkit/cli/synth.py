@@ -26,6 +26,12 @@ from prepkit.cli._options import json_option, out_option, quiet_option
     help="Number of shard files (default: split at 4.8 GB like the hub's).",
 )
 @click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--tokenizer",
+    is_flag=True,
+    help="Also write a small word-level tokenizer with a chat template (tokenizer.json, tokenizer_config.json) "
+    "whose ids fill --vocab; needs the tokenizers library (the transformers extra brings it).",
+)
 @json_option
 @quiet_option
 def synth(
@@ -38,6 +44,7 @@ def synth(
     vocab: int,
     num_shards: int | None,
     seed: int,
+    tokenizer: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -49,6 +56,7 @@ def synth(
     \b
     Example:
         prepkit synth --out ./synthetic --layers 2 --experts 4 --num-shards 3
+        prepkit synth --out ./tiny --hidden 256 --intermediate 512 --tokenizer
     """
     from prepkit.errors import RecipeError
     from prepkit.synth import write_synthetic_checkpoint
@@ -59,6 +67,10 @@ def synth(
         raise RecipeError(f"--top-k {top_k} exceeds --experts {experts}")
     if out.exists() and any(out.iterdir()):
         raise RecipeError(f"{out} is not empty", hint="choose a new folder")
+    if tokenizer:
+        from prepkit.synth_tokenizer import check_can_write
+
+        check_can_write(vocab)  # before any byte is written
     with console.progress(enabled=not quiet, transient=True) as on_progress:
         path = write_synthetic_checkpoint(
             out,
@@ -71,6 +83,7 @@ def synth(
             num_shards=num_shards,
             seed=seed,
             on_progress=on_progress,
+            tokenizer=tokenizer,
         )
     if as_json:
         console.emit_json({"out": str(path), "files": sorted(p.name for p in path.iterdir())})

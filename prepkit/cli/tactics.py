@@ -18,7 +18,8 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, out_option, quiet_option
-from prepkit.errors import TacticsError
+from prepkit.distribution import install_hint
+from prepkit.errors import DependencyError, TacticsError
 from prepkit.tactics.keys import DENSE_ROLE
 
 
@@ -317,7 +318,7 @@ def plot_command(out: Path, db_path: Path | None, gpu: str | None, quiet: bool) 
     from prepkit.tune import report
 
     if importlib.util.find_spec("matplotlib") is None:
-        raise click.UsageError("plotting needs matplotlib, which is not installed: pip install 'prepkit[plot]'")
+        raise DependencyError("plotting needs matplotlib, which is not installed", hint=install_hint("plot"))
     with store.open_db_readonly(db_to_read(db_path)) as tdb:
         panels = report.plot_panels(tdb, gpu)
     if not panels:

@@ -1,2 +1,2 @@
 """Glue between prepared shards and model code of other projects; each module needs its own extra
-(``prepkit[transformers]`` for :mod:`prepkit.integrations.transformers`)."""
+(``prepkit-gpt-oss[transformers]`` for :mod:`prepkit.integrations.transformers`)."""

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from prepkit.constants import DEFAULT_DENSE_FORMAT
+from prepkit.distribution import install_hint
 from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.manifest import Manifest
@@ -52,7 +53,7 @@ def check_transformers_version(version: str | None = None) -> str:
         except ImportError as err:
             raise DependencyError(
                 "transformers is not installed",
-                hint=f"pip install 'prepkit[transformers]' (transformers{supported_range()})",
+                hint=f"{install_hint('transformers')} (transformers{supported_range()})",
             ) from err
         version = str(transformers.__version__)
     found = re.match(r"(\d+)\.(\d+)", version)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from prepkit.distribution import install_hint
 from prepkit.errors import DependencyError
 
-GPU_EXTRA = "pip install 'prepkit[gpu]'"  # what installs triton, the kernel's compiler
+GPU_EXTRA = install_hint("gpu")  # what installs triton, the kernel's compiler
 
 
 def require_triton(what: str) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import os
+import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +16,7 @@ from prepkit import __version__
 from prepkit.checkpoint import Checkpoint
 from prepkit.constants import DEFAULT_DENSE_FORMAT, JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK, SHARED_DIR
 from prepkit.errors import OutputError, VerifyError
-from prepkit.fsutil import fsync_dir, temp_writer_pid
+from prepkit.fsutil import fsync_dir, sha256_file, temp_writer_pid
 from prepkit.layouts import Layout, LayoutOptions
 from prepkit.locks import busy_error
 from prepkit.manifest import Manifest
@@ -224,16 +226,19 @@ def remove_leftovers(root: Path) -> None:
             fsync_dir(leftover.parent)
 
 
-def finished_files(out_dir: Path, fingerprint: str) -> set[str]:
-    """The output files an earlier run of this plan finished (per its manifest, else its journal)
-    that still have their recorded size: what a resume will not write again. Sizes only, no
-    hashes: this sizes the free-space check, and the run checks each hash before trusting a file."""
+def finished_files(out_dir: Path, fingerprint: str, planned: Mapping[str, int] | None = None) -> set[str]:
+    """The output files an earlier run of this plan finished (per its manifest, else its journal,
+    else complete under their final names: see :func:`unrecorded_files`) that still have their
+    size: what a resume will not write again. Sizes only, no hashes: this sizes the free-space
+    check, and the run checks each hash before trusting a file. ``planned``: the plan's tensor
+    files with their tensor bytes."""
     manifest = _finished_manifest(out_dir)
     if manifest is not None and manifest.fingerprint == fingerprint:
         recorded = {rel: h.bytes for rel, h in manifest.files.items()}
     else:
         recorded = {rel: f.bytes for rel, f in Journal.load(out_dir, fingerprint).files.items()}
-    return {rel for rel, size in recorded.items() if _has_size(out_dir / rel, size)}
+    finished = {rel for rel, size in recorded.items() if _has_size(out_dir / rel, size)}
+    return finished | set(unrecorded_files(out_dir, fingerprint, planned or {}, set(recorded)))
 
 
 def _has_size(path: Path, size: int) -> bool:
@@ -243,9 +248,70 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
+def _journal_fingerprint(out_dir: Path) -> str | None:
+    try:
+        raw = json.loads((out_dir / JOURNAL_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return raw.get("fingerprint") if isinstance(raw, dict) else None
+
+
+def _safetensors_data_bytes(path: Path) -> int | None:
+    """The bytes after a safetensors file's header (None when it has no readable header)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if len(head) < 8:
+        return None
+    (header_len,) = struct.unpack("<Q", head)
+    return size - 8 - header_len if 8 + header_len <= size else None
+
+
+def unrecorded_files(out_dir: Path, fingerprint: str, planned: Mapping[str, int], recorded: set[str]) -> dict[str, int]:
+    """Tensor files of this plan complete under their final names but missing from the journal
+    (the disk filled, or the run died, between a file's rename and the journal's rewrite), by path
+    with their size. A file gets its final name only once whole and synced, and the journal,
+    written before any output file, ties the folder to this plan: such a file is adopted, not
+    written again."""
+    if _journal_fingerprint(out_dir) != fingerprint:
+        return {}
+    found = {}
+    for rel, tensor_bytes in planned.items():
+        path = out_dir / rel
+        if rel in recorded or path.is_symlink() or not path.is_file():
+            continue
+        if _safetensors_data_bytes(path) == tensor_bytes:
+            found[rel] = path.stat().st_size
+    return found
+
+
+def intact_finished_manifest(out_dir: Path, fingerprint: str) -> Manifest | None:
+    """This plan's manifest when the folder is finished and whole: every file it lists has its
+    size and sha256, and every rank folder links the shared files. A rerun then writes nothing."""
+    manifest = _finished_manifest(out_dir)
+    if manifest is None or manifest.fingerprint != fingerprint:
+        return None
+    try:
+        for rel, recorded in manifest.files.items():
+            path = out_dir / rel
+            if not _has_size(path, recorded.bytes) or sha256_file(path) != recorded.sha256:
+                return None
+        for record in manifest.ranks:
+            for local, shared in zip(manifest.rank_shared_files(record.rank), manifest.shared_files, strict=True):
+                if not os.path.samefile(out_dir / local, out_dir / shared):
+                    return None
+    except (OSError, VerifyError):
+        return None
+    return manifest
+
+
 def resume_journal(plan: PreparePlan) -> Journal:
     """The files an earlier run of this plan finished: from its journal, or, when it got as far as
-    the manifest, from that."""
+    the manifest, from that; files complete under their final names that the journal missed are
+    hashed and adopted (:func:`unrecorded_files`)."""
     journal = Journal.load(plan.out_dir, plan.fingerprint, {**plan.identity, "source_dir": str(plan.checkpoint.root)})
     finished = _finished_manifest(plan.out_dir)
     if finished is not None:
@@ -254,4 +320,7 @@ def resume_journal(plan: PreparePlan) -> Journal:
             for rel, h in finished.files.items()
             if rel.endswith(".safetensors")
         }
+    adopted = unrecorded_files(plan.out_dir, plan.fingerprint, plan.planned_files(), set(journal.files))
+    for rel, size in adopted.items():
+        journal.files[rel] = WrittenFile(rel, sha256_file(plan.out_dir / rel), size)
     return journal

@@ -220,7 +220,7 @@ def plan_prepare(
         fingerprint=fingerprint,
         warnings=warnings,
         identity=identity,
-        finished=frozenset(finished_files(out_dir, fingerprint)),
         dense=dense,
     )
+    plan.finished = frozenset(finished_files(out_dir, fingerprint, plan.planned_files()))
     return plan

@@ -11,16 +11,23 @@ from typing import Any
 
 import torch
 
-from prepkit.constants import MANIFEST_NAME, PREPARE_LOCK
+from prepkit.constants import JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK
 from prepkit.errors import OutputError
 from prepkit.fsutil import crash_point, make_dirs, sha256_file
 from prepkit.locks import exclusive
 from prepkit.manifest import Manifest
-from prepkit.prepare.guard import busy_error_for, check_output_dir, remove_leftovers, resume_journal
+from prepkit.prepare.guard import (
+    busy_error_for,
+    check_output_dir,
+    intact_finished_manifest,
+    remove_leftovers,
+    resume_journal,
+)
 from prepkit.prepare.manifest_build import write_indexes_and_manifest
 from prepkit.prepare.plan import PreparePlan
 from prepkit.prepare.provenance import read_source_record, source_provenance, vouched_hashes
 from prepkit.prepare.write import ProgressFn, WritePass
+from prepkit.shards import Journal
 
 
 @dataclass
@@ -69,6 +76,14 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None, quantize_threads
             # Planning looked at the folder before the lock was ours: look again.
             check_output_dir(root, plan.fingerprint, plan.identity)
             remove_leftovers(root)
+            finished = intact_finished_manifest(root, plan.fingerprint)
+            if finished is not None:
+                # Nothing to do, and nothing written (not even a journal): a full disk reruns too.
+                # A run killed between its manifest and the journal's removal left the journal.
+                if (root / JOURNAL_NAME).exists():
+                    Journal(root, plan.fingerprint).remove()
+                done = len(plan.planned_files())
+                return PrepareResult(root, 0, done, 0, 0, time.perf_counter() - started, finished)
             journal = resume_journal(plan)
             journal.save()  # before any output file: from here on the folder is this plan's
             run = WritePass(plan, journal, on_progress, quantize_threads)

@@ -19,6 +19,7 @@ import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prepkit.distribution import install_hint
 from prepkit.errors import TacticsError
 
 # Identifies a prepkit tactics DB (PRAGMA application_id): ASCII "PKTD".
@@ -297,7 +298,7 @@ def check_header(conn: sqlite3.Connection, path: str) -> int:
     if version > SCHEMA_VERSION:
         raise TacticsError(
             f"{path}: schema version {version} is newer than this prepkit understands ({SCHEMA_VERSION})",
-            hint="upgrade prepkit (pip install -U prepkit), or use a DB written by this version",
+            hint=f"upgrade prepkit ({install_hint(upgrade=True)}), or use a DB written by this version",
         )
     return int(version)
 

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prepkit.errors import PrepkitError
+from prepkit.distribution import install_hint
+from prepkit.errors import DependencyError
 from prepkit.tactics.keys import DENSE_ROLE, DENSE_W_DTYPES
 from prepkit.tune.run import TuneReport
 
@@ -121,14 +122,12 @@ def plot(panels: list[tuple[dict[str, Any], list[dict[str, Any]]]], out: Path) -
     """Latency per token count, tuned vs default, against the bandwidth floor, as a PNG.
 
     Raises:
-        PrepkitError: matplotlib is not installed.
+        DependencyError: matplotlib is not installed.
     """
     try:
         import matplotlib
     except ImportError as err:
-        raise PrepkitError(
-            "plotting needs matplotlib, which is not installed", hint="pip install 'prepkit[plot]'"
-        ) from err
+        raise DependencyError("plotting needs matplotlib, which is not installed", hint=install_hint("plot")) from err
 
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt

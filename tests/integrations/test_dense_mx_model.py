@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit[test]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
 
 from prepkit.constants import MANIFEST_NAME  # noqa: E402
 from prepkit.errors import VerifyError  # noqa: E402

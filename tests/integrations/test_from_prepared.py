@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
     # Triton picks interpreter or compiler when the kernel module is imported: decide before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit[test]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     # Triton picks interpreter or compiler when the kernel module is imported: decide before that.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit[test]')")
+transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
 
 from prepkit import mxfp4  # noqa: E402
 from prepkit.cli import cli  # noqa: E402

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from prepkit.cli import cli
+from prepkit.distribution import install_hint
 from prepkit.errors import DependencyError
 
 
@@ -17,5 +18,5 @@ def test_compile_only_without_triton_names_the_extra(monkeypatch: pytest.MonkeyP
     args = ["tune", "--compile-only", "--arch", "sm90", "--model", "gpt-oss-120b", "--tp", "1"]
     result = CliRunner().invoke(cli, [*args, "--tokens", "1", "--sample", "0"])
     assert result.exit_code == DependencyError.exit_code, result.output
-    assert "needs triton" in result.stderr and "pip install 'prepkit[gpu]'" in result.stderr
+    assert "needs triton" in result.stderr and install_hint("gpu") in result.stderr
     assert "Traceback" not in result.stderr and "ModuleNotFoundError" not in result.stderr
