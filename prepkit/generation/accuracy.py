@@ -96,11 +96,11 @@ def reference_model(
     weights replaced by the values the folder's MX codes decode to."""
     import warnings
 
-    from transformers import AutoModelForCausalLM, Mxfp4Config
+    from transformers import AutoModelForCausalLM, Mxfp4Config  # type: ignore[attr-defined]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             str(source), quantization_config=Mxfp4Config(dequantize=True), dtype=dtype
         )
     model = model.to(device)  # device_map would need accelerate

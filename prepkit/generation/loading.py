@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from prepkit.constants import MANIFEST_NAME, TRITON_MOE_LAYOUT_ID
+from prepkit.distribution import install_hint
 from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError
 from prepkit.manifest import Manifest
 
@@ -59,7 +60,7 @@ def check_dependencies() -> None:
     if importlib.util.find_spec("triton") is None:
         raise DependencyError(
             "triton is not installed: the runtime's MoE kernel is a Triton kernel",
-            hint="install the [gpu] extra (it brings triton)",
+            hint=install_hint("gpu"),
         )
 
 

@@ -138,7 +138,7 @@ class TextStream:
         self._flush(final=True)
 
     def _unreported(self, row: int) -> bool:
-        reported = getattr(self, "_reported", set())
+        reported: set[int] = getattr(self, "_reported", set())
         self._reported = reported | {row}
         return row not in reported
 

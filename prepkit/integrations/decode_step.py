@@ -19,6 +19,7 @@ point reductions.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,14 +37,14 @@ class MxWeight:
     activations: str
 
     @classmethod
-    def of(cls, linear: nn.Module) -> MxWeight:
+    def of(cls, linear: Any) -> MxWeight:
         return cls(linear.weight_blocks.detach(), linear.weight_scales.detach(), linear.fmt, linear.activations)
 
 
 Weight = torch.Tensor | MxWeight
 
 
-def weight_of(linear: nn.Module) -> Weight:
+def weight_of(linear: Any) -> Weight:
     """A Linear's weight, or the stored form of an MX linear's."""
     return MxWeight.of(linear) if hasattr(linear, "weight_blocks") else linear.weight.detach()
 
@@ -65,7 +66,7 @@ class LayerWeights:
     router_bias: torch.Tensor
 
     @classmethod
-    def of(cls, layer: nn.Module) -> LayerWeights:
+    def of(cls, layer: Any) -> LayerWeights:
         """The layer's tensors, its q/k/v projections packed into one matrix first (the modules'
         weights become views of it, so the model keeps one copy and computes as before)."""
         attn, router = layer.self_attn, layer.mlp.router
@@ -81,7 +82,7 @@ class LayerWeights:
             attn.sinks, layer.post_attention_layernorm.weight, router.weight, router.bias,
         )  # fmt: skip
         # Plain tensors (detached views of the parameters), so compiled code treats them as inputs.
-        return cls(*(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors))
+        return cls(*(t.detach() if isinstance(t, torch.Tensor) else t for t in tensors))  # type: ignore[arg-type]
 
 
 def pack_projections(q: nn.Linear, k: nn.Linear, v: nn.Linear, name: str) -> torch.Tensor | None:

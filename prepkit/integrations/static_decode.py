@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import nn
 
 from prepkit.generation.sampling import SamplingParams, sample
 from prepkit.integrations import decode_step
@@ -104,7 +103,7 @@ class PrepkitDecoder:
 
     def __init__(
         self,
-        model: nn.Module,
+        model: Any,
         max_len: int,
         *,
         batch_size: int = 1,
@@ -399,6 +398,7 @@ class PrepkitDecoder:
                 self._as_reduction,
             )
             mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
+        assert mlp_out is not None  # the model has layers
         return self._head(hidden, mlp_out, base.norm.weight, self._lm_head, self._eps)
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -408,7 +408,7 @@ class PrepkitDecoder:
 
     def _attention(
         self,
-        attn: nn.Module,
+        attn: Any,
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
@@ -556,7 +556,7 @@ def stop_at_eos(tokens: torch.Tensor, prompt: int, eos_ids: list[int], pad_id: i
 
 
 def generate_greedy(
-    model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool = True
+    model: Any, input_ids: torch.Tensor, max_new_tokens: int, *, cuda_graph: bool = True
 ) -> torch.Tensor:
     """One-off :class:`PrepkitDecoder` sized for this call: greedy tokens as
     ``model.generate(input_ids, max_new_tokens=..., do_sample=False)`` gives them, decoded with one
