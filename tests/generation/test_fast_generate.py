@@ -19,9 +19,8 @@ pytest.importorskip("triton")
 from prepkit.integrations.fast_generate import FallbackWarning, unsupported  # noqa: E402
 from prepkit.integrations.static_decode import PrepkitDecoder  # noqa: E402
 from prepkit.integrations.transformers import from_prepared  # noqa: E402
-from tests.generation.conftest import DEVICE  # noqa: E402
 
-pytest_plugins = ["tests.generation.conftest"]
+from .conftest import DEVICE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
