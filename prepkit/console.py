@@ -231,9 +231,14 @@ def error(message: str, hint: str | None = None, *, debug_note: bool = True) -> 
         err_console.print(Text("(run with --debug or PREPKIT_DEBUG=1 for the traceback)", style="dim"))
 
 
+def json_text(payload: Any) -> str:
+    """The one JSON style of every command, for stdout and for report files alike."""
+    return json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n"
+
+
 def emit_json(payload: Any) -> None:
-    """Results go to stdout, so ``--json | jq`` works. The one JSON style of every command."""
+    """Results go to stdout, so ``--json | jq`` works."""
     global _json_printed
     _json_printed = True
-    sys.stdout.write(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    sys.stdout.write(json_text(payload))
     sys.stdout.flush()

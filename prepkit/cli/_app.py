@@ -32,7 +32,7 @@ def _debug_enabled(ctx: click.Context | None) -> bool:
 COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "prepkit.cli.bench",
-        "Measure prefill and decode tok/s of a prepared folder on this GPU, llama-bench style, against its floor.",
+        "Measure prefill and decode tok/s of a prepared folder, llama-bench style.",
     ),
     "env": (
         "prepkit.cli.env",

@@ -103,7 +103,7 @@ def bench(
     send the --json (or --out FILE) output in with your numbers.
 
     \b
-    Examples:
+    Example:
         prepkit bench prepared/gpt-oss-120b-triton-moe-tp1
         prepkit bench FOLDER --pp 512,2048 --tg 32,128 --batch 1,4,16 --out bench.json
     """
@@ -117,9 +117,7 @@ def bench(
     with console.progress(enabled=not quiet, transient=True, unit="count") as on_progress:
         report = run_bench(request, on_progress)
     if out is not None:
-        import json
-
-        out.write_text(json.dumps(report, indent=2) + "\n")
+        out.write_text(console.json_text(report))
     if as_json:
         console.emit_json(report)
     else:

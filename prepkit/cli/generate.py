@@ -57,7 +57,7 @@ def generate(
     tok/s, the seed) goes to stderr; --json prints one object instead.
 
     \b
-    Examples:
+    Example:
         prepkit generate prepared/gpt-oss-120b-triton-moe-tp1 --chat -p "Why is the sky blue?"
         prepkit generate FOLDER -p "Once upon a time" -n 64 --temperature 0.7 --seed 1
         echo '[{"role": "user", "content": "Hi"}]' | prepkit generate FOLDER --chat --json
