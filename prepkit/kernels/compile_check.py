@@ -1,6 +1,6 @@
 """Compile the MoE kernel for a GPU this machine does not have, and read what the compiler made.
 
-The real launchers of :mod:`prepkit.kernels.moe_mxfp4` run on CPU tensors of the layer's real
+The real launchers of :mod:`prepkit.kernels.mx` run on CPU tensors of the layer's real
 shapes (``torch.empty``: nothing is touched) while Triton's active driver is a stand-in whose
 current target is the chosen architecture. Triton's JIT specializes every launch exactly as it
 would on that GPU (divisibility by 16, integers equal to 1, constexprs, options); a cache hook
@@ -269,7 +269,7 @@ def compile_variants(
     """Compile every candidate (and, with ``routing``, the routing kernels once per token count)
     for ``arch``'s reference device. Pruned candidates are reported with their reason, compiler
     errors as messages; nothing raises for a variant. ``small_scales``: the runtime's fold of
-    scales <= 2 into the inline-PTX upcast (``moe_mxfp4.upcast_id``), true of real checkpoints'
+    scales <= 2 into the inline-PTX upcast (``mx.upcast_id``), true of real checkpoints'
     scales when every E8M0 byte is at most 128. ``on_progress`` hears of each candidate as it is
     done (a compile takes seconds)."""
     check_policy(activations)
@@ -435,7 +435,7 @@ def compile_dense(
 def _dense_launch(cand: DenseCandidate, activations: str) -> Any:
     import torch
 
-    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx.dense import DenseMxWeights, mx_linear
     from prepkit.layouts.dense_mx import mx_format
 
     def launch() -> None:
@@ -600,7 +600,7 @@ class _TargetCompiler:
         prev_hook = knobs.runtime.jit_cache_hook
         self._stack.callback(setattr, knobs.runtime, "jit_cache_hook", prev_hook)
         self._knobs = knobs
-        from prepkit.kernels.moe_mxfp4._target import pinned_capability
+        from prepkit.kernels.mx._target import pinned_capability
 
         # The launchers then decide (PDL, TMA descriptors) as on the target, though tensors are on the CPU.
         self._stack.enter_context(pinned_capability(self.device.capability))
@@ -716,21 +716,21 @@ def _env(name: str, value: str | None) -> Iterator[None]:
 
 
 def _compilable_kernels() -> ModuleType:
-    """``prepkit.kernels.moe_mxfp4``, whose kernels must be compiler functions: Triton makes each
+    """``prepkit.kernels.mx``, whose kernels must be compiler functions: Triton makes each
     ``@triton.jit`` function an interpreter function for good when its module is imported under
     ``TRITON_INTERPRET=1``."""
     from triton.runtime.jit import JITFunction
 
-    from prepkit.kernels import moe_mxfp4
-    from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel
+    from prepkit.kernels import mx
+    from prepkit.kernels.mx._gemm import _gemm1_swiglu_kernel
 
     if not isinstance(_gemm1_swiglu_kernel, JITFunction):
         raise DeviceError(
-            "prepkit.kernels.moe_mxfp4 was imported with TRITON_INTERPRET=1: its kernels are interpreter "
+            "prepkit.kernels.mx was imported with TRITON_INTERPRET=1: its kernels are interpreter "
             "functions, so nothing compiles ahead of time in this process",
             hint=_FRESH_PROCESS_HINT,
         )
-    return moe_mxfp4
+    return mx
 
 
 class _NvidiaTools:

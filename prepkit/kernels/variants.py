@@ -283,7 +283,7 @@ def _next_pow2(x: int) -> int:
 
 
 # ---------------------------------------------------------------------------- dense MX linear
-# The dense linear (prepkit.kernels.moe_mxfp4.dense) runs the MoE mainloops as one expert with no
+# The dense linear (prepkit.kernels.mx.dense) runs the MoE mainloops as one expert with no
 # routing: the same knobs, with split-K always meaningful and the weight format's panel.
 
 # K elements per stored panel of each dense weight format (prepkit.layouts.dense_mx.MxFormat.panel_k).

@@ -139,7 +139,7 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
     checkers: list[Backend] = []
     try:
         check_workers(workers, opts.arch)
-        from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+        from prepkit.kernels.mx import KERNEL_VERSION
 
         problems = (
             tune_problems(

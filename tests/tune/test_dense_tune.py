@@ -36,7 +36,7 @@ GPT_OSS_DENSE = {"qkv": (5120, 2880), "o": (2880, 4096), "lm_head": (201088, 288
 
 
 def kernel_version() -> str:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return str(KERNEL_VERSION)
 

@@ -54,7 +54,7 @@ TINY = gpt_oss_problems(
 
 
 def problems(activations: str = "bf16") -> dict[str, ProblemKey]:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return gpt_oss_problems(
         kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3", act_dtype=activations

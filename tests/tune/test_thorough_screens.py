@@ -25,7 +25,7 @@ POINTS = (1, 8, 64)
 
 
 def problem() -> ProblemKey:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")[
         "gemm1"

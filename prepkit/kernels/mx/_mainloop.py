@@ -18,8 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._mx import ACT_MXFP8, _widen_e2m1
-from prepkit.kernels.moe_mxfp4._upcast import UPCAST_DOT_SCALED, _upcast_pair
+from prepkit.kernels.mx._ids import W_MXFP8
+from prepkit.kernels.mx._mx import ACT_BF16, ACT_MXFP8, _widen_e2m1
+from prepkit.kernels.mx._upcast import UPCAST_DOT_SCALED, _upcast_pair
 
 
 @triton.jit
@@ -313,60 +314,6 @@ def _mx_step(
 
 
 @triton.jit
-def _mx_mainloop(
-    a_rows,
-    as_rows,
-    a_mask,
-    w_base,
-    w_desc,
-    w_row,
-    s_base,
-    offs_n,
-    n_mask,
-    panel_rows,
-    stride_sk,
-    k_lo,
-    k_hi,
-    acc,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ACT: tl.constexpr,
-    SWAP: tl.constexpr,
-    W_TMA: tl.constexpr,
-    MASK_ALL: tl.constexpr,
-    PANEL_K: tl.constexpr,
-    WIDEN_ASM: tl.constexpr,
-):
-    """:func:`_mxfp4_mainloop` with MX activations: ``a_rows [BM]`` point at each row's codes,
-    ``as_rows [BM]`` at its scales; one ``tl.dot_scaled`` per K step."""
-    G: tl.constexpr = BLOCK_K // 32
-    AB: tl.constexpr = BLOCK_K if ACT == ACT_MXFP8 else BLOCK_K // 2
-    offs_c = tl.arange(0, BLOCK_K // 2)
-    w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
-    a_ptrs = a_rows[:, None] + (k_lo // 32 * (AB // G) + tl.arange(0, AB))[None, :]
-    as_ptrs = as_rows[:, None] + (k_lo // 32 + tl.arange(0, G))[None, :]
-    s_ptrs = s_base + (k_lo // 32 + tl.arange(0, G))[None, :] * stride_sk + offs_n[:, None]
-    k_hi = tl.maximum(k_hi, k_lo)
-    k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-    for k0 in range(k_lo, k_full, BLOCK_K):
-        w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K)
-        acc = _mx_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k0, acc,
-            BLOCK_N, BLOCK_K, ACT, SWAP, MASK_ALL, W_TMA, WIDEN_ASM,
-        )  # fmt: skip
-        a_ptrs += AB
-        as_ptrs += G
-        s_ptrs += G * stride_sk
-    if k_full < k_hi:
-        w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K)
-        acc = _mx_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k_full,
-            acc, BLOCK_N, BLOCK_K, ACT, SWAP, True, W_TMA, WIDEN_ASM,
-        )  # fmt: skip
-    return acc
-
-
-@triton.jit
 def _e4m3_step(
     a_ptrs,
     as_ptrs,
@@ -436,7 +383,7 @@ def _e4m3_step(
 
 
 @triton.jit
-def _e4m3_mainloop(
+def _mx_mainloop(
     a_rows,
     as_rows,
     a_mask,
@@ -460,33 +407,136 @@ def _e4m3_mainloop(
     W_TMA: tl.constexpr,
     MASK_ALL: tl.constexpr,
     PANEL_K: tl.constexpr,
+    WFMT: tl.constexpr,
 ):
-    """:func:`_mxfp4_mainloop` for MXFP8 weights: e4m3 bytes in K panels of PANEL_K elements
-    (``[K/PANEL_K, panel_rows, PANEL_K]`` bytes at ``w_base``, natural order inside a row) with
-    scales ``[K/32, N]``. Activations bf16 (widened weights, or ``tl.dot_scaled`` bf16 x e4m3 when
-    UPCAST is dot_scaled) or, with ACT mxfp8, e4m3 codes in natural order plus their scales
-    (``as_rows``): one e4m3 x e4m3 ``tl.dot_scaled`` per step, SM12x's block-scaled MMA."""
+    """:func:`_mxfp4_mainloop` with block-scaled operands: ``a_rows [BM]`` point at each row's
+    first activation, ``as_rows [BM]`` at its scales (MX activations).
+
+    WFMT mxfp4 (MX activations only): both operands in the layout's group order, one
+    ``tl.dot_scaled`` per K step (:func:`_mx_step`). WFMT mxfp8: e4m3 weight bytes in K panels of
+    PANEL_K elements (``[K/PANEL_K, panel_rows, PANEL_K]`` bytes at ``w_base``, natural order inside
+    a row) with scales ``[K/32, N]``; activations bf16 (widened weights, or ``tl.dot_scaled`` bf16 x
+    e4m3 when UPCAST is dot_scaled) or, with ACT mxfp8, e4m3 codes in natural order plus their
+    scales: one e4m3 x e4m3 ``tl.dot_scaled`` per step, SM12x's block-scaled MMA
+    (:func:`_e4m3_step`)."""
     G: tl.constexpr = BLOCK_K // 32
-    offs_k = tl.arange(0, BLOCK_K)
-    w_tile = w_base + offs_n[:, None] * PANEL_K + offs_k[None, :]
-    a_ptrs = a_rows[:, None] + (k_lo + offs_k)[None, :]
+    E4M3: tl.constexpr = WFMT == W_MXFP8
+    # Activation bytes (or bf16 elements) per K step, and weight elements per byte.
+    AB: tl.constexpr = BLOCK_K if (E4M3 or ACT == ACT_MXFP8) else BLOCK_K // 2
+    PER_BYTE: tl.constexpr = 1 if E4M3 else 2
+    if E4M3:
+        offs_k = tl.arange(0, BLOCK_K)
+        w_tile = w_base + offs_n[:, None] * PANEL_K + offs_k[None, :]
+        a_ptrs = a_rows[:, None] + (k_lo + offs_k)[None, :]
+    else:
+        offs_c = tl.arange(0, BLOCK_K // 2)
+        w_tile = w_base + offs_n[:, None] * (PANEL_K // 2) + offs_c[None, :]
+        a_ptrs = a_rows[:, None] + (k_lo // 32 * (AB // G) + tl.arange(0, AB))[None, :]
     as_ptrs = as_rows[:, None] + (k_lo // 32 + tl.arange(0, G))[None, :]
     s_ptrs = s_base + (k_lo // 32 + tl.arange(0, G))[None, :] * stride_sk + offs_n[:, None]
     k_hi = tl.maximum(k_hi, k_lo)
     k_full = k_hi if MASK_ALL else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     for k0 in range(k_lo, k_full, BLOCK_K):
-        w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K, 1)
-        acc = _e4m3_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask,
-            k_hi - k0, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, MASK_ALL, W_TMA,
+        acc = _block_scaled_step(
+            a_ptrs, as_ptrs, a_mask, w_tile, w_desc, w_row, s_ptrs, n_mask, panel_rows, k0, k_hi, acc,
+            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, MASK_ALL, W_TMA, PANEL_K, PER_BYTE, E4M3,
         )  # fmt: skip
-        a_ptrs += BLOCK_K
+        a_ptrs += AB
         as_ptrs += G
         s_ptrs += G * stride_sk
     if k_full < k_hi:
-        w_off, w_row_off, w_col = _panel_step(k_full, panel_rows, PANEL_K, 1)
+        acc = _block_scaled_step(
+            a_ptrs, as_ptrs, a_mask, w_tile, w_desc, w_row, s_ptrs, n_mask, panel_rows, k_full, k_hi, acc,
+            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, True, W_TMA, PANEL_K, PER_BYTE, E4M3,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _block_scaled_step(
+    a_ptrs,
+    as_ptrs,
+    a_mask,
+    w_tile,
+    w_desc,
+    w_row,
+    s_ptrs,
+    n_mask,
+    panel_rows,
+    k0,
+    k_hi,
+    acc,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ACT: tl.constexpr,
+    SWAP: tl.constexpr,
+    MASK_K: tl.constexpr,
+    W_TMA: tl.constexpr,
+    PANEL_K: tl.constexpr,
+    PER_BYTE: tl.constexpr,
+    E4M3: tl.constexpr,
+):
+    """The K step of :func:`_mx_mainloop` starting at element ``k0``: where it lies in the panels,
+    then the weight format's step."""
+    w_off, w_row_off, w_col = _panel_step(k0, panel_rows, PANEL_K, PER_BYTE)
+    if E4M3:
         acc = _e4m3_step(
-            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask,
-            k_hi - k_full, acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, True, W_TMA,
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k0,
+            acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, MASK_K, W_TMA,
+        )  # fmt: skip
+    else:
+        # The widening's inline PTX where dots run in bf16, i.e. off the interpreter.
+        acc = _mx_step(
+            a_ptrs, as_ptrs, a_mask, w_tile + w_off, w_desc, w_row + w_row_off, w_col, s_ptrs, n_mask, k_hi - k0,
+            acc, BLOCK_N, BLOCK_K, ACT, SWAP, MASK_K, W_TMA, not DOT_FP32,
+        )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _mainloop(
+    a_rows,
+    as_rows,
+    a_mask,
+    w_base,
+    w_desc,
+    w_row,
+    s_base,
+    offs_n,
+    n_mask,
+    panel_rows,
+    stride_sk,
+    k_lo,
+    k_hi,
+    K,
+    acc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    SWAP: tl.constexpr,
+    JOIN: tl.constexpr,
+    W_TMA: tl.constexpr,
+    MASK_ALL: tl.constexpr,
+    PANEL_K: tl.constexpr,
+    ACT: tl.constexpr,
+    WFMT: tl.constexpr,
+):
+    """The one main-loop dispatcher of every GEMM kernel: ``acc += A[:, k_lo:k_hi] @ W^T`` by the
+    loop the weight format and activation policy call for: block-scaled operands (mxfp8 weights,
+    or MX activations) in :func:`_mx_mainloop`, bf16 activations on mxfp4 weights in
+    :func:`_mxfp4_mainloop`. ``as_rows`` is read only by MX activations."""
+    if WFMT == W_MXFP8 or ACT != ACT_BF16:
+        acc = _mx_mainloop(
+            a_rows, as_rows, a_mask, w_base, w_desc, w_row, s_base, offs_n, n_mask, panel_rows, stride_sk, k_lo, k_hi,
+            acc, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K, WFMT,
+        )  # fmt: skip
+    else:
+        acc = _mxfp4_mainloop(
+            a_rows, a_mask, w_base, w_desc, w_row, s_base, offs_n, n_mask, panel_rows, stride_sk, k_lo, k_hi, K, acc,
+            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K,
         )  # fmt: skip
     return acc

@@ -9,24 +9,20 @@ import triton
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import DeviceInfo
-from prepkit.kernels.moe_mxfp4._chain import chain_launch
-from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
-from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
-from prepkit.kernels.moe_mxfp4._record import launch, zero
-from prepkit.kernels.moe_mxfp4._routing import _route_kernel, _scatter_kernel
-from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
-from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_ASM_FOLDED, UPCAST_BITS, UPCAST_DOT_SCALED
+from prepkit.kernels.mx._chain import chain_launch
+from prepkit.kernels.mx._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
+from prepkit.kernels.mx._ids import ACT_IDS, UPCAST_IDS
+from prepkit.kernels.mx._mx_rows import MxRows
+from prepkit.kernels.mx._record import launch, zero
+from prepkit.kernels.mx._routing import _route_kernel, _scatter_kernel
+from prepkit.kernels.mx._target import interpreting, launch_capability
+from prepkit.kernels.mx._upcast import UPCAST_ASM_FOLDED
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import invalid_reason, joins_halves, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
-
-# Host names of the kernels' constexpr ids (defined once, next to the code that compares them).
-_UPCAST_IDS = {"bits": UPCAST_BITS.value, "dot_scaled": UPCAST_DOT_SCALED.value, "asm": UPCAST_ASM.value}
-_ACT_IDS = {"bf16": ACT_BF16.value, "mxfp8": ACT_MXFP8.value, "mxfp4": ACT_MXFP4.value}
 
 
 def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
@@ -37,7 +33,7 @@ def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
     wrong ``True`` gives wrong values for scales above 2."""
     if tactic.upcast == "asm" and small_scales:
         return UPCAST_ASM_FOLDED.value
-    return _UPCAST_IDS[tactic.upcast]
+    return UPCAST_IDS[tactic.upcast]
 
 
 def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
@@ -191,7 +187,7 @@ def route(
     device = router_logits.device
     if router_logits.stride(1) != 1:
         raise ValueError("router_logits must be contiguous in its last dim")
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     if act:
         if hidden_states is None or tuple(hidden_states.shape) != (T, hidden) or not hidden_states.is_contiguous():
             got = None if hidden_states is None else list(hidden_states.shape)
@@ -292,7 +288,7 @@ def gemm1_swiglu(
     """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order, or with
     an MX policy the same rows quantized (:class:`MxRows`; GEMM1 then reads ``routing.x_mx``, so
     the routing must have been made with the same policy). ``small_scales``: see :func:`upcast_id`."""
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm1", activations)
     if routing.activations != activations:
         raise ValueError(f"gemm1 runs activations {activations!r}, the routing quantized for {routing.activations!r}")
@@ -376,7 +372,7 @@ def gemm2_combine(
     """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``. ``h1``
     is what :func:`gemm1_swiglu` returned for the same ``activations``. ``small_scales``: see
     :func:`upcast_id`."""
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm2", activations)
     if isinstance(h1, MxRows) != bool(act) or (act and h1.activations != activations):
         got = h1.activations if isinstance(h1, MxRows) else "bf16"
