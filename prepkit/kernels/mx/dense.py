@@ -27,8 +27,9 @@ from prepkit.kernels.mx._record import launch
 from prepkit.kernels.mx._target import interpreting, launch_capability, stream_key
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import dense_default, dense_invalid_reason, joins_halves, swaps_operands
-from prepkit.layouts.dense_mx import MX_FORMATS, mx_format
+from prepkit.layouts.dense_mx import mx_format
 from prepkit.layouts.triton_moe import PANEL_BYTES
+from prepkit.mx_formats import MX_FORMATS, pairing_reason
 
 # Rows and columns one program of the row quantizer covers.
 _QUANT_ROWS = 16
@@ -245,8 +246,9 @@ def mx_linear(
         ValueError: shapes, dtypes, devices or a tactic that do not fit (the message names the tensor).
     """
     activations = check_policy(activations)
-    if activations == "mxfp4" and weights.fmt != "mxfp4":
-        raise ValueError(f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {weights.fmt}")
+    pairing = pairing_reason(activations, weights.fmt)
+    if pairing is not None:
+        raise ValueError(pairing)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x: dtype {x.dtype}, the dense kernel reads bfloat16 activations")
     if x.dim() < 1 or x.shape[-1] != weights.k:

@@ -18,7 +18,7 @@ from prepkit.kernels.mx._routing import _route_kernel, _scatter_kernel
 from prepkit.kernels.mx._target import interpreting, launch_capability
 from prepkit.kernels.mx._upcast import UPCAST_ASM_FOLDED
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import invalid_reason, joins_halves, swaps_operands
+from prepkit.kernels.variants import invalid_reason, joins_halves, next_pow2, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 SWIGLU_ALPHA = 1.702
@@ -41,10 +41,6 @@ def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
     busy = min(num_local_experts, num_picks)
     return (num_picks + busy * (block_m - 1)) // block_m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def _check_tactic(t: GemmTactic, name: str, activations: ActivationPolicy = "bf16") -> None:
@@ -197,10 +193,10 @@ def route(
     TK = T * top_k
     if out is None:
         out = torch.empty((T, hidden), dtype=torch.float32, device=device)
-    e_pad_all = max(16, _next_pow2(E_total))
-    e_pad_local = max(16, _next_pow2(num_local_experts))
+    e_pad_all = max(16, next_pow2(E_total))
+    e_pad_local = max(16, next_pow2(num_local_experts))
     # Up to 32 tokens (128 experts) one program routes them all and groups the picks itself.
-    block_t = max(1, min(32, 4096 // e_pad_all, _next_pow2(T)))
+    block_t = max(1, min(32, 4096 // e_pad_all, next_pow2(T)))
     programs = triton.cdiv(T, block_t)
     if workspace is None:
         workspace = Workspace.empty(
@@ -218,7 +214,7 @@ def route(
     if T == 0:
         return routing
     block_h = 128
-    picks_per_program = block_t * _next_pow2(top_k)
+    picks_per_program = block_t * next_pow2(top_k)
     launch(
         _route_kernel,
         (programs, max(1, triton.cdiv(hidden, block_h))),
@@ -244,7 +240,7 @@ def route(
         E_PAD=e_pad_all,
         BLOCK_H=block_h,
         E_LOCAL_PAD=e_pad_local,
-        TOPK_PAD=_next_pow2(top_k),
+        TOPK_PAD=next_pow2(top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
         ACT=act,
         **chain_launch(device),
@@ -339,7 +335,7 @@ def gemm1_swiglu(
         swiglu_alpha,
         swiglu_limit,
         TOP_K=routing.top_k,
-        E_PAD=max(16, _next_pow2(E_local)),
+        E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
         BLOCK_N=tactic.block_n,
         BLOCK_K=tactic.block_k,
@@ -416,7 +412,7 @@ def gemm2_combine(
         w2_blocks.shape[2],
         w2_blocks.shape[1],
         TOP_K=routing.top_k,
-        E_PAD=max(16, _next_pow2(E_local)),
+        E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
         BLOCK_N=tactic.block_n,
         BLOCK_K=tactic.block_k,
