@@ -210,6 +210,8 @@ def route(
     if programs != 1:
         # Counters start at zero for the atomics of several programs; one program writes them whole.
         zero(counts)
+    if act and x_mx is None:
+        raise ValueError(f"activations {activations!r}: the workspace holds no rows to quantize into (x_mx)")
     routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
     if T == 0:
         return routing
@@ -233,8 +235,8 @@ def route(
         expert_lo,
         num_local_experts,
         hidden_states if act else None,
-        x_mx.codes if act else None,
-        x_mx.scales if act else None,
+        x_mx.codes if x_mx is not None and act else None,
+        x_mx.scales if x_mx is not None and act else None,
         TOP_K=top_k,
         BLOCK_T=block_t,
         E_PAD=e_pad_all,
@@ -307,7 +309,10 @@ def gemm1_swiglu(
     n1 = 2 * valid_intermediate
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
     w_desc = weight_descriptor(w13_blocks, tactic, activations)
-    x_in = routing.x_mx.codes if act else hidden_states
+    x_mx = routing.x_mx if act else None
+    if act and (x_mx is None or not isinstance(h1, MxRows)):
+        raise ValueError(f"gemm1: activations {activations!r} need the routing's quantized rows and MX output rows")
+    x_in = x_mx.codes if x_mx is not None else hidden_states
     launch(
         _gemm1_swiglu_kernel,
         grid,
@@ -318,9 +323,9 @@ def gemm1_swiglu(
         w13_bias,
         routing.counts,
         routing.sorted_picks,
-        h1.codes if act else h1,
-        routing.x_mx.scales if act else None,
-        h1.scales if act else None,
+        h1.codes if isinstance(h1, MxRows) else h1,
+        x_mx.scales if x_mx is not None else None,
+        h1.scales if isinstance(h1, MxRows) else None,
         n1,
         H,
         E_local,
@@ -329,7 +334,7 @@ def gemm1_swiglu(
         w13_scales.stride(0),
         w13_scales.stride(1),
         w13_bias.stride(0),
-        h1.codes.stride(0) if act else h1.stride(0),
+        h1.codes.stride(0) if isinstance(h1, MxRows) else h1.stride(0),
         w13_blocks.shape[2],
         w13_blocks.shape[1],
         swiglu_alpha,
@@ -370,7 +375,7 @@ def gemm2_combine(
     :func:`upcast_id`."""
     act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm2", activations)
-    if isinstance(h1, MxRows) != bool(act) or (act and h1.activations != activations):
+    if isinstance(h1, MxRows) != bool(act) or (isinstance(h1, MxRows) and h1.activations != activations):
         got = h1.activations if isinstance(h1, MxRows) else "bf16"
         raise ValueError(f"gemm2 runs activations {activations!r}, h1 holds {got!r} rows")
     out = routing.out
@@ -407,7 +412,7 @@ def gemm2_combine(
         w2_blocks.stride(0),
         w2_scales.stride(0),
         w2_scales.stride(1),
-        w2_bias.stride(0) if has_bias else 0,
+        w2_bias.stride(0) if w2_bias is not None else 0,
         out.stride(0),
         w2_blocks.shape[2],
         w2_blocks.shape[1],
