@@ -14,6 +14,7 @@ sections removed (they name source lines, which a restructure moves); everything
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -47,8 +48,9 @@ def save(out: Path) -> int:
     from prepkit.layer import resolve_layer
 
     comp = _compiler()
+    target_compiler = getattr(comp, "TargetCompiler", None) or comp._TargetCompiler
     captured: dict[str, str] = {}
-    orig_read = comp._TargetCompiler._read
+    orig_read = target_compiler._read
 
     def read(self: Any, base: Any, compiled: Any, tactic: Any) -> Any:
         name = f"{base.arch}.{base.activations}.{base.stage}.{base.kernel}.{base.tactic or 'route'}.{base.origin}"
@@ -56,7 +58,7 @@ def save(out: Path) -> int:
         (out / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.ptx").write_text(compiled.asm.get("ptx", ""))
         return orig_read(self, base, compiled, tactic)
 
-    comp._TargetCompiler._read = read
+    target_compiler._read = read
     out.mkdir(parents=True, exist_ok=True)
     shape = resolve_layer(model="gpt-oss-120b", shards=None, tp=1).layer
     for arch in ARCHES:
@@ -67,7 +69,7 @@ def save(out: Path) -> int:
             for fmt in DENSE_FORMATS:
                 if act == "mxfp4" and fmt != "mxfp4":
                     continue
-                dense = cc.dense_candidates(arch, fmt, act)
+                dense = _dense_defaults(cc, arch, fmt, act)
                 seen = {c.tactic for c in dense}
                 groups: dict[str, list[Any]] = {}
                 for t in enumerate_dense_tactics(fmt, device, 8, act):
@@ -81,6 +83,17 @@ def save(out: Path) -> int:
             print(f"{arch} {act}: {len(captured)} kernels so far", file=sys.stderr)
     (out / "index.json").write_text(json.dumps(captured, indent=1, sort_keys=True))
     return 0
+
+
+def _dense_defaults(cc: Any, arch: str, fmt: str, act: str) -> list[Any]:
+    """The dense defaults at gpt-oss-120b's dense shapes (the older API held them itself)."""
+    if "shapes" not in inspect.signature(cc.dense_candidates).parameters:
+        return list(cc.dense_candidates(arch, fmt, act))
+    from prepkit.recipes import load_recipe
+    from prepkit.tune.dense import dense_shapes
+
+    shapes = {s.name: (s.n, s.k) for s in dense_shapes(load_recipe("gpt-oss-120b").reference_dims)}
+    return list(cc.dense_candidates(arch, fmt, act, shapes))
 
 
 def diff(old: Path, new: Path) -> int:
