@@ -11,8 +11,8 @@ import sys
 from prepkit.kernels.mx import *  # noqa: F403
 from prepkit.kernels.mx import KERNEL_VERSION, __all__  # noqa: F401
 
-_MODULES = ("_chain", "_dense", "_gemm", "_ids", "_mainloop", "_mx", "_mx_rows", "_record", "_routing", "_target",
-            "_upcast", "dense", "launch", "plan")  # fmt: skip
+_MODULES = ("_buffers", "_chain", "_dense", "_gemm", "_ids", "_mainloop", "_mx", "_mx_rows", "_record", "_routing",
+            "_steps", "_target", "_upcast", "dense", "launch", "plan")  # fmt: skip
 for _name in _MODULES:
     _module = importlib.import_module(f"prepkit.kernels.mx.{_name}")
     sys.modules[f"{__name__}.{_name}"] = _module

@@ -47,7 +47,8 @@ e2m1 x e2m1 (the stored weight bytes as they are). SM12x lowers both to block-sc
 GPUs run Triton's decomposition of the same dot.
 
 Modules: :mod:`~prepkit.kernels.mx.launch` (the host API, re-exported here), ``_routing``
-(steps 1-2), ``_gemm`` (steps 3-4) over ``_mainloop`` (the K loops and their one dispatcher), ``_ids`` (the
+(steps 1-2), ``_gemm`` (steps 3-4) over ``_mainloop`` (the K loops and their one dispatcher; their steps in
+``_steps``), ``_buffers`` (the routing and the workspace), ``_ids`` (the
 host names of the kernels' constexpr ids), ``_upcast`` (fp4 -> bf16,
 with its inline PTX), ``_mx`` (MX quantizing and widening), ``_mx_rows`` (the MX row format),
 ``_chain`` (programmatic dependent launch), ``_target`` (the one place launches read the

@@ -1,14 +1,14 @@
-"""The host side of the layer: argument checks, grids and the launches of the four kernels."""
+"""The host side of the layer: argument checks, grids and the launches of the four kernels
+(:class:`Routing` and :class:`Workspace`, re-exported here, live in :mod:`._buffers`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import DeviceInfo
+from prepkit.kernels.mx._buffers import Routing, Workspace, empty_h1
 from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
 from prepkit.kernels.mx._ids import ACT_IDS, UPCAST_IDS
@@ -93,75 +93,6 @@ def weight_descriptor(
 
     flat = w_blocks.view(-1, w_blocks.shape[-1])
     return TensorDescriptor.from_tensor(flat, [tactic.block_n, tactic.block_k // 2])
-
-
-@dataclass
-class Routing:
-    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``;
-    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16."""
-
-    num_tokens: int
-    top_k: int
-    num_local_experts: int
-    counts: torch.Tensor  # [E_local] int32 rows per local expert
-    sorted_picks: torch.Tensor  # [T*k] int32 pick index (token*k + slot), grouped by expert
-    topk_ids: torch.Tensor  # [T, k] int32 global expert ids, largest logit first
-    topk_weights: torch.Tensor  # [T, k] fp32 softmax over the k picks
-    out: torch.Tensor  # [T, H] fp32
-    activations: ActivationPolicy = "bf16"
-    x_mx: MxRows | None = None
-
-    @property
-    def num_picks(self) -> int:
-        return self.num_tokens * self.top_k
-
-
-def empty_h1(
-    num_picks: int, valid_intermediate: int, activations: ActivationPolicy, device: torch.device
-) -> torch.Tensor | MxRows:
-    """GEMM1's output rows: bf16, or quantized to the MX policy."""
-    if activations != "bf16":
-        return MxRows.empty(max(num_picks, 1), valid_intermediate, activations, device)
-    return torch.empty((max(num_picks, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
-
-
-@dataclass
-class Workspace:
-    """What one call of the layer keeps between its launches: everything but the output. A launch
-    plan keeps one per stream and shape and reuses it call after call; calls on one stream run in
-    order, so no call reads what a later one writes."""
-
-    counts: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    rank: torch.Tensor
-    sorted_picks: torch.Tensor
-    x_mx: MxRows | None = None
-    h1: torch.Tensor | MxRows | None = None
-
-    @classmethod
-    def empty(
-        cls,
-        *,
-        tokens: int,
-        top_k: int,
-        num_local_experts: int,
-        hidden: int,
-        activations: ActivationPolicy,
-        device: torch.device,
-        valid_intermediate: int | None = None,
-    ) -> Workspace:
-        """Routing buffers for ``tokens``; with ``valid_intermediate`` GEMM1's output rows too."""
-        picks = tokens * top_k
-        return cls(
-            torch.empty(num_local_experts, dtype=torch.int32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.float32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-            torch.empty(max(picks, 1), dtype=torch.int32, device=device),
-            MxRows.empty(max(tokens, 1), hidden, activations, device) if activations != "bf16" else None,
-            None if valid_intermediate is None else empty_h1(picks, valid_intermediate, activations, device),
-        )
 
 
 def route(
@@ -499,3 +430,19 @@ def fused_moe(
     return gemm2_combine(
         routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1], activations=activations
     )
+
+
+__all__ = [
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
+    "Routing",
+    "Workspace",
+    "empty_h1",
+    "fused_moe",
+    "gemm1_swiglu",
+    "gemm2_combine",
+    "max_row_blocks",
+    "route",
+    "upcast_id",
+    "weight_descriptor",
+]
