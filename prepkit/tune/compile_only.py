@@ -2,7 +2,9 @@
 
 The layer comes from a recipe or a prepared shard set (TP rank 0, as the tuner tunes it); the
 defaults over the asked token counts and a bounded sample of each variant family are compiled
-for the reference device of ``--arch`` by :mod:`prepkit.kernels.compile_check`. Nothing here
+for the reference device of ``--arch`` by :mod:`prepkit.kernels.compile_check`; with
+``--dense-formats``, so are the dense MX linear's defaults at the source's dense shapes
+(:func:`plan_compile_dense`, :func:`run_compile_dense`). Nothing here
 touches a GPU or a tactics DB, and nothing is printed: the caller gets lines to show.
 Importing this module imports neither torch nor triton.
 """
