@@ -3,12 +3,14 @@ source restructure leaves the generated code unchanged (and KERNEL_VERSION may s
 
     python tools/ptx_identity.py save OUT_DIR    # before and after the change
     python tools/ptx_identity.py diff OLD_DIR NEW_DIR
+    python tools/ptx_identity.py diff OLD_DIR NEW_DIR/legacy   # against a set saved by the first version
 
 The set: for sm_90 and sm_120, each activation policy, the MoE layer's defaults over the tactic
 table's token points plus one sampled variant of every family (routing included), and the dense
 linear's defaults for each weight format the policy pairs with plus one sampled variant of every
 family of its valid space. ``diff`` compares the PTX with ``.loc``/``.file`` lines and the debug
-sections removed (they name source lines, which a restructure moves); everything else must match.
+sections removed, and the ``$L__tmp`` labels only those sections read (they name source lines and
+inlining scopes, which a restructure moves); every instruction must match.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ POLICIES = ("bf16", "mxfp8", "mxfp4")
 DENSE_FORMATS = ("mxfp4", "mxfp8")
 
 
+def _key(name: str) -> str:
+    return hashlib.sha1(name.encode()).hexdigest()[:16]
+
+
 def _normalize(ptx: str) -> str:
     ptx = ptx.split("\t.section\t.debug", 1)[0]
-    keep = [line for line in ptx.splitlines() if not re.match(r"^\s*\.(loc|file)\b", line)]
+    # .loc/.file and the $L__tmp labels exist for the line table and inlining scopes only.
+    keep = [line for line in ptx.splitlines() if not re.match(r"^\s*(\.(loc|file)\b|\$L__tmp\d+:\s*$)", line)]
     return "\n".join(keep) + "\n"
 
 
@@ -52,14 +59,24 @@ def save(out: Path) -> int:
     captured: dict[str, str] = {}
     orig_read = target_compiler._read
 
+    current = {"fmt": ""}  # the dense weight format being compiled (reports do not name it)
+    legacy: dict[str, str] = {}
+
     def read(self: Any, base: Any, compiled: Any, tactic: Any) -> Any:
+        ptx = compiled.asm.get("ptx", "")
         name = f"{base.arch}.{base.activations}.{base.stage}.{base.kernel}.{base.tactic or 'route'}.{base.origin}"
-        captured[hashlib.sha1(name.encode()).hexdigest()[:16]] = name
-        (out / f"{hashlib.sha1(name.encode()).hexdigest()[:16]}.ptx").write_text(compiled.asm.get("ptx", ""))
+        # The first version of this script named kernels without the dense weight format, so a
+        # later format overwrote an earlier one's file; legacy/ keeps that naming to compare with it.
+        legacy[_key(name)] = name
+        (out / "legacy" / f"{_key(name)}.ptx").write_text(ptx)
+        if current["fmt"]:
+            name = f"{name}.w={current['fmt']}"
+        captured[_key(name)] = name
+        (out / f"{_key(name)}.ptx").write_text(ptx)
         return orig_read(self, base, compiled, tactic)
 
     target_compiler._read = read
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "legacy").mkdir(parents=True, exist_ok=True)
     shape = resolve_layer(model="gpt-oss-120b", shards=None, tp=1).layer
     for arch in ARCHES:
         device = cc.arch_device(arch)
@@ -79,9 +96,12 @@ def save(out: Path) -> int:
                     if t not in seen:
                         seen.add(t)
                         dense.append(cc.DenseCandidate(fmt, t, f"sample {fam}", 2880, 4096, 8))
+                current["fmt"] = fmt
                 cc.compile_dense(arch, fmt, act, dense)
+                current["fmt"] = ""
             print(f"{arch} {act}: {len(captured)} kernels so far", file=sys.stderr)
     (out / "index.json").write_text(json.dumps(captured, indent=1, sort_keys=True))
+    (out / "legacy" / "index.json").write_text(json.dumps(legacy, indent=1, sort_keys=True))
     return 0
 
 
