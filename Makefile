@@ -63,25 +63,20 @@ tactics-bundle: $(STAMP)
 	$(BIN)/python -m prepkit.tactics.bundle data/tactics-full.db tactics.db
 
 # No GPU: compile gpt-oss-120b TP1's kernels for each SM12x target and activation policy, the
-# defaults plus COMPILE_SAMPLE variants of each variant family, with the venv's Triton and the
-# ptxas/cuobjdump/nvdisasm its wheel ships, then the dense MX linear's defaults the same way.
-# Every run goes; any failed default fails the target.
+# defaults plus COMPILE_SAMPLE variants of each variant family, then the dense MX linear's defaults
+# in each of COMPILE_DENSE's weight formats that pairs with the policy (mxfp4 activations: mxfp4
+# weights only), with the venv's Triton and the ptxas/cuobjdump/nvdisasm its wheel ships. Every
+# run goes; any failed default fails the target (MX policies must reach the native MMA).
 COMPILE_ARCHES ?= sm120 sm121
 COMPILE_ACTIVATIONS ?= bf16 mxfp8 mxfp4
 COMPILE_SAMPLE ?= 1
-# The dense MX linear's defaults, weights:activations (mxfp8 and mxfp4 policies must reach the native MMA).
-COMPILE_DENSE ?= mxfp4:bf16 mxfp4:mxfp8 mxfp4:mxfp4 mxfp8:bf16 mxfp8:mxfp8
+COMPILE_DENSE ?= all
 
 compile-check: $(STAMP)
 	@rc=0; for arch in $(COMPILE_ARCHES); do for act in $(COMPILE_ACTIVATIONS); do \
-		echo "== prepkit tune --arch $$arch --activations $$act --compile-only --sample $(COMPILE_SAMPLE)"; \
+		echo "== prepkit tune --arch $$arch --activations $$act --compile-only --sample $(COMPILE_SAMPLE) --dense-formats $(COMPILE_DENSE)"; \
 		$(BIN)/prepkit tune --arch $$arch --model gpt-oss-120b --tp 1 --activations $$act \
-			--compile-only --sample $(COMPILE_SAMPLE) || rc=1; \
-	done; done; \
-	for arch in $(COMPILE_ARCHES); do for pair in $(COMPILE_DENSE); do \
-		echo "== dense $$arch $$pair"; \
-		$(BIN)/python -m prepkit.kernels.compile_check --arch $$arch \
-			--weights $${pair%%:*} --activations $${pair##*:} || rc=1; \
+			--compile-only --sample $(COMPILE_SAMPLE) --dense-formats $(COMPILE_DENSE) || rc=1; \
 	done; done; exit $$rc
 
 bench-prepare: $(STAMP)

@@ -75,7 +75,7 @@ def lookup() -> str | None:
 
     from prepkit.dims import ModelDims
     from prepkit.kernels.device import DeviceInfo
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from prepkit.kernels.variants import default_tactics
     from prepkit.layer import rank_layer
     from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup

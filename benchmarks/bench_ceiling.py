@@ -33,9 +33,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_kernel import TOP_K, E, H, I, copy_bandwidth, graph_us_per_set  # noqa: E402
-from prepkit.kernels import moe_mxfp4 as k  # noqa: E402
-from prepkit.kernels.moe_mxfp4._mainloop import _panel_step  # noqa: E402
-from prepkit.kernels.moe_mxfp4._routing import _locate_block  # noqa: E402
+from prepkit.kernels import mx as k  # noqa: E402
+from prepkit.kernels.mx._routing import _locate_block  # noqa: E402
+from prepkit.kernels.mx._steps import _panel_step  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.layouts.triton_moe import to_panels  # noqa: E402
 

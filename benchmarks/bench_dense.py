@@ -69,7 +69,7 @@ class Shape:
     """One dense shape's weights in every format, in as many copies as rotation needs."""
 
     def __init__(self, name: str, n: int, k: int, formats: list[str], device: torch.device) -> None:
-        from prepkit.kernels.moe_mxfp4 import DenseMxWeights
+        from prepkit.kernels.mx import DenseMxWeights
 
         self.name, self.n, self.k = name, n, k
         g = torch.Generator(device=device).manual_seed(0)
@@ -103,7 +103,7 @@ def time_cublas(shape: Shape, x: torch.Tensor) -> float:
 
 
 def time_mx(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic: GemmTactic) -> float:
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
 
     outs = [torch.empty((x.shape[0], shape.n), dtype=torch.bfloat16, device=x.device) for _ in shape.mx[fmt]]
     return graph_us(
@@ -116,7 +116,7 @@ def time_mx(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic: G
 
 def check_once(shape: Shape, fmt: str, x: torch.Tensor, activations: str, tactic: GemmTactic) -> float:
     """Relative error of the kernel against the dequantized weight (activations quantized the same way)."""
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
     from prepkit.kernels.reference import dense_reference
 
     w = shape.mx[fmt][0]
@@ -130,7 +130,7 @@ def sweep(
     shape: Shape, fmt: str, x: torch.Tensor, activations: str, info: DeviceInfo, log: Callable[[str], None]
 ) -> tuple[GemmTactic | None, float, int]:
     """(fastest variant, its µs, variants timed) of the sweep space at this shape and token count."""
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
 
     space = dense_sweep_space(fmt, info, x.shape[0], shape.n, shape.k, activations)  # type: ignore[arg-type]
     w = shape.mx[fmt][0]
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if to_stdout else sys.stdout, flush=True)
 
-    from prepkit.kernels.moe_mxfp4 import default_dense_tactic
+    from prepkit.kernels.mx import default_dense_tactic
 
     copy_gbs = copy_bandwidth(device)
     log(f"{info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs): copy {copy_gbs:.0f} GB/s")

@@ -233,7 +233,7 @@ def sweep(layer: MoeLayer, T: int, device: torch.device, log: Callable[[str], No
     layer's activation policy."""
     import triton.testing
 
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
 
     policy = layer.activations
     info = DeviceInfo.from_torch(device)

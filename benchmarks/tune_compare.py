@@ -8,7 +8,7 @@
 Per GEMM and token count: the default's median, the pruned and the thorough pick with their
 medians, the miss in % (how much slower the pruned pick is), and how long each search took, as a
 markdown table (or JSON). Each search is the latest one recorded in the DBs given (one DB may hold
-both); ``prepkit.tune.compare`` says how the numbers are read.
+both); ``benchmarks/search_compare.py`` says how the numbers are read.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import search_compare as compare  # noqa: E402
 from prepkit.errors import PrepkitError  # noqa: E402
-from prepkit.tune import compare, parse_tokens  # noqa: E402
+from prepkit.tune import parse_tokens  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

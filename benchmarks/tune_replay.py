@@ -18,10 +18,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import search_compare as compare  # noqa: E402
+from benchmarks.search_replay import env_device, replay, timing_map  # noqa: E402
 from prepkit.errors import PrepkitError  # noqa: E402
 from prepkit.tactics import store  # noqa: E402
-from prepkit.tune import compare, parse_tokens  # noqa: E402
-from prepkit.tune.replay import env_device, replay, timing_map  # noqa: E402
+from prepkit.tune import parse_tokens  # noqa: E402
 from prepkit.tune.report import short_tactic  # noqa: E402
 from prepkit.tune.sweep import SweepConfig  # noqa: E402
 

@@ -89,7 +89,7 @@ def _gpu() -> dict[str, Any] | None:
 def installed_kernel_version() -> str | None:
     """The version of the bundled kernel, which names the tactics rows this install serves."""
     try:
-        from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+        from prepkit.kernels.mx import KERNEL_VERSION
     except ImportError:  # no torch or triton: the kernel cannot be imported at all
         return None
     return str(KERNEL_VERSION)

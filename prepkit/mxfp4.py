@@ -7,7 +7,8 @@ Storage conventions of the gpt-oss checkpoint:
   * one E8M0 scale byte per 32 consecutive elements of a row, value ``2 ** (byte - 127)``;
     byte 255 is NaN in the MX format and never appears in a valid checkpoint.
 
-This module is the oracle for every layout test: it must stay small and obviously right.
+This module is the oracle for every layout test: it must stay small and obviously right. Quantizing
+(rounding to these codes) is :mod:`prepkit.mx_codec`'s: ``quantize_mxfp4_blocks`` gives this form.
 """
 
 from __future__ import annotations
@@ -99,25 +100,3 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = fp4_table(blocks.device)[unpack_nibbles(blocks).long()]  # [..., G, 32]
     values = values * e8m0_to_float(scales).unsqueeze(-1)
     return values.flatten(-2)
-
-
-def quantize(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest MXFP4 quantization of ``[..., K]`` (K % 32 == 0) float values.
-
-    Returns ``(blocks [..., K/32, 16] uint8, scales [..., K/32] uint8)``. The scale is the power of
-    two that puts the block's largest magnitude at or below 6 (the E2M1 maximum). Used to build
-    test data whose dequantized form is known; not an engine-exact quantizer.
-    """
-    if values.shape[-1] % BLOCK_ELEMS:
-        raise ValueError(f"last dim must be a multiple of {BLOCK_ELEMS}, got {values.shape[-1]}")
-    grouped = values.to(torch.float32).unflatten(-1, (-1, BLOCK_ELEMS))
-    amax = grouped.abs().amax(dim=-1)
-    exponent = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-126) / 6.0))
-    exponent = exponent.clamp(-E8M0_BIAS, 127)
-    scaled = grouped / torch.ldexp(torch.ones_like(exponent), exponent.to(torch.int32)).unsqueeze(-1)
-    table = fp4_table(values.device)
-    magnitudes = table[:8]
-    idx = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
-    codes = (idx + 8 * (scaled < 0).to(idx.dtype)).to(torch.uint8)
-    scales = (exponent.to(torch.int32) + E8M0_BIAS).to(torch.uint8)
-    return pack_nibbles(codes), scales

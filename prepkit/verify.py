@@ -16,12 +16,12 @@ from safetensors import safe_open
 
 from prepkit.checkpoint import Checkpoint
 from prepkit.constants import INDEX_NAME
-from prepkit.dense_weights import check_stored_weight
 from prepkit.errors import CheckpointError, LayoutError, OutputError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.layouts import LayoutOptions, RankSpec, get_layout
 from prepkit.layouts.dense_mx import mx_format
 from prepkit.manifest import SYNTHESIZED, DenseRecord, DenseTensorRecord, Manifest, experts_file
+from prepkit.prepare.dense import check_stored_weight
 from prepkit.recipes import load_recipe
 
 ProgressFn = Callable[[str, int, int], None]

@@ -60,7 +60,7 @@ def test_a_real_checkpoint_keeps_the_recipe_name(ep_ckpt: Path, tmp_path: Path, 
 
 def test_env_reports_versions_gpu_dbs_and_native_mx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from prepkit import env
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from tests.tactics.test_db import fill
 
     user_db = tmp_path / "user.db"
@@ -86,7 +86,7 @@ def test_env_reports_versions_gpu_dbs_and_native_mx(tmp_path: Path, monkeypatch:
 
 
 def test_tactics_show_says_which_kernel_version_it_serves() -> None:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from prepkit.tactics.lookup import bundled_db_path
 
     db = str(bundled_db_path())

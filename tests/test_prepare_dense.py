@@ -14,7 +14,6 @@ import torch
 from click.testing import CliRunner
 from safetensors import safe_open
 
-from prepkit import dense_weights
 from prepkit.checkpoint import Checkpoint
 from prepkit.cli import cli
 from prepkit.constants import DENSE_MX_LAYOUT_ID, INDEX_NAME, JOURNAL_NAME, MANIFEST_NAME, PREPARE_LOCK
@@ -24,6 +23,7 @@ from prepkit.layouts import dense_mx
 from prepkit.layouts.dense_mx import MXFP4, MXFP8, mx_format
 from prepkit.layouts.triton_moe import PANEL_BYTES
 from prepkit.manifest import DenseTensorRecord, Manifest
+from prepkit.prepare import dense as dense_weights
 from prepkit.recipes import load_recipe
 from prepkit.synth import write_synthetic_checkpoint
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +14,45 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
+from prepkit.mx_formats import ACTIVATION_POLICIES, ActivationPolicy
+from prepkit.tune.dense import DENSE_CHOICES
 
 ARCHES = ("auto", "sm121", "sm120", "sm100", "sm90")
-ACTIVATIONS = ("bf16", "mxfp8", "mxfp4")
+_DENSE_OLD = "prepkit.tune.dense_old"  # where the former --dense spelling leaves its value (ctx.meta)
+
+
+@dataclass(frozen=True)
+class MeasureFlags:
+    """The options of a measuring run, as the command line gave them (``None``: not given)."""
+
+    db_path: Path | None
+    budget_minutes: float | None
+    gpus: str | None
+    max_candidates: int
+    check_workers: int | None
+    keep: int
+    thorough: bool
+
+
+def _grouped(cls: type, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Pass the options named by ``cls``' fields to the command as one ``cls`` called ``name``."""
+    names = [f.name for f in dataclasses.fields(cls)]
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            kwargs[name] = cls(**{n: kwargs.pop(n) for n in names})
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _deprecated_dense(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    if value is not None:
+        console.warn("--dense is deprecated for tune (prepare --dense names a format): use --dense-formats")
+        ctx.meta[_DENSE_OLD] = value
 
 
 def _parse_gpus(spec: str | None) -> tuple[int, ...]:
@@ -42,23 +82,33 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @click.option("--tp", type=click.IntRange(1, 64), help="Tensor-parallel size (rank 0's share is tuned).")
 @click.option(
     "--activations",
-    type=click.Choice(ACTIVATIONS),
+    type=click.Choice(ACTIVATION_POLICIES),
     default="bf16",
     show_default=True,
     help="Activation precision the layer runs with (a policy, never a tactic: each is tuned on its own).",
 )
 @click.option(
-    "--dense",
-    type=click.Choice(("none", "mxfp8", "mxfp4", "all")),
+    "--dense-formats",
+    type=click.Choice(DENSE_CHOICES),
     default=None,
     help="Dense MX linears to tune besides the MoE layer (fused qkv, o, lm_head) in these weight formats.  "
-    "[default: all with --model; with --shards the format its manifest records, none for bf16]",
+    "[default: all with --model; with --shards the format its manifest records, none for bf16; "
+    "none with --compile-only]",
+)
+@click.option(
+    "--dense",
+    type=click.Choice(DENSE_CHOICES),
+    default=None,
+    hidden=True,
+    expose_value=False,
+    callback=_deprecated_dense,
+    help="Former spelling of --dense-formats.",
 )
 @click.option(
     "--moe/--no-moe",
     default=True,
     show_default=True,
-    help="Tune the MoE layer's two GEMMs (--no-moe: only the --dense problems).",
+    help="Tune the MoE layer's two GEMMs (--no-moe: only the --dense-formats problems).",
 )
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
 @click.option(
@@ -121,23 +171,18 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @json_option
 @quiet_option
 @click.pass_context
+@_grouped(MeasureFlags, "measure")
 def tune_command(
     ctx: click.Context,
     arch: str,
     model: str | None,
     shards: Path | None,
     tp: int | None,
-    activations: str,
-    dense: str | None,
+    activations: ActivationPolicy,
+    dense_formats: str | None,
     moe: bool,
     tokens: str | None,
-    db_path: Path | None,
-    budget_minutes: float | None,
-    gpus: str | None,
-    max_candidates: int,
-    check_workers: int | None,
-    keep: int,
-    thorough: bool,
+    measure: MeasureFlags,
     compile_only: bool,
     sample: int | None,
     as_json: bool,
@@ -152,10 +197,9 @@ def tune_command(
 
     --thorough measures every valid variant instead of the pruned set, to find what the pruned
     search misses (docs/tuning.md gives its cost): progress counts the variants checked and
-    measured with the time left, and the summary states the coverage per GEMM. Compare it with
-    a pruned run using benchmarks/tune_compare.py.
+    measured with the time left, and the summary states the coverage per GEMM.
 
-    --dense also tunes the dense MX linears (fused qkv, o and lm_head of the model, per weight
+    --dense-formats also tunes the dense MX linears (fused qkv, o and lm_head of the model, per weight
     format), each under a problem key of its own: the runtime's dense lookup finds them and a MoE
     lookup never does. They run after the MoE layer, with a budget of their own.
 
@@ -168,6 +212,9 @@ def tune_command(
     registers, spilled bytes, shared memory, the MMA in the PTX (native block-scaled, bf16
     mma.sync, wgmma) and SASS instructions per K step. On 2 CPU cores one arch and policy takes
     about a minute with the default --sample 1 (bf16, with more variant families: two).
+    --dense-formats adds the dense MX linear's defaults in those weight formats (each that pairs
+    with --activations) at the model's dense shapes, table after table; --no-moe leaves out the
+    MoE layer.
 
     \b
     Exit codes of --compile-only:
@@ -183,32 +230,40 @@ def tune_command(
         prepkit tune --arch sm90 --model gpt-oss-120b --tp 1
         prepkit tune --arch sm121 --shards shards/ --tokens 1-8,16,32 --gpus 0,1
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --thorough --db thorough.db
-        prepkit tune --arch sm90 --model gpt-oss-120b --tp 1 --dense mxfp4 --no-moe --db dense.db
+        prepkit tune --arch sm90 --model gpt-oss-120b --tp 1 --dense-formats mxfp4 --no-moe --db dense.db
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --compile-only --activations mxfp8
+        prepkit tune --arch sm120 --compile-only --activations mxfp8 --dense-formats all --no-moe
     """
     from prepkit import tune
     from prepkit.tune import report as tune_report
 
     if model and shards:
         raise click.UsageError("--model and --shards are exclusive")
+    dense_old = ctx.meta.get(_DENSE_OLD)
+    if dense_old is not None:
+        if dense_formats is not None:
+            raise click.UsageError("--dense is the former spelling of --dense-formats: pass one")
+        dense_formats = dense_old
     try:
         points = tune.parse_tokens(tokens)
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tokens") from None
     if compile_only:
         _refuse_gpu_options(ctx)
-        _compile_only(arch, model, shards, tp, activations, points, 1 if sample is None else sample, as_json, quiet)
+        job = CompileJob(arch, model, shards, tp, activations, points, 1 if sample is None else sample)
+        _compile_only(job, dense_formats, moe, as_json, quiet)
         return
     if sample is not None:
         raise click.UsageError("--sample applies to --compile-only only")
-    if thorough and ctx.get_parameter_source("max_candidates") is click.core.ParameterSource.COMMANDLINE:
+    m = measure
+    if m.thorough and ctx.get_parameter_source("max_candidates") is click.core.ParameterSource.COMMANDLINE:
         raise click.UsageError("--max-candidates cannot be used with --thorough (it measures every valid variant)")
     opts = tune.TuneOptions(
-        arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=db_path,
-        budget_minutes=budget_minutes, gpus=_parse_gpus(gpus), max_candidates=max_candidates,
-        check_workers=check_workers, keep=keep, thorough=thorough, dense=dense, moe=moe,
+        arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=m.db_path,
+        budget_minutes=m.budget_minutes, gpus=_parse_gpus(m.gpus), max_candidates=m.max_candidates,
+        check_workers=m.check_workers, keep=m.keep, thorough=m.thorough, dense_formats=dense_formats, moe=moe,
     )  # fmt: skip
-    with console.progress(enabled=not quiet, unit="count", eta=thorough) as on_progress:
+    with console.progress(enabled=not quiet, unit="count", eta=m.thorough) as on_progress:
         result = tune.run_tune(opts, on_progress=on_progress)
     summary = tune_report.summary(result)
     if as_json:
@@ -254,9 +309,7 @@ def _us(v: float | None) -> str:
 
 # Options of a measuring run that a compile-only run has no use for: given, they are refused
 # rather than ignored (a --db the run never writes would mislead).
-_GPU_OPTIONS = (
-    "db_path", "budget_minutes", "gpus", "max_candidates", "check_workers", "keep", "thorough", "dense", "moe",
-)  # fmt: skip
+_GPU_OPTIONS = tuple(f.name for f in dataclasses.fields(MeasureFlags))
 
 
 def _refuse_gpu_options(ctx: click.Context) -> None:
@@ -269,38 +322,51 @@ def _refuse_gpu_options(ctx: click.Context) -> None:
         raise click.UsageError(f"{', '.join(given)} cannot be used with --compile-only (it measures nothing)")
 
 
-def _compile_only(
-    arch: str,
-    model: str | None,
-    shards: Path | None,
-    tp: int | None,
-    activations: str,
-    points: tuple[int, ...],
-    sample: int,
-    as_json: bool,
-    quiet: bool,
-) -> None:
+@dataclass(frozen=True)
+class CompileJob:
+    """What a compile-only run compiles: the target, the layer's source and the variants."""
+
+    arch: str
+    model: str | None
+    shards: Path | None
+    tp: int | None
+    activations: str
+    points: tuple[int, ...]
+    sample: int
+
+
+def _compile_only(job: CompileJob, dense_formats: str | None, moe: bool, as_json: bool, quiet: bool) -> None:
     from rich.text import Text
 
     from prepkit.errors import CompileCheckError
     from prepkit.kernels.compile_check import format_reports, leave_interpreter
-    from prepkit.layer import resolve_layer
     from prepkit.tune import compile_only as co
 
     leave_interpreter()
-    co.check_arch_name(arch)
-    target = resolve_layer(model=model, shards=shards, tp=tp)
-    res = co.run_compile_only(
-        arch, activations, target, per_family=sample, points=points, on_line=None if quiet else console.info
-    )
+    co.check_arch_name(job.arch)
+    dense = co.plan_compile_dense(job.activations, model=job.model, shards=job.shards, choice=dense_formats)
+    on_line = None if quiet else console.info
+    results: list[co.CompileOnlyResult | co.DenseCompileResult] = []
+    if moe:
+        from prepkit.layer import resolve_layer
+
+        target = resolve_layer(model=job.model, shards=job.shards, tp=job.tp)
+        results.append(
+            co.run_compile_only(
+                job.arch, job.activations, target, per_family=job.sample, points=job.points, on_line=on_line
+            )
+        )
+    results += co.run_compile_dense(job.arch, job.activations, dense, on_line=on_line)
     if as_json:
-        console.emit_json([r.to_dict() for r in res.reports])
+        console.emit_json([r.to_dict() for res in results for r in res.reports])
     else:
-        # soft_wrap: the table's lines stay whole off a terminal
-        console.out_console.print(Text(format_reports(res.reports)), soft_wrap=True)
-        console.out_console.print(Text(res.summary()), soft_wrap=True)
-    if not res.ok:
+        for res in results:
+            # soft_wrap: the table's lines stay whole off a terminal
+            console.out_console.print(Text(format_reports(res.reports)), soft_wrap=True)
+            console.out_console.print(Text(res.summary()), soft_wrap=True)
+    failures = [line for res in results for line in res.failures]
+    if failures:
         raise CompileCheckError(
-            f"{len(res.failures)} default kernel(s) failed the {arch} compile check:\n  " + "\n  ".join(res.failures),
+            f"{len(failures)} default kernel(s) failed the {job.arch} compile check:\n  " + "\n  ".join(failures),
             hint="the table above (or --json) holds each kernel's compiler message",
         )

@@ -59,11 +59,6 @@ GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20, dram_bytes_per
 ARCH_DEVICES: dict[str, DeviceInfo] = {"sm90": H100, "sm120": RTX_PRO_6000, "sm121": GB10}
 
 
-def arch_name(capability: tuple[int, int]) -> str:
-    """``(12, 1)`` -> ``"sm121"``: the name ``--arch`` and :data:`ARCH_DEVICES` use."""
-    return f"sm{capability[0]}{capability[1]}"
-
-
 # The oldest Triton whose sm_120 / sm_121 lowering of same-format MX ``tl.dot_scaled`` to the
 # block-scaled ``mma.sync`` has been checked (docs/sm12x.md).
 NATIVE_MX_TRITON_SM12X = (3, 6)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal
 from prepkit.kernels.activations import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.kernels.device import DeviceInfo
 from prepkit.kernels.tactic import KNOB_NAMES, KNOBS, GemmTactic, knob
+from prepkit.mx_formats import MX_FORMATS, pairing_reason
 
 if TYPE_CHECKING:
     from prepkit.layer import MoeProblem
@@ -170,7 +171,7 @@ def enumerate_tactics(
         t = GemmTactic(**dict(zip(KNOB_NAMES, values, strict=True)))
         if invalid_reason(t, gemm, device, activations) is not None:
             continue
-        if problem is not None and t.block_m > max(16, _next_pow2(problem.max_rows_per_expert)):
+        if problem is not None and t.block_m > max(16, next_pow2(problem.max_rows_per_expert)):
             continue
         out.append(t)
     return out
@@ -211,7 +212,7 @@ def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTac
         bn, bk, stages = (128, 128, 4) if tma_tiles else (64, 256, 3)
         g1 = GemmTactic(16, bn, bk, 4, stages, 1, upcast, load)
         tiles = active * -(-problem.hidden // bn)
-        split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
+        split = max(1, min(4, next_pow2(-(-2 * device.sm_count // tiles))))
         g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load)
     else:
         # Measured with pointer loads only (TMA is left to the tuner here).
@@ -248,7 +249,7 @@ def _sm12x_defaults(
         bn, bk = (128, 128) if active * -(-2 * problem.intermediate // 128) >= device.sm_count else (64, 256)
         g1 = GemmTactic(16, bn, bk, 4, 3, 1, upcast, "ptr")
         tiles = active * -(-problem.hidden // bn)
-        split = max(1, min(4, _next_pow2(-(-2 * device.sm_count // tiles))))
+        split = max(1, min(4, next_pow2(-(-2 * device.sm_count // tiles))))
         g2 = GemmTactic(16, bn, bk, 4, 3, split, upcast, "ptr")
     elif rows <= 32:
         g1 = g2 = GemmTactic(32, 128, 128, 4, 3, 1, upcast, "ptr")
@@ -278,16 +279,14 @@ def _fit(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: ActivationP
     raise ValueError(f"no {gemm} variant fits {device.name} ({device.max_shared_mem} B shared memory)")
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``)."""
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 # ---------------------------------------------------------------------------- dense MX linear
-# The dense linear (prepkit.kernels.moe_mxfp4.dense) runs the MoE mainloops as one expert with no
+# The dense linear (prepkit.kernels.mx.dense) runs the MoE mainloops as one expert with no
 # routing: the same knobs, with split-K always meaningful and the weight format's panel.
-
-# K elements per stored panel of each dense weight format (prepkit.layouts.dense_mx.MxFormat.panel_k).
-DENSE_PANEL_K = {"mxfp4": 256, "mxfp8": 128}
 
 
 def dense_invalid_reason(
@@ -296,11 +295,12 @@ def dense_invalid_reason(
     """Why ``t`` cannot run the dense linear on ``fmt`` weights (``mxfp4``/``mxfp8``) on
     ``device`` with the ``activations`` policy, or ``None`` when it can. The MoE rules of a GEMM
     that may split K, plus the weight format's own."""
-    if fmt not in DENSE_PANEL_K:
-        return f"unknown dense weight format {fmt!r} (expected one of {tuple(DENSE_PANEL_K)})"
-    if activations == "mxfp4" and fmt != "mxfp4":
-        return f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {fmt}"
-    panel_k = DENSE_PANEL_K[fmt]
+    if fmt not in MX_FORMATS:
+        return f"unknown dense weight format {fmt!r} (expected one of {tuple(MX_FORMATS)})"
+    pairing = pairing_reason(activations, fmt)
+    if pairing is not None:
+        return pairing
+    panel_k = MX_FORMATS[fmt].panel_k
     if panel_k % t.block_k:
         return f"block_k {t.block_k} does not divide the {fmt} weights' {panel_k}-element K panel"
     if fmt == "mxfp8":
@@ -336,9 +336,9 @@ def dense_default(
     """
     from dataclasses import replace
 
-    panel_k = DENSE_PANEL_K.get(fmt)
-    if panel_k is None:
-        raise ValueError(f"unknown dense weight format {fmt!r} (expected one of {tuple(DENSE_PANEL_K)})")
+    if fmt not in MX_FORMATS:
+        raise ValueError(f"unknown dense weight format {fmt!r} (expected one of {tuple(MX_FORMATS)})")
+    panel_k = MX_FORMATS[fmt].panel_k
     if activations != "bf16":
         upcast = "dot_scaled"
     elif fmt == "mxfp4" and device.capability >= (8, 0):
@@ -380,7 +380,7 @@ def enumerate_dense_tactics(
     out = []
     for values in itertools.product(*(k.domain for k in KNOBS)):
         t = GemmTactic(**dict(zip(KNOB_NAMES, values, strict=True)))
-        if tokens is not None and t.block_m > max(16, _next_pow2(tokens)):
+        if tokens is not None and t.block_m > max(16, next_pow2(tokens)):
             continue
         if dense_invalid_reason(t, fmt, device, activations) is None:
             out.append(t)

@@ -12,17 +12,16 @@ MoE mainloop:
   natural order, 128 elements a panel.
 * ``<name>_scales``: E8M0 bytes transposed to ``[K/32, N]``.
 
+The formats are :mod:`prepkit.mx_formats`' records, the codec :mod:`prepkit.mx_codec`'s.
 Rounding rule (the one OpenAI's Triton MX kernels use for weights, "round the scale up"): a
 block's scale is ``2 ** ceil(log2(amax / max_element))``, so no element of the block saturates;
 each element then rounds to the nearest value of its format, ties to the even code. (OCP MX v1.0
 takes ``floor(log2(amax)) - emax`` instead and clamps the largest elements; the round-up rule
 gives up a fraction of a bit of small-value resolution for no clipping at all.) Every element is
-then within half a grid step of its source: :func:`rounding_bound`.
+then within half a grid step of its source: :func:`rounding_bound`. A zero is stored as +0.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +36,13 @@ from prepkit.layouts.triton_moe import (
     to_panels,
     unshuffle_nibbles,
 )
-from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, E8M0_BIAS, fp4_table, pack_nibbles, unpack_nibbles
+from prepkit.mx_codec import dequantize as mx_dequantize
+from prepkit.mx_codec import quantize_round_up
+from prepkit.mx_formats import MX_FORMATS as MX_FORMATS
+from prepkit.mx_formats import MXFP4 as MXFP4
+from prepkit.mx_formats import MXFP8 as MXFP8
+from prepkit.mx_formats import MxFormat as MxFormat
+from prepkit.mxfp4 import BLOCK_BYTES, BLOCK_ELEMS, E8M0_BIAS, pack_nibbles, unpack_nibbles
 
 # The expert layouts whose engine also reads MX dense weights: the bundled kernel family's.
 MX_DENSE_LAYOUT_IDS = (TRITON_MOE_LAYOUT_ID,)
@@ -53,31 +58,7 @@ LAYER_DENSE_WEIGHTS = (
     "self_attn.o_proj.weight",
 )
 LM_HEAD_WEIGHT = "lm_head.weight"
-
-
-@dataclass(frozen=True)
-class MxFormat:
-    name: str
-    element: str  # the element type as tl.dot_scaled spells it
-    max_value: float  # the largest element magnitude
-    mantissa_bits: int
-    min_normal_exponent: int  # below 2 ** this, the grid step stops shrinking (subnormals)
-    elements_per_byte: int
-
-    @property
-    def panel_k(self) -> int:
-        """K elements per stored panel."""
-        return PANEL_BYTES * self.elements_per_byte
-
-    def stored_bytes(self, n: int, k: int) -> int:
-        """Bytes of the blocks and scales of an ``[n, k]`` weight, panel padding included."""
-        panels = -(-k // self.panel_k)
-        return panels * n * PANEL_BYTES + (k // BLOCK_ELEMS) * n
-
-
-MXFP4 = MxFormat("mxfp4", "e2m1", 6.0, 1, 0, 2)
-MXFP8 = MxFormat("mxfp8", "e4m3", 448.0, 3, -6, 1)
-MX_FORMATS: dict[str, MxFormat] = {f.name: f for f in (MXFP4, MXFP8)}
+# ``prepare --dense``: the checkpoint's own dtype, or an MX format.
 DENSE_FORMATS = (DEFAULT_DENSE_FORMAT, *MX_FORMATS)
 
 
@@ -120,48 +101,15 @@ def _check_weight(values: torch.Tensor, name: str) -> None:
         raise LayoutError(f"{name}: holds NaN or Inf values, which no MX scale can represent")
 
 
-def block_exponents(values: torch.Tensor, fmt: MxFormat) -> torch.Tensor:
-    """``[..., K]`` -> ``[..., K/32]`` int32 scale exponents by the round-up rule."""
-    amax = values.to(torch.float32).unflatten(-1, (-1, BLOCK_ELEMS)).abs().amax(dim=-1)
-    # frexp is exact where log2 may round: amax / max = m * 2**e with m in [0.5, 1).
-    mantissa, exponent = torch.frexp(amax / fmt.max_value)
-    exact_power = mantissa == 0.5
-    exponent = torch.where(exact_power, exponent - 1, exponent)
-    exponent = torch.where(amax == 0, torch.full_like(exponent, -E8M0_BIAS), exponent)
-    return exponent.clamp(-E8M0_BIAS, E8M0_BIAS).to(torch.int32)
-
-
-def _round_e2m1(scaled: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 code of each value (|v| <= 6), ties to the even code."""
-    magnitudes = fp4_table(scaled.device)[:8]
-    distance = (scaled.abs().unsqueeze(-1) - magnitudes).abs()
-    best = distance.amin(dim=-1, keepdim=True)
-    # Among the nearest magnitudes (two on a tie) take the even code: argmax finds the first True.
-    candidates = (distance == best) & (torch.arange(8, device=scaled.device) % 2 == 0)
-    even = candidates.any(dim=-1)
-    code = torch.where(even, candidates.to(torch.uint8).argmax(dim=-1), distance.argmin(dim=-1))
-    return (code + 8 * (scaled < 0).to(code.dtype)).to(torch.uint8)
-
-
 def quantize(values: torch.Tensor, fmt: MxFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., K]`` floats -> ``(codes [..., K] uint8, scales [..., K/32] uint8)``: E2M1 codes
     0..15 for mxfp4, e4m3fn bytes for mxfp8, E8M0 scale bytes (module docstring's rule)."""
-    exponent = block_exponents(values, fmt)
-    grouped = values.to(torch.float32).unflatten(-1, (-1, BLOCK_ELEMS))
-    scaled = torch.ldexp(grouped, -exponent.unsqueeze(-1)).flatten(-2)
-    # torch's e4m3 cast rounds to nearest even; the round-up scale keeps values within +-448.
-    codes = _round_e2m1(scaled) if fmt is MXFP4 else scaled.to(torch.float8_e4m3fn).view(torch.uint8)
-    return codes, (exponent + E8M0_BIAS).to(torch.uint8)
+    return quantize_round_up(values, fmt)
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, fmt: MxFormat) -> torch.Tensor:
     """Inverse of :func:`quantize` up to rounding: float32 ``[..., K]``."""
-    if fmt is MXFP4:
-        values = fp4_table(codes.device)[codes.long()]
-    else:
-        values = codes.view(torch.float8_e4m3fn).to(torch.float32)
-    exponent = scales.to(torch.int32) - E8M0_BIAS
-    return torch.ldexp(values.unflatten(-1, (-1, BLOCK_ELEMS)), exponent.unsqueeze(-1)).flatten(-2)
+    return mx_dequantize(codes, scales, fmt)
 
 
 def rounding_bound(values: torch.Tensor, scales: torch.Tensor, fmt: MxFormat) -> torch.Tensor:

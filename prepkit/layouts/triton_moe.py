@@ -1,6 +1,6 @@
 """``--layout triton-moe``: the layout of prepkit's own Triton MXFP4 MoE kernel.
 
-Consumer: ``prepkit.kernels.moe_mxfp4`` (its ``WEIGHT_LAYOUT`` is this layout's id) through
+Consumer: ``prepkit.kernels.mx`` (its ``WEIGHT_LAYOUT`` is this layout's id) through
 ``prepkit.runtime``. Byte-level spec: docs/triton-moe-layout.md.
 
 Design, per expert and rank:
@@ -183,6 +183,7 @@ class TritonMoeLayout:
         lo, hi, Ip = intermediate_split(I, spec.tp_size, spec.tp_rank)
         tensors = tensor_specs(E_hi - E_lo, H, Ip)
         facts = {
+            # Recorded in manifests: the kernel's former module name, so prepared output stays byte-identical.
             "engine": "prepkit Triton MXFP4 MoE kernel (prepkit.kernels.moe_mxfp4)",
             "valid_hidden_size": H,
             "valid_intermediate_size": hi - lo,

@@ -109,7 +109,7 @@ class TrtllmGenLayout:
     layout_id = TRTLLM_GEN_LAYOUT_ID
     w13_row_order = "up_gate"
     summary = "TensorRT-LLM trtllm-gen MXFP4 MoE (SM100 family): shuffled rows, 128x4 scales"
-    uses_options = ("trtllm_version",)
+    uses_options: tuple[str, ...] = ("trtllm_version",)
 
     # --- planning -------------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from prepkit.checkpoint import Checkpoint
 from prepkit.constants import DEFAULT_DENSE_FORMAT, DENSE_MX_LAYOUT_ID, PREPARE_LOCK
-from prepkit.dense_weights import check_dense_weights, check_layout_reads, is_quantized, stored_bytes
 from prepkit.errors import OutputError
 from prepkit.fsutil import free_bytes
 from prepkit.layouts import Layout, LayoutOptions, RankPlan, RankSpec
@@ -17,6 +16,7 @@ from prepkit.layouts.base import check_split
 from prepkit.layouts.dense_mx import is_dense_weight, mx_format
 from prepkit.locks import holder_pid, is_held
 from prepkit.manifest import experts_file, shared_file
+from prepkit.prepare.dense import check_dense_weights, check_layout_reads, is_quantized, stored_bytes
 from prepkit.prepare.guard import busy_error_for, check_output_dir, fingerprint_of, finished_files, plan_identity
 from prepkit.recipes import Recipe
 

@@ -14,12 +14,12 @@ import torch
 from prepkit import __version__
 from prepkit.allocator import keep_freed_memory
 from prepkit.constants import DENSE_MX_LAYOUT_ID
-from prepkit.dense_weights import is_quantized, quantize_weight
 from prepkit.fsutil import crash_point, fsync_dir, make_dirs, sha256_file, temp_path
 from prepkit.layouts import RankPlan
 from prepkit.layouts.base import SOURCE_ROLES
 from prepkit.layouts.dense_mx import mx_format
 from prepkit.manifest import experts_file, shared_file
+from prepkit.prepare.dense import is_quantized, quantize_weight
 from prepkit.prepare.plan import PreparePlan
 from prepkit.shards import Journal, WrittenFile, safetensors_header, write_safetensors
 

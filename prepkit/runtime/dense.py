@@ -1,5 +1,5 @@
 """``MxLinear``: a dense MX weight (``prepare --dense mxfp8|mxfp4``) as an ``nn.Module`` run by the
-bundled kernel family (:func:`prepkit.kernels.moe_mxfp4.mx_linear`).
+bundled kernel family (:func:`prepkit.kernels.mx.mx_linear`).
 
 Under ``torch.compile`` the forward goes through the registered op ``torch.ops.prepkit.mx_linear``
 (one opaque node with a fake implementation, so ``fullgraph=True`` holds); eagerly, and under
@@ -24,7 +24,7 @@ from prepkit.warn_once import new_owner
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
-    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights
+    from prepkit.kernels.mx.dense import DenseMxWeights
     from prepkit.kernels.tactic import GemmTactic
 
 
@@ -45,7 +45,7 @@ class MxLinear(nn.Module):
     ``[P, out_features, 128]`` uint8 K panels, ``scales`` ``[in_features/32, out_features]``
     uint8 E8M0 (:mod:`prepkit.layouts.dense_mx`), ``bias`` ``[out_features]`` or ``None``.
     ``activations``: the policy (bf16, mxfp8, mxfp4 with mxfp4 weights); ``tactic_lookup``: the
-    variant per call, else :func:`~prepkit.kernels.moe_mxfp4.default_dense_tactic`."""
+    variant per call, else :func:`~prepkit.kernels.mx.default_dense_tactic`."""
 
     weight_blocks: torch.Tensor
     weight_scales: torch.Tensor
@@ -62,7 +62,7 @@ class MxLinear(nn.Module):
         tactic_lookup: DenseTacticLookup | None = None,
     ) -> None:
         super().__init__()
-        from prepkit.kernels.moe_mxfp4.dense import check_weights
+        from prepkit.kernels.mx.dense import check_weights
 
         check_weights(blocks, scales, fmt)
         self.activations = check_policy(activations)
@@ -123,11 +123,11 @@ class MxLinear(nn.Module):
         )
 
     def weights(self) -> DenseMxWeights:
-        """The buffers as the kernel's :class:`~prepkit.kernels.moe_mxfp4.DenseMxWeights` (rebuilt
+        """The buffers as the kernel's :class:`~prepkit.kernels.mx.DenseMxWeights` (rebuilt
         after the module moved, e.g. by ``.to(device)``)."""
         w = self._weights
         if w is None or w.blocks is not self.weight_blocks or w.scales is not self.weight_scales:
-            from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights
+            from prepkit.kernels.mx.dense import DenseMxWeights
 
             w = self._weights = DenseMxWeights(self.weight_blocks, self.weight_scales, self.fmt)
             self._tactics.clear()
@@ -177,7 +177,7 @@ class MxLinear(nn.Module):
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on ``x [..., in_features]`` (bf16; other float dtypes are cast in and out)."""
-        from prepkit.kernels.moe_mxfp4.dense import launch_dense
+        from prepkit.kernels.mx.dense import launch_dense
 
         weights = self.weights()
         if x.shape[-1] != self.in_features:
@@ -264,7 +264,7 @@ def mx_linear_stored_op(
     """``x [..., K]`` (bf16) -> ``[..., N]`` through the stored MX weight ``blocks``/``scales``.
     The weights are arguments, not a module id, so one compiled function serves every layer
     (:mod:`prepkit.integrations.decode_step`) without a recompile per module."""
-    from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, launch_dense
+    from prepkit.kernels.mx.dense import DenseMxWeights, launch_dense
 
     weights = DenseMxWeights(blocks, scales, fmt)
     x2 = x.reshape(-1, weights.k).to(torch.bfloat16).contiguous()

@@ -35,9 +35,9 @@ from prepkit.tactics.choose import Choice, MoeCall, TacticLookup, choose, compil
 from prepkit.warn_once import new_owner, warn_once
 
 if TYPE_CHECKING:
-    from prepkit.kernels.moe_mxfp4.plan import LaunchPlan
+    from prepkit.kernels.mx.plan import LaunchPlan
 
-# The layout the bundled kernel reads (also prepkit.kernels.moe_mxfp4.WEIGHT_LAYOUT); named here
+# The layout the bundled kernel reads (also prepkit.kernels.mx.WEIGHT_LAYOUT); named here
 # through the constants so that checking a manifest does not import triton.
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 TENSOR_NAMES = ("w13_blocks", "w13_scales", "w13_bias", "w2_blocks", "w2_scales", "w2_bias")
@@ -74,7 +74,7 @@ class MoeLayer:
     device_info: DeviceInfo | None = None
     activations: ActivationPolicy = "bf16"  # the precision policy both GEMMs' inputs run in
     # (w13, w2): every E8M0 byte <= 128, so the kernel may fold its upcast fix-up into the scale
-    # multiply (prepkit.kernels.moe_mxfp4.upcast_id). Derived from the scales once, at construction.
+    # multiply (prepkit.kernels.mx.upcast_id). Derived from the scales once, at construction.
     small_scales: tuple[bool, bool] = field(init=False, default=(False, False))
     # The layer's per-rank record (prepkit.layer), from the fields and the tensors' shapes.
     shape: RankLayer = field(init=False, repr=False)
@@ -84,7 +84,7 @@ class MoeLayer:
     # The id torch.ops.prepkit.moe finds this layer by (prepkit.runtime.op), assigned at construction.
     op_id: int = field(init=False, default=-1, repr=False, compare=False)
     # Recorded launches per (tokens, policy, logits dtype, stream) for cheap eager calls
-    # (moe_mxfp4.plan); never copied by dataclasses.replace, whose copy may change the policy.
+    # (mx.plan); never copied by dataclasses.replace, whose copy may change the policy.
     _plans: dict[tuple[int, str, torch.dtype, int], LaunchPlan] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -352,7 +352,7 @@ def _plan_key(
 ) -> tuple[int, str, torch.dtype, int] | None:
     if hidden_states.device.type != "cuda":
         return None
-    from prepkit.kernels.moe_mxfp4.plan import current_stream
+    from prepkit.kernels.mx.plan import current_stream
 
     stream = current_stream(hidden_states.device)
     return (hidden_states.shape[0], layer.activations, router_logits.dtype, stream)
@@ -366,8 +366,8 @@ def _launch(
     plan_key: tuple[int, str, torch.dtype, int] | None = None,
 ) -> torch.Tensor:
     """The kernel on ``x``; with a ``plan_key`` its launches are recorded for the next calls of
-    that key, where they can be (:func:`prepkit.kernels.moe_mxfp4.plan.plannable`)."""
-    from prepkit.kernels.moe_mxfp4 import fused_moe, plan_fused_moe  # imports triton: only when a layer runs
+    that key, where they can be (:func:`prepkit.kernels.mx.plan.plannable`)."""
+    from prepkit.kernels.mx import fused_moe, plan_fused_moe  # imports triton: only when a layer runs
 
     weights = (
         layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks, layer.w2_scales,

@@ -37,7 +37,7 @@ def make_tactic_lookup(
     without a tuned row (the chooser's default fills it); when neither GEMM has one it returns
     ``None``. Either way one warning names the tune command, once per missed
     problem (and per layer, when a layer calls it). ``kernel_version=None`` reads
-    ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use; ``weight_layout=None`` is the
+    ``prepkit.kernels.mx.KERNEL_VERSION`` on first use; ``weight_layout=None`` is the
     bundled kernel's layout. ``activations`` is the activation precision policy the layer runs
     with: rows tuned for another policy never serve it. ``resolver=None`` is
     :func:`runtime_resolver`: a table tuned with another Triton minor version serves, with one
@@ -66,7 +66,7 @@ def make_tactic_lookup(
 
     def lookup(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTactic | None, GemmTactic | None] | None:
         if not version:
-            from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+            from prepkit.kernels.mx import KERNEL_VERSION
 
             version.append(str(KERNEL_VERSION))
         keys = problems.get(problem.layer)
@@ -104,7 +104,7 @@ def make_dense_tactic_lookup(
     ``DeviceInfo``, it returns the tuned tactic of that dense problem (its own problem key,
     :func:`~prepkit.tactics.keys.dense_problem`), else ``None`` (the chooser's default serves)
     after one warning naming the tune command.
-    ``kernel_version=None`` reads ``prepkit.kernels.moe_mxfp4.KERNEL_VERSION`` on first use;
+    ``kernel_version=None`` reads ``prepkit.kernels.mx.KERNEL_VERSION`` on first use;
     ``weight_layout=None`` is the dense MX layout."""
     res = resolver or runtime_resolver()
     version: list[str] = [] if kernel_version is None else [str(kernel_version)]
@@ -115,7 +115,7 @@ def make_dense_tactic_lookup(
         num_tokens: int, n: int, k: int, fmt: str, activations: ActivationPolicy, device: DeviceInfo
     ) -> GemmTactic | None:
         if not version:
-            from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+            from prepkit.kernels.mx import KERNEL_VERSION
 
             version.append(str(KERNEL_VERSION))
         key = keys.get((n, k, fmt, activations))

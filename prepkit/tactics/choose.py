@@ -115,7 +115,7 @@ class DenseCall:
         return None if t is None else (t,)
 
     def default(self, device: DeviceInfo, activations: ActivationPolicy) -> tuple[GemmTactic, ...]:
-        from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+        from prepkit.kernels.mx.dense import default_dense_tactic
 
         return (default_dense_tactic(
             self.num_tokens, self.n, self.k, self.fmt, device.capability, activations=activations,

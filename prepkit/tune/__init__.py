@@ -12,6 +12,7 @@ Importing this package imports neither torch nor triton.
 
 from prepkit.tune.backend import Backend, FunctionBackend, SubprocessBackend, Worker
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, parse_tokens, prune_candidates
+from prepkit.tune.layer_sweep import tune_layer
 from prepkit.tune.records import (
     FAILURES,
     OK,
@@ -24,7 +25,7 @@ from prepkit.tune.records import (
     WinnerRange,
 )
 from prepkit.tune.run import TuneOptions, TuneReport, run_tune
-from prepkit.tune.sweep import SweepConfig, choose, ranges_from_choices, sweep, tune_layer
+from prepkit.tune.sweep import SweepConfig, choose, ranges_from_choices, sweep
 
 __all__ = [
     "FAILURES",

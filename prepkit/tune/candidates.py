@@ -8,8 +8,10 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from prepkit.errors import RecipeError
 from prepkit.tactics.keys import DENSE_ROLE, ProblemKey, canon
 from prepkit.tactics.lookup import MAX_TOKEN_POINT, TOKEN_POINTS
+from prepkit.tactics.validate import MAX_TUNED_TOKENS
 from prepkit.tune.dense import dense_format
 
 if TYPE_CHECKING:
@@ -23,6 +25,7 @@ def parse_tokens(spec: str | None, *, max_tokens: int | None = None) -> tuple[in
 
     Raises:
         ValueError: an entry is not a positive integer or range.
+        RecipeError: a count above what a tactics DB holds (:data:`MAX_TUNED_TOKENS`).
     """
     if spec is None or spec.strip().lower() in ("", "all", "default"):
         pts = set(TOKEN_POINTS)
@@ -34,15 +37,17 @@ def parse_tokens(spec: str | None, *, max_tokens: int | None = None) -> tuple[in
                 continue
             lo, sep, hi = part.partition("-")
             try:
-                if sep:
-                    a, b = int(lo), int(hi)
-                    if a > b:
-                        raise ValueError
-                    pts.update(range(a, b + 1))
-                else:
-                    pts.add(int(part))
+                a, b = (int(lo), int(hi)) if sep else (int(part), int(part))
+                if a > b:
+                    raise ValueError
             except ValueError:
                 raise ValueError(f"bad token count {part!r} (expected N or A-B, comma separated)") from None
+            if b > MAX_TUNED_TOKENS:  # checked before the range is expanded
+                raise RecipeError(
+                    f"--tokens {part}: a tactics DB holds token counts up to {MAX_TUNED_TOKENS}",
+                    hint=f"pass counts of at most {MAX_TUNED_TOKENS}",
+                )
+            pts.update(range(a, b + 1))
         if not pts or min(pts) < 1:
             raise ValueError(f"token counts must be positive integers, got {spec!r}")
     if max_tokens is not None:

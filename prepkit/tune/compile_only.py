@@ -2,7 +2,9 @@
 
 The layer comes from a recipe or a prepared shard set (TP rank 0, as the tuner tunes it); the
 defaults over the asked token counts and a bounded sample of each variant family are compiled
-for the reference device of ``--arch`` by :mod:`prepkit.kernels.compile_check`. Nothing here
+for the reference device of ``--arch`` by :mod:`prepkit.kernels.compile_check`; with
+``--dense-formats``, so are the dense MX linear's defaults at the source's dense shapes
+(:func:`plan_compile_dense`, :func:`run_compile_dense`). Nothing here
 touches a GPU or a tactics DB, and nothing is printed: the caller gets lines to show.
 Importing this module imports neither torch nor triton.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prepkit.errors import DeviceError
@@ -121,6 +124,92 @@ def run_compile_only(
     return CompileOnlyResult(
         arch, activations, target, per_family, reports, cc.check_failures(reports), time.perf_counter() - start
     )
+
+
+@dataclass(frozen=True)
+class DenseCompileResult:
+    """The dense linear's defaults in one weight format, compiled (or not)."""
+
+    arch: str
+    activations: str
+    fmt: str
+    source: str
+    reports: list[CompileReport]
+    failures: list[str]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        """One line: what compiled, and the MMA the dense GEMMs use."""
+        gemms = [r for r in self.reports if r.kernel != "_quantize_rows_kernel"]
+        mmas = sorted({r.mma or "none" for r in gemms if r.ok})
+        return (
+            f"{self.arch} ({ARCH_DEVICES[self.arch].name}) {self.activations}, dense {self.fmt} of {self.source}: "
+            f"defaults {_count(self.reports)}, MMA {', '.join(mmas) or '-'}; {self.elapsed_s:.0f} s"
+        )
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """The dense section of a compile-only run: the weight formats and the model's dense shapes."""
+
+    formats: list[str]
+    shapes: dict[str, tuple[int, int]]  # name -> (n, k)
+    source: str
+
+
+def plan_compile_dense(activations: str, *, model: str | None, shards: Path | None, choice: str | None) -> DensePlan:
+    """The formats of ``choice`` (``--dense-formats``: ``none``/``None``, a format, ``all``) that the
+    source holds and that pair with the policy (:func:`prepkit.tune.dense.dense_formats`), at the
+    source's dense shapes. Checked before anything compiles.
+
+    Raises:
+        RecipeError: a ``choice`` the source or policy cannot take, or an unknown recipe.
+    """
+    from prepkit.kernels.activations import check_policy
+    from prepkit.tune.dense import dense_formats, dense_shapes, dense_source
+
+    if choice in (None, "none"):
+        return DensePlan([], {}, "")
+    held, config, source = dense_source(model=model, shards=shards)
+    formats = dense_formats(choice, held, check_policy(activations), source)
+    return DensePlan(formats, {s.name: (s.n, s.k) for s in dense_shapes(config)} if formats else {}, source)
+
+
+def run_compile_dense(
+    arch: str, activations: str, plan: DensePlan, *, on_line: LineFn | None = None
+) -> list[DenseCompileResult]:
+    """Compile the dense MX linear's defaults of each format of ``plan`` at its shapes for
+    ``arch``'s reference device, one result per format."""
+    if not plan.formats:
+        return []
+    from prepkit.kernels import compile_check as cc
+    from prepkit.kernels import require_triton
+
+    check_arch_name(arch)
+    require_triton("tune --compile-only")
+    out = []
+    for fmt in plan.formats:
+        candidates = cc.dense_candidates(arch, fmt, activations, plan.shapes)  # type: ignore[arg-type]
+        if on_line is not None:
+            on_line(
+                f"compiling {len(candidates)} dense {fmt} variants for {arch} ({ARCH_DEVICES[arch].name}), "
+                f"{activations} activations, {plan.source}"
+            )
+        start = time.perf_counter()
+        reports = cc.compile_dense(arch, fmt, activations, candidates)  # type: ignore[arg-type]
+        if on_line is not None:
+            for i, r in enumerate(reports):
+                on_line(progress_line(i + 1, len(reports), r))
+        out.append(
+            DenseCompileResult(
+                arch, activations, fmt, plan.source, reports, cc.check_failures(reports), time.perf_counter() - start
+            )
+        )
+    return out
 
 
 def progress_line(done: int, total: int, r: CompileReport) -> str:

@@ -20,14 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit.dims import dense_shapes
 from prepkit.errors import RecipeError
-from prepkit.tactics.keys import DENSE_ROLE, DENSE_W_DTYPES, KERNEL_NAME, ProblemKey, dense_problem
+from prepkit.mx_formats import MX_FORMATS, pairing_reason
+from prepkit.tactics.keys import DENSE_ROLE, KERNEL_NAME, ProblemKey, dense_problem
 
 if TYPE_CHECKING:
     from prepkit.kernels.activations import ActivationPolicy
 
-# ``--dense``: no dense problem, one MX format, or both.
-DENSE_CHOICES = ("none", "mxfp8", "mxfp4", "all")
-MX_DENSE_FORMATS = ("mxfp4", "mxfp8")
+# ``--dense-formats``: no dense problem, one MX format, or every one.
+MX_DENSE_FORMATS = tuple(MX_FORMATS)
+DENSE_CHOICES = ("none", *MX_DENSE_FORMATS, "all")
 # Where the dense kernel's tiles change: 16-row tiles up to 16 tokens, 32-row ones up to 32, then
 # 64 (prepkit.kernels.variants.dense_sweep_space); the MoE anchors miss the 32-row regime.
 DENSE_ANCHORS = (1, 4, 16, 32, 128, 1024, 4096)
@@ -50,20 +51,42 @@ def dense_formats(choice: str | None, held: Sequence[str], activations: Activati
         RecipeError: ``choice`` names a format the source does not hold or the policy cannot run.
     """
     if choice is not None and choice not in DENSE_CHOICES:
-        raise RecipeError(f"--dense {choice}: expected one of {', '.join(DENSE_CHOICES)}")
+        raise RecipeError(f"--dense-formats {choice}: expected one of {', '.join(DENSE_CHOICES)}")
     if choice == "none":
         return []
     wanted = list(MX_DENSE_FORMATS) if choice in (None, "all") else [choice]
     if choice not in (None, "all") and choice not in held:
         holds = f"dense weights in {held[0]}" if held else "bf16 dense weights"
-        raise RecipeError(f"--dense {choice}, but {source} holds {holds}", hint="drop --dense, or pass --dense none")
-    out = [f for f in wanted if f in held and (activations != "mxfp4" or f == "mxfp4")]
+        raise RecipeError(
+            f"--dense-formats {choice}, but {source} holds {holds}",
+            hint="drop --dense-formats, or pass --dense-formats none",
+        )
+    out = [f for f in wanted if f in held and pairing_reason(activations, f) is None]
     if choice not in (None, "all") and not out:
         raise RecipeError(
-            f"--dense {choice} with --activations mxfp4: mxfp4 activations need mxfp4 weights",
-            hint="pass --dense mxfp4, or other activations",
+            f"--dense-formats {choice} with --activations {activations}: {pairing_reason(activations, choice)}",
+            hint=f"pass --dense-formats {activations}, or other activations",
         )
     return out
+
+
+def dense_source(*, model: str | None, shards: Path | None) -> tuple[Sequence[str], Mapping[str, Any], str]:
+    """(the MX formats the source holds, its model config, its name): a recipe (default
+    gpt-oss-120b) holds every format; a prepared shard set the one its manifest records, or none.
+
+    Raises:
+        RecipeError: unknown recipe.
+    """
+    if shards is not None:
+        from prepkit.manifest import Manifest
+
+        man = Manifest.read(shards)
+        held: Sequence[str] = [man.dense_format] if man.dense_format in MX_DENSE_FORMATS else []
+        return held, man.model.config, str(shards)
+    from prepkit.recipes import load_recipe
+
+    recipe = load_recipe(model or "gpt-oss-120b")
+    return MX_DENSE_FORMATS, recipe.reference_dims, recipe.name
 
 
 def dense_targets(
@@ -83,18 +106,7 @@ def dense_targets(
     """
     from prepkit.constants import DENSE_MX_LAYOUT_ID
 
-    if shards is not None:
-        from prepkit.manifest import Manifest
-
-        man = Manifest.read(shards)
-        held: Sequence[str] = [man.dense_format] if man.dense_format in MX_DENSE_FORMATS else []
-        config: Mapping[str, Any] = man.model.config
-        source = str(shards)
-    else:
-        from prepkit.recipes import load_recipe
-
-        recipe = load_recipe(model or "gpt-oss-120b")
-        held, config, source = MX_DENSE_FORMATS, recipe.reference_dims, recipe.name
+    held, config, source = dense_source(model=model, shards=shards)
     formats = dense_formats(choice, held, activations, source)
     shapes = dense_shapes(config) if formats else []
     acts = "" if activations == "bf16" else f" act={activations}"
@@ -122,7 +134,7 @@ def dense_format(problem: ProblemKey) -> str:
     Raises:
         ValueError: ``problem`` is no dense problem.
     """
-    fmt = {w: f for f, w in DENSE_W_DTYPES.items()}.get(problem.w_dtype)
+    fmt = next((f.name for f in MX_FORMATS.values() if f.w_dtype == problem.w_dtype), None)
     if problem.role != DENSE_ROLE or fmt is None:
         raise ValueError(f"not a dense MX problem: {problem.describe()}")
     return fmt

@@ -19,7 +19,7 @@ from prepkit.tune.records import Screen
 from prepkit.tune.worker import CHECK_M, GpuBench, build_lock, graph_samples, release_cached_memory
 
 if TYPE_CHECKING:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights
+    from prepkit.kernels.mx import DenseMxWeights
     from prepkit.kernels.tactic import GemmTactic
 
 # Weight bytes one pass of the timing graph's copies touches: several times any GPU's L2.
@@ -42,7 +42,7 @@ class DenseBench:
         import torch
 
         from prepkit.kernels.device import H100, DeviceInfo
-        from prepkit.kernels.moe_mxfp4 import DenseMxWeights
+        from prepkit.kernels.mx import DenseMxWeights
         from prepkit.layouts import dense_mx
 
         self.torch = torch
@@ -85,7 +85,7 @@ class DenseBench:
     def check(self, tactic: str, m_values: Sequence[int] | None = None) -> dict[str, Any]:
         """Run ``tactic`` at each of ``m_values`` tokens (default :data:`~prepkit.tune.worker.CHECK_M`)
         on random bf16 activations and compare it with the fp32 reference."""
-        from prepkit.kernels.moe_mxfp4 import mx_linear
+        from prepkit.kernels.mx import mx_linear
         from prepkit.kernels.reference import dense_reference, relative_error
 
         torch = self.torch
@@ -112,7 +112,7 @@ class DenseBench:
     def copies(self) -> list[DenseMxWeights]:
         """The weight and as many clones as :func:`weight_copies` asks, made on first use."""
         if not self._copies:
-            from prepkit.kernels.moe_mxfp4 import DenseMxWeights
+            from prepkit.kernels.mx import DenseMxWeights
 
             w = self.weights
             count = weight_copies(w.blocks.numel() + w.scales.numel()) if self.dev.type == "cuda" else 2
@@ -122,7 +122,7 @@ class DenseBench:
     def launcher(self, tactic: str, m: int) -> Callable[[int], Any]:
         """``launch(i)``: one call of ``tactic`` at ``m`` tokens on weight copy ``i``, into one
         output buffer per token count (an lm_head's output at 8192 tokens is gigabytes)."""
-        from prepkit.kernels.moe_mxfp4 import mx_linear
+        from prepkit.kernels.mx import mx_linear
 
         torch = self.torch
         if self._inputs.get("m") != m:

@@ -27,8 +27,9 @@ from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space, neighbourhood, rule_space
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
+from prepkit.tune.layer_sweep import tune_layer
 from prepkit.tune.records import LayerReport
-from prepkit.tune.sweep import PreviousRecords, ProgressFn, SweepConfig, tune_layer
+from prepkit.tune.sweep_config import PreviousRecords, ProgressFn, SweepConfig
 from prepkit.tune.worker import BUILD_LOCK_ENV, CHECK_M, NICE_ENV, SINGLE_CHECK_M, kernel_timing_scope
 
 if TYPE_CHECKING:
@@ -54,9 +55,9 @@ class TuneOptions:
     check_workers: int | None = None  # None: 4, or sized from the CPU and GPU for a thorough search
     keep: int = 6
     thorough: bool = False
-    # The dense MX linears (prepkit.tune.dense): "none", "mxfp8", "mxfp4", "all", or None for the
-    # source's own (a model: both formats; a shard set: the format its manifest records).
-    dense: str | None = None
+    # The dense MX linears (prepkit.tune.dense.DENSE_CHOICES): "none", a format, "all", or None for
+    # the source's own (a model: every format; a shard set: the format its manifest records).
+    dense_formats: str | None = None
     moe: bool = True  # False: the dense problems only
     cmdline: Sequence[str] = field(default_factory=lambda: ["prepkit", *sys.argv[1:]])
 
@@ -139,7 +140,7 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
     checkers: list[Backend] = []
     try:
         check_workers(workers, opts.arch)
-        from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+        from prepkit.kernels.mx import KERNEL_VERSION
 
         problems = (
             tune_problems(
@@ -150,11 +151,13 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
             else []
         )  # fmt: skip
         dense = dense_targets(
-            model=opts.model, shards=opts.shards, choice=opts.dense, kernel_version=str(KERNEL_VERSION),
+            model=opts.model, shards=opts.shards, choice=opts.dense_formats, kernel_version=str(KERNEL_VERSION),
             activations=opts.activations,
         )  # fmt: skip
         if not problems and not dense:
-            raise RecipeError("nothing to tune: --no-moe and no dense problem", hint="pass --dense, or drop --no-moe")
+            raise RecipeError(
+                "nothing to tune: --no-moe and no dense problem", hint="pass --dense-formats, or drop --no-moe"
+            )
         path = opts.db_path or user_db_path()
         with store.open_db(path) as tdb:
             first = workers[0].backend

@@ -90,7 +90,7 @@ def compact(obj: Any) -> None:
 
 def kernel_timing_scope() -> str:
     """``'gemm'`` when the kernel exposes its stages (each GEMM is timed alone), else ``'layer'``."""
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
 
     return "gemm" if all(hasattr(k, f) for f in ("route", "gemm1_swiglu", "gemm2_combine")) else "layer"
 
@@ -224,7 +224,7 @@ class GpuBench:
         """``launch(i)`` for input set ``i`` and what it covers: the swept GEMM alone when the
         kernel exposes its stages (routing and the other GEMM run once, outside the timing),
         else the whole layer."""
-        from prepkit.kernels import moe_mxfp4 as k
+        from prepkit.kernels import mx as k
         from prepkit.runtime.moe import moe
 
         torch = self.torch
@@ -428,7 +428,7 @@ def trim_kernel_caches(kernels: Sequence[Any], limit: int = MAX_LOADED_VARIANTS)
 
 
 def _gemm_kernels() -> list[Any]:
-    from prepkit.kernels.moe_mxfp4 import _dense, _gemm
+    from prepkit.kernels.mx import _dense, _gemm
 
     return [_gemm._gemm1_swiglu_kernel, _gemm._gemm2_combine_kernel, _dense._dense_kernel]
 

@@ -21,7 +21,7 @@ TOL = 2e-2  # relative to the output's largest value (bf16 output); errors sit n
 @pytest.fixture(scope="module")
 def weights() -> dict[tuple[str, str], tuple[object, torch.Tensor, torch.Tensor]]:
     """(stored weight, its dequantized fp32 form, a bias) per shape and format, made once."""
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights
+    from prepkit.kernels.mx import DenseMxWeights
 
     g = torch.Generator(device="cuda").manual_seed(0)
     out = {}
@@ -46,7 +46,7 @@ def test_dense_matches_the_dequantized_weight_at_real_shapes(
     weights: dict, shape: str, fmt: str, activations: str, tokens: int
 ) -> None:
     from prepkit.kernels.activations import fake_quantize
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
 
     w, ref_w, bias = weights[(shape, fmt)]
     x = (torch.randn((tokens, w.k), device="cuda") * 0.5).to(torch.bfloat16)
@@ -61,7 +61,7 @@ def test_dense_matches_the_dequantized_weight_at_real_shapes(
 def test_sweep_space_variants_agree_at_one_token(weights: dict, fmt: str) -> None:
     """Every variant a sweep may pick for o_proj at one token (split-K, TMA) gives the default's sums."""
     from prepkit.kernels.device import DeviceInfo
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
     from prepkit.kernels.variants import dense_sweep_space
 
     w, ref_w, bias = weights[("o", fmt)]

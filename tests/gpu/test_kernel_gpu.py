@@ -202,7 +202,7 @@ FOLD_PAIRS = [
 
 @pytest.mark.parametrize("keys", FOLD_PAIRS)
 def test_folded_upcast_gives_the_same_bits(checkpoint, keys):
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
     from prepkit.layouts.base import RankSpec
 
     layer, _ = _layer(checkpoint, RankSpec())
@@ -262,7 +262,7 @@ def test_gemm1_gives_the_same_bits_in_every_launch(checkpoint, key):
     the tail K loop (same summation order), give the same bits."""
     from dataclasses import replace
 
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
     from prepkit.layouts.base import RankSpec
 
     layer, _ = _layer(checkpoint, RankSpec())
@@ -341,7 +341,7 @@ def test_full_size_layer_activations(checkpoint, policy, T, keys):
 
 @pytest.mark.parametrize("policy", ["mxfp8", "mxfp4"])
 def test_routing_quantization_matches_the_reference_bits(policy):
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
     from prepkit.kernels.activations import POLICY_FORMAT, quantize_mx
 
     x, logits = _inputs(256, seed=21)

@@ -30,7 +30,7 @@ def experts():
 @pytest.mark.parametrize("activations", ["bf16", "mxfp8"])
 @pytest.mark.parametrize("tokens", [1, 5, 33, 64])
 def test_replay_matches_the_launchers(experts, activations, tokens):
-    from prepkit.kernels import moe_mxfp4
+    from prepkit.kernels import mx
     from prepkit.runtime import moe
 
     with warnings.catch_warnings():
@@ -40,9 +40,9 @@ def test_replay_matches_the_launchers(experts, activations, tokens):
         moe(layer, *first)  # recorded
         assert len(layer._plans) == 1
         calls = []
-        real = moe_mxfp4.fused_moe
+        real = mx.fused_moe
         try:
-            moe_mxfp4.fused_moe = lambda *a, **k: calls.append(1) or real(*a, **k)
+            mx.fused_moe = lambda *a, **k: calls.append(1) or real(*a, **k)
             for seed in (2, 3, 4):  # new tensors each call: the plan must read them, not the first ones
                 x, logits = random_inputs(tokens, E, H, seed=seed, device="cuda")
                 out = torch.full((tokens, H), float("nan"), device="cuda")
@@ -56,7 +56,7 @@ def test_replay_matches_the_launchers(experts, activations, tokens):
                 assert torch.isfinite(out).all()
                 assert _rel(out, ref) < 1e-4  # only the order of the fp32 atomic adds differs
         finally:
-            moe_mxfp4.fused_moe = real
+            mx.fused_moe = real
         assert not calls, "replays must not go through the ordinary launchers"
 
 

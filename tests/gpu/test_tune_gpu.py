@@ -18,7 +18,7 @@ pytestmark = [
 
 
 def _problems():
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from prepkit.tactics.keys import gpt_oss_problems
 
     return gpt_oss_problems(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._upcast import _upcast_pair
+from prepkit.kernels.mx._upcast import _upcast_pair
 
 
 @triton.jit

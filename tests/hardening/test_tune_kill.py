@@ -46,7 +46,7 @@ CHILD = textwrap.dedent(
     from prepkit.cli import main
 
     sys.argv = ["prepkit", "tune", "--arch", "sm90", "--db", sys.argv[2], "--tokens", sys.argv[3],
-                "--max-candidates", "12", "--dense", "none", "--json", "-q"]
+                "--max-candidates", "12", "--dense-formats", "none", "--json", "-q"]
     main()
     """
 )

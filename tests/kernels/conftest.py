@@ -8,7 +8,7 @@ import pytest
 import torch
 
 # Triton picks interpreter or compiler when a kernel module is imported, so decide here, before any
-# test imports prepkit.kernels.moe_mxfp4: without CUDA the kernels run on the CPU interpreter.
+# test imports prepkit.kernels.mx: without CUDA the kernels run on the CPU interpreter.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

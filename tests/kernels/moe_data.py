@@ -6,6 +6,7 @@ import torch
 
 from prepkit import mxfp4
 from prepkit.layouts.base import ExpertWeights
+from prepkit.mx_codec import quantize_mxfp4_blocks
 
 
 def random_experts(E: int, H: int, I: int, *, seed: int, device: str = "cpu") -> ExpertWeights:
@@ -16,7 +17,7 @@ def random_experts(E: int, H: int, I: int, *, seed: int, device: str = "cpu") ->
         # Per-row spread of magnitudes so the E8M0 scales differ between groups.
         spread = 2.0 ** torch.randint(-2, 3, (E, rows, 1), generator=g)
         w = torch.randn(E, rows, cols, generator=g) * (0.02 * spread)
-        blocks, scales = mxfp4.quantize(w)
+        blocks, scales = quantize_mxfp4_blocks(w)
         return blocks.reshape(*scales.shape, mxfp4.BLOCK_BYTES), scales
 
     gu_b, gu_s = quantized(2 * I, H)

@@ -9,25 +9,30 @@ from dataclasses import replace
 import pytest
 
 from prepkit.kernels import compile_check as cc
+from prepkit.kernels.compile_check import candidates as cc_candidates
 from prepkit.kernels.device import ARCH_DEVICES
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import dense_invalid_reason, invalid_reason
 from prepkit.layer import rank_layer
 from prepkit.layouts.base import ModelDims
+from prepkit.recipes import load_recipe
+from prepkit.tune.dense import dense_shapes
 
 SMALL = rank_layer(ModelDims(1, 8, 256, 512, 2))
+# gpt-oss-120b's dense shapes, from the one function that derives them from a model config.
+GPT_OSS_DENSE = {s.name: (s.n, s.k) for s in dense_shapes(load_recipe("gpt-oss-120b").reference_dims)}
 
 
 def test_ranges_joins_consecutive_points() -> None:
-    assert cc._ranges([1, 2, 3, 8, 12]) == "1-3,8,12"
-    assert cc._ranges([5]) == "5"
-    assert cc._ranges([4, 5, 7, 8, 9]) == "4-5,7-9"
+    assert cc_candidates._ranges([1, 2, 3, 8, 12]) == "1-3,8,12"
+    assert cc_candidates._ranges([5]) == "5"
+    assert cc_candidates._ranges([4, 5, 7, 8, 9]) == "4-5,7-9"
 
 
 def test_spread_keeps_ends_and_count() -> None:
     items = [GemmTactic(16, 64 * (i + 1), 128, 4, 3, 1, "asm", "ptr") for i in range(10)]
     for count in (2, 3, 4, 7):
-        picked = cc._spread(items, count)
+        picked = cc_candidates._spread(items, count)
         assert len(picked) == count
         assert picked[0] is items[0] and picked[-1] is items[-1]
         idx = [items.index(t) for t in picked]
@@ -35,10 +40,10 @@ def test_spread_keeps_ends_and_count() -> None:
         # evenly spread: no gap exceeds the even gap by more than one
         gaps = [b - a for a, b in zip(idx, idx[1:], strict=False)]
         assert max(gaps) - min(gaps) <= 1
-    assert cc._spread(items, 1) == [items[0]]
-    assert cc._spread(items, 0) == []
-    assert cc._spread(items, 50) == items
-    assert cc._spread([], 3) == []
+    assert cc_candidates._spread(items, 1) == [items[0]]
+    assert cc_candidates._spread(items, 0) == []
+    assert cc_candidates._spread(items, 50) == items
+    assert cc_candidates._spread([], 3) == []
 
 
 @pytest.mark.parametrize(
@@ -181,9 +186,9 @@ def test_check_candidates_puts_defaults_first_and_compiles_each_variant_once() -
 
 def test_dense_candidates_cover_the_dense_shapes_once_each() -> None:
     for fmt, act in (("mxfp4", "bf16"), ("mxfp8", "mxfp8")):
-        cands = cc.dense_candidates("sm121", fmt, act)  # type: ignore[arg-type]
+        cands = cc.dense_candidates("sm121", fmt, act, GPT_OSS_DENSE)  # type: ignore[arg-type]
         assert cands and len({c.tactic for c in cands}) == len(cands)
-        assert {c.origin.split()[1] for c in cands} <= set(cc.DENSE_SHAPES)
+        assert {c.origin.split()[1] for c in cands} == set(GPT_OSS_DENSE)
         assert all(dense_invalid_reason(c.tactic, fmt, ARCH_DEVICES["sm121"], act) is None for c in cands)  # type: ignore[arg-type]
 
 
@@ -206,7 +211,7 @@ def test_dense_defaults_compile_for_sm12x(arch: str, weights: str, activations: 
     code = (
         "import json, sys\n"
         "from prepkit.kernels import compile_check as cc\n"
-        f"cands = cc.dense_candidates({arch!r}, {weights!r}, {activations!r})\n"
+        f"cands = cc.dense_candidates({arch!r}, {weights!r}, {activations!r}, {GPT_OSS_DENSE!r})\n"
         f"r = cc.compile_dense({arch!r}, {weights!r}, {activations!r}, cands)\n"
         "print(json.dumps({'reports': [x.to_dict() for x in r], 'failures': cc.check_failures(r)}))\n"
     )

@@ -42,7 +42,7 @@ def check_close(y: torch.Tensor, ref: torch.Tensor, label: str) -> None:
 @pytest.mark.parametrize(("fmt", "activations"), POLICIES)
 @pytest.mark.parametrize("tokens", [1, 3, 33])
 def test_dense_matches_the_dequantized_weight(device: str, fmt: str, activations: str, tokens: int) -> None:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, default_dense_tactic, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, default_dense_tactic, mx_linear
 
     st, w = stored(fmt)
     weights = DenseMxWeights(st["blocks"].to(device), st["scales"].to(device), fmt)
@@ -62,7 +62,7 @@ def test_dense_matches_the_dequantized_weight(device: str, fmt: str, activations
 @pytest.mark.parametrize(("fmt", "activations"), [("mxfp4", "bf16"), ("mxfp8", "bf16"), ("mxfp8", "mxfp8")])
 def test_dense_tiles_and_loads(device: str, fmt: str, activations: str) -> None:
     """Tiles that do not swap operands, TMA weight loads and the masked K loop give the same sums."""
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     st, w = stored(fmt)
     weights = DenseMxWeights(st["blocks"].to(device), st["scales"].to(device), fmt)
@@ -80,7 +80,7 @@ def test_dense_tiles_and_loads(device: str, fmt: str, activations: str) -> None:
 
 
 def test_dense_bf16_dot_scaled_and_joined_halves(device: str) -> None:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     for fmt, t in (
         ("mxfp4", GemmTactic(16, 32, 64, 4, 3, 1, "bits", "ptr", "tail", "joined")),
@@ -95,7 +95,7 @@ def test_dense_bf16_dot_scaled_and_joined_halves(device: str) -> None:
 
 
 def test_fused_qkv_equals_the_three_parts(device: str) -> None:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     parts = []
     for i, n in enumerate((64, 32, 32)):
@@ -113,7 +113,7 @@ def test_fused_qkv_equals_the_three_parts(device: str) -> None:
 @pytest.mark.parametrize("fmt", ["mxfp4", "mxfp8"])
 def test_rows_of_a_fused_weight_run_in_place(device: str, fmt: str) -> None:
     """q, k and v as views of the fused qkv (no second copy) give the parts' own outputs."""
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     parts = [stored(fmt, n=n, seed=20 + i)[0] for i, n in enumerate((64, 32, 48))]
     fused = DenseMxWeights.fuse(*(DenseMxWeights(p["blocks"], p["scales"], fmt) for p in parts))
@@ -130,7 +130,7 @@ def test_rows_of_a_fused_weight_run_in_place(device: str, fmt: str) -> None:
 
 
 def test_leading_dims_and_out(device: str) -> None:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     st, w = stored("mxfp8")
     weights = DenseMxWeights(st["blocks"].to(device), st["scales"].to(device), "mxfp8")
@@ -142,7 +142,7 @@ def test_leading_dims_and_out(device: str) -> None:
 
 
 def test_bad_inputs_name_the_tensor(device: str) -> None:
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
 
     st, _ = stored("mxfp4")
     blocks, scales = st["blocks"].to(device), st["scales"].to(device)
@@ -204,8 +204,8 @@ def test_dense_default_splits_k_for_narrow_outputs(n: int, k: int, splits: dict[
 def test_k_splits_reduce_in_one_launch_and_reset_their_counters(device: str) -> None:
     """The last split of a tile sums the partials and resets its counter: repeated calls agree
     with the unsplit kernel (up to fp32 summation order) and leave every counter at zero."""
-    from prepkit.kernels.moe_mxfp4 import DenseMxWeights, mx_linear
-    from prepkit.kernels.moe_mxfp4.dense import split_counters
+    from prepkit.kernels.mx import DenseMxWeights, mx_linear
+    from prepkit.kernels.mx.dense import split_counters
 
     st, w = stored("mxfp4")
     weights = DenseMxWeights(st["blocks"].to(device), st["scales"].to(device), "mxfp4")

@@ -25,7 +25,7 @@ def linear(fmt: str, n: int, seed: int, device: str, bias: bool = True, **kw: ob
 
 @pytest.mark.parametrize(("fmt", "activations"), [("mxfp4", "bf16"), ("mxfp8", "mxfp8")])
 def test_module_runs_the_kernel_and_the_op(device: str, fmt: str, activations: str) -> None:
-    from prepkit.kernels.moe_mxfp4 import mx_linear
+    from prepkit.kernels.mx import mx_linear
 
     m = linear(fmt, 48, 0, device, activations=activations)
     assert (m.in_features, m.out_features) == (K, 48)

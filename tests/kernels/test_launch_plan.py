@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from prepkit.kernels.moe_mxfp4 import _record, plan
-from prepkit.kernels.moe_mxfp4._routing import _scatter_kernel
+from prepkit.kernels.mx import _record, plan
+from prepkit.kernels.mx._routing import _scatter_kernel
 
 
 class _Compiled:

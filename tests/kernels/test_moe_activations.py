@@ -112,7 +112,7 @@ def test_ranks_add_up_to_the_layer(experts, device, policy, tp_size, ep_size):
 @pytest.mark.parametrize("T, hidden", [(1, 64), (7, 288), (33, 288), (70, 96)])
 def test_routing_quantizes_each_token_once_bit_exactly(device, policy, T, hidden):
     """288 columns leave a partial 128-column chunk; 33 and 70 tokens take several programs."""
-    from prepkit.kernels.moe_mxfp4 import from_mx_rows, route
+    from prepkit.kernels.mx import from_mx_rows, route
 
     g = torch.Generator().manual_seed(T)
     mags = torch.exp2(torch.randint(-12, 12, (T, hidden // 32), generator=g).float()).repeat_interleave(32, 1)
@@ -137,7 +137,7 @@ def test_routing_quantizes_each_token_once_bit_exactly(device, policy, T, hidden
 
 @pytest.mark.parametrize("policy", MX)
 def test_kernel_rows_round_trip(policy):
-    from prepkit.kernels.moe_mxfp4 import MxRows, from_mx_rows, group_order, to_mx_rows
+    from prepkit.kernels.mx import MxRows, from_mx_rows, group_order, to_mx_rows
 
     assert sorted(group_order()) == list(range(32))
     g = torch.Generator().manual_seed(0)
@@ -152,7 +152,7 @@ def test_kernel_rows_round_trip(policy):
 
 
 def test_tactics_that_cannot_run_a_policy_are_refused(experts, device):
-    from prepkit.kernels.moe_mxfp4 import fused_moe
+    from prepkit.kernels.mx import fused_moe
 
     layer, _ = make_layer(experts, TOP_K, device=device)
     x, logits = _inputs(3, 0, device)
@@ -165,7 +165,7 @@ def test_tactics_that_cannot_run_a_policy_are_refused(experts, device):
 
 
 def test_the_gemms_refuse_rows_of_another_policy(experts, device):
-    from prepkit.kernels import moe_mxfp4 as k
+    from prepkit.kernels import mx as k
 
     layer, _ = make_layer(experts, TOP_K, device=device)
     x, logits = _inputs(3, 0, device)

@@ -147,7 +147,7 @@ def test_ranks_add_up_to_the_layer(experts, device, tp_size, ep_size):
 
 def test_every_output_row_is_written(experts, device):
     """The output buffer starts as NaN: routing must clear every row before the combine adds."""
-    from prepkit.kernels.moe_mxfp4 import fused_moe
+    from prepkit.kernels.mx import fused_moe
 
     layer, _ = make_layer(experts, TOP_K, device=device)
     x, logits = _inputs(7, seed=2, device=device)
@@ -203,7 +203,7 @@ def test_reference_routing_matches_kernel_routing(experts, device):
 @pytest.mark.parametrize("expert_lo, local", [(0, E), (2, 3)])
 @pytest.mark.parametrize("top_k", [TOP_K, 3])
 def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, top_k):
-    from prepkit.kernels.moe_mxfp4 import route
+    from prepkit.kernels.mx import route
 
     logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)
     r = route(logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=local, hidden=H)
@@ -225,7 +225,7 @@ def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, 
 def test_routing_zeroes_every_output_column(device, T):
     """Output rows are zeroed in column chunks of 128 by their own programs; 300 columns leave a
     partial last chunk."""
-    from prepkit.kernels.moe_mxfp4 import route
+    from prepkit.kernels.mx import route
 
     hidden = 300
     logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)

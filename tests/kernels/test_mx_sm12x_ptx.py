@@ -19,7 +19,7 @@ _SCRIPT = r"""
 import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
-from prepkit.kernels.moe_mxfp4 import _gemm as k
+from prepkit.kernels.mx import _gemm as k
 
 PTRS = {"w_desc", "w_ptr", "s_ptr", "x_ptr", "h_ptr", "xs_ptr", "hs_ptr"}
 FP32 = {"b_ptr", "topk_w_ptr", "out_ptr"}

@@ -85,9 +85,10 @@ def test_the_variant_space_spans_the_table() -> None:
 
 
 def test_launchers_know_every_path_of_the_table() -> None:
-    from prepkit.kernels.moe_mxfp4.launch import _UPCAST_IDS, _check_tactic
+    from prepkit.kernels.mx._ids import UPCAST_IDS
+    from prepkit.kernels.mx.launch import _check_tactic
 
-    assert set(_UPCAST_IDS) == set(knob("upcast").domain)
+    assert set(UPCAST_IDS) == set(knob("upcast").domain)
     base = GemmTactic(16, 64, 128, 4, 3, 1, "bits")
     for k in FAMILY_KNOBS:
         with pytest.raises(ValueError, match=f"gemm2: unknown {k.name} 'bogus'"):

@@ -84,7 +84,7 @@ def test_invalid_reasons_name_the_knob():
 
 
 def test_the_dot_knob_reaches_the_kernel_only_for_swapped_tiles():
-    from prepkit.kernels.moe_mxfp4 import joins_halves, swaps_operands
+    from prepkit.kernels.mx import joins_halves, swaps_operands
 
     assert swaps_operands(GemmTactic(32)) and not swaps_operands(GemmTactic(64))
     assert not joins_halves(GemmTactic(16)) and joins_halves(GemmTactic(16, swapped_dot="joined"))
@@ -101,7 +101,7 @@ def test_a_default_that_does_not_fit_falls_back_to_pointer_loads_not_two_stage_t
 
 
 def test_weight_descriptor_only_where_the_tensor_allows_it(device):
-    from prepkit.kernels.moe_mxfp4 import weight_descriptor
+    from prepkit.kernels.mx import weight_descriptor
 
     if device == "cuda" and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the GPU has no TMA unit")
@@ -143,7 +143,7 @@ def test_tactic_json_round_trip_and_stable_key():
 
 
 def test_layout_ids_agree():
-    from prepkit.kernels.moe_mxfp4 import WEIGHT_LAYOUT
+    from prepkit.kernels.mx import WEIGHT_LAYOUT
     from prepkit.layouts.triton_moe import LAYOUT
     from prepkit.runtime.moe import WEIGHT_LAYOUT as RUNTIME_LAYOUT
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prepkit.kernels.activations import E2M1_VALUES
-from prepkit.kernels.moe_mxfp4._mx import _ASM_E2M1_TO_E4M3
+from prepkit.kernels.mx._mx import _ASM_E2M1_TO_E4M3
 
 M32 = 0xFFFFFFFF
 

@@ -90,7 +90,7 @@ def test_a_dense_tuned_variant_that_does_not_compile_falls_back(monkeypatch: pyt
     tuned = GemmTactic(16, 32, 64, 4, 2, 1, "bits")
     m = linear("mxfp4", 32, 3, "cpu", tactic_lookup=lambda *a: tuned)
     launched: list[GemmTactic] = []
-    real = __import__("prepkit.kernels.moe_mxfp4.dense", fromlist=["launch_dense"]).launch_dense
+    real = __import__("prepkit.kernels.mx.dense", fromlist=["launch_dense"]).launch_dense
 
     def fake_launch(x, weights, bias, tactic, activations, out):  # type: ignore[no-untyped-def]
         launched.append(tactic)
@@ -98,7 +98,7 @@ def test_a_dense_tuned_variant_that_does_not_compile_falls_back(monkeypatch: pyt
             raise OutOfResources(300000, 101376, "shared memory")
         return real(x, weights, bias, tactic, activations, out)
 
-    monkeypatch.setattr("prepkit.kernels.moe_mxfp4.dense.launch_dense", fake_launch)
+    monkeypatch.setattr("prepkit.kernels.mx.dense.launch_dense", fake_launch)
     x = torch.randn((2, 96), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     with pytest.warns(UserWarning, match="do not compile with this Triton"):
         y = m(x)

@@ -79,7 +79,7 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
         TOKENS,
         "--max-candidates",
         "24",
-        "--dense",
+        "--dense-formats",
         "none",
         "--json",
         "-q",
@@ -100,7 +100,7 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
     assert runs == [("complete",)] and winners >= 2 and bad == 0
 
     # The runtime reads what the CLI wrote.
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from prepkit.tactics.keys import gpt_oss_problems
 
     probs = gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")
@@ -124,7 +124,7 @@ def test_tune_fills_db_then_resumes(fake_gpu, tmp_path: Path) -> None:
 
 
 def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path, monkeypatch) -> None:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
     from prepkit.tactics.keys import gpt_oss_problems
     from prepkit.tactics.store import WinnerRow, env_record, open_db
     from prepkit.tune import kernel_candidates
@@ -141,7 +141,7 @@ def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path,
         tdb.put_problem(old)
         tdb.replace_winners(env_hash, old.problem_hash(), run, [WinnerRow(1, 8192, past, True)])
         tdb.finish_run(run, "complete")
-    r = invoke("tune", "--db", str(db), "--tokens", "1,8", "--max-candidates", "8", "--dense", "none", "-q")
+    r = invoke("tune", "--db", str(db), "--tokens", "1,8", "--max-candidates", "8", "--dense-formats", "none", "-q")
     assert r.exit_code == 0, r.output
     timed = {t for b in fake_gpu for op, t, _ in b.calls if op == "time"}
     assert past in timed
@@ -150,7 +150,18 @@ def test_tune_measures_past_winners_of_an_older_kernel(fake_gpu, tmp_path: Path,
 def test_tune_human_output_and_two_gpus(fake_gpu, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     r = invoke(
-        "tune", "--db", str(db), "--tokens", "1,2,8", "--gpus", "0,1", "--max-candidates", "8", "--dense", "none", "-q"
+        "tune",
+        "--db",
+        str(db),
+        "--tokens",
+        "1,2,8",
+        "--gpus",
+        "0,1",
+        "--max-candidates",
+        "8",
+        "--dense-formats",
+        "none",
+        "-q",
     )
     assert r.exit_code == 0, r.output
     assert str(db) in r.output and "gemm1" in r.output
@@ -168,7 +179,7 @@ def test_tune_shards_must_be_triton_moe(fake_gpu, tmp_path: Path) -> None:
 @pytest.fixture
 def filled(fake_gpu, tmp_path: Path) -> Path:
     db = tmp_path / "filled.db"
-    r = invoke("tune", "--db", str(db), "--tokens", TOKENS, "--max-candidates", "12", "--dense", "none", "-q")
+    r = invoke("tune", "--db", str(db), "--tokens", TOKENS, "--max-candidates", "12", "--dense-formats", "none", "-q")
     assert r.exit_code == 0, r.output
     return db
 

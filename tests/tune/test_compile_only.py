@@ -89,7 +89,7 @@ def test_compile_only_json_parses_and_works_with_triton_interpret_set() -> None:
 
 def test_a_failing_default_exits_6_naming_kernel_and_tactic() -> None:
     patch = (
-        "from prepkit.kernels import compile_check as cc\n"
+        "from prepkit.kernels.compile_check import moe as cc\n"
         "real = cc.invalid_reason\n"
         "cc.invalid_reason = lambda t, gemm, device, act: "
         "'rejected for the test' if gemm == 'gemm2' else real(t, gemm, device, act)\n"
@@ -110,7 +110,7 @@ def test_a_failing_default_exits_6_naming_kernel_and_tactic() -> None:
 def test_an_mx_default_without_the_native_mma_exits_6() -> None:
     # stand in a compiler that decomposes: the PTX then holds a bf16 mma.sync
     patch = (
-        "from prepkit.kernels import compile_check as cc\n"
+        "from prepkit.kernels.compile_check import sass as cc\n"
         "real = cc.mma_kind\n"
         "cc.mma_kind = lambda ptx: ('mma.sync bf16', 'mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32') "
         "if 'block_scale' in ptx else real(ptx)\n"
@@ -228,3 +228,24 @@ def test_every_sm12x_default_compiles_for_its_target(arch: str, activations: str
         else:
             ptx = {"mxfp8": "kind::mxf8f6f4.block_scale", "mxfp4": "kind::mxf4nvf4.block_scale"}[activations]
             assert x["mma"] == cc.NATIVE_MMA[activations] and ptx in x["mma_instruction"], label
+
+
+def test_compile_only_adds_the_dense_section_of_the_formats_asked() -> None:
+    # mxfp4 activations pair with mxfp4 weights only: "all" compiles that one format
+    r = run_tune(
+        "--arch", "sm121", "--activations", "mxfp4", "--no-moe", "--dense-formats", "all", "--json", "-q", *FAST
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    reports = json.loads(r.stdout)
+    assert {x["stage"] for x in reports} == {"dense"}
+    assert all(x["status"] == "compiled" and x["ptx_target"] == "sm_121a" for x in reports)
+    gemms = [x for x in reports if x["kernel"] == "_dense_kernel"]
+    assert gemms and {x["mma"] for x in gemms} == {"block_scale mxf4nvf4"}
+    # the origins name the model's dense shapes, derived from its config
+    assert {x["origin"].split()[1] for x in gemms} <= {"qkv", "o", "lm_head"}
+
+
+def test_compile_only_refuses_a_dense_format_the_policy_cannot_pair() -> None:
+    r = invoke("--arch", "sm121", "--activations", "mxfp4", "--dense-formats", "mxfp8", *FAST)
+    assert r.exit_code == 3  # refused before anything compiles
+    assert "they need mxfp4 weights, not mxfp8" in r.output  # the one pairing rule's words

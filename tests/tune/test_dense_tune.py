@@ -36,7 +36,7 @@ GPT_OSS_DENSE = {"qkv": (5120, 2880), "o": (2880, 4096), "lm_head": (201088, 288
 
 
 def kernel_version() -> str:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return str(KERNEL_VERSION)
 
@@ -78,7 +78,7 @@ def test_the_dense_choice_and_the_activation_policy_pick_the_formats() -> None:
     assert formats("all") == formats(None) == ["mxfp4_e2m1", "mxfp8_e4m3"]
     assert formats(None, "mxfp4") == ["mxfp4_e2m1"]  # mxfp4 activations need mxfp4 weights
     assert formats(None, "mxfp8") == ["mxfp4_e2m1", "mxfp8_e4m3"]
-    with pytest.raises(RecipeError, match="mxfp4 activations need mxfp4 weights"):
+    with pytest.raises(RecipeError, match="they need mxfp4 weights, not mxfp8"):
         formats("mxfp8", "mxfp4")
     acts = dense_targets(model=None, shards=None, choice="mxfp4", kernel_version="1", activations="mxfp8")
     assert {t.problem.act_dtype for t in acts} == {"mxfp8"} and acts[0].label.endswith(" act=mxfp8")
@@ -181,7 +181,8 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandIn:
 def test_a_dense_sweep_records_winners_the_dense_lookup_serves(stand_in: StandIn, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     opts = TuneOptions(
-        arch="sm90", model="gpt-oss-120b", points=POINTS, db_path=db, max_candidates=16, dense="mxfp4", moe=False,
+        arch="sm90", model="gpt-oss-120b", points=POINTS, db_path=db, max_candidates=16, dense_formats="mxfp4",
+        moe=False,
         cmdline=["test"],
     )  # fmt: skip
     report = tune_run.run_tune(opts)
@@ -227,7 +228,7 @@ def _key_args(report: Any) -> dict[str, Any]:
 def test_dense_none_sweeps_no_dense_problem(stand_in: StandIn, tmp_path: Path) -> None:
     r = CliRunner().invoke(
         cli, ["tune", "--arch", "sm90", "--db", str(tmp_path / "t.db"), "--tokens", "1,8", "--max-candidates", "6",
-              "--dense", "none", "--json", "-q"],
+              "--dense-formats", "none", "--json", "-q"],
         catch_exceptions=False,
     )  # fmt: skip
     assert r.exit_code == 0, r.output
@@ -238,17 +239,17 @@ def test_dense_none_sweeps_no_dense_problem(stand_in: StandIn, tmp_path: Path) -
 def test_the_cli_names_dense_problems_in_progress_and_summary(stand_in: StandIn, tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     args = ["tune", "--arch", "sm90", "--db", str(db), "--tokens", "1,8", "--max-candidates", "6", "--no-moe"]
-    r = CliRunner().invoke(cli, [*args, "--dense", "mxfp8"], catch_exceptions=False)
+    r = CliRunner().invoke(cli, [*args, "--dense-formats", "mxfp8"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     for name in ("dense mxfp8 qkv 5120x2880", "dense mxfp8 o 2880x4096", "dense mxfp8 lm_head 201088x2880"):
         assert name in r.output
-    out = json.loads(CliRunner().invoke(cli, [*args, "--dense", "mxfp8", "--json", "-q"]).output)
+    out = json.loads(CliRunner().invoke(cli, [*args, "--dense-formats", "mxfp8", "--json", "-q"]).output)
     assert [p["name"] for p in out["problems"]] == [
         "dense mxfp8 qkv 5120x2880", "dense mxfp8 o 2880x4096", "dense mxfp8 lm_head 201088x2880",
     ]  # fmt: skip
     shown = " ".join(CliRunner().invoke(cli, ["tactics", "show", "--db", str(db)]).output.split())
     assert "dense mxfp8 N=5120 K=2880" in shown and "dense mxfp8 N=201088 K=2880" in shown
-    r = CliRunner().invoke(cli, ["tune", "--arch", "sm90", "--db", str(db), "--no-moe", "--dense", "none"])
+    r = CliRunner().invoke(cli, ["tune", "--arch", "sm90", "--db", str(db), "--no-moe", "--dense-formats", "none"])
     assert r.exit_code == 3 and "nothing to tune" in r.output
 
 

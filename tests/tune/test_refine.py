@@ -128,7 +128,7 @@ def test_refinement_skips_blocked_neighbours_and_takes_over_stored_timings() -> 
 
 
 def test_a_replay_on_a_timing_map_shows_what_the_refinement_finds() -> None:
-    from prepkit.tune.replay import UNMAPPED_US, replay, timing_map
+    from benchmarks.search_replay import UNMAPPED_US, replay, timing_map
 
     cands, seed, step1, step2 = _seed_and_outside()
     space = rule_space(PROB, H100)

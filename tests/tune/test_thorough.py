@@ -54,7 +54,7 @@ TINY = gpt_oss_problems(
 
 
 def problems(activations: str = "bf16") -> dict[str, ProblemKey]:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return gpt_oss_problems(
         kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3", act_dtype=activations
@@ -246,7 +246,7 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
 
     monkeypatch.setattr(tune_run, "open_gpu_workers", open_workers)
     db = tmp_path / "t.db"
-    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, check_workers=2, dense="none", cmdline=["test"])
+    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, check_workers=2, dense_formats="none", cmdline=["test"])
     tune_run.run_tune(TuneOptions(**{**opts.__dict__, "thorough": True}))
     reqs = [json.loads(line) for line in log.read_text().splitlines()]
     checks = [r for r in reqs if r["op"] == "check"]
@@ -280,7 +280,7 @@ def test_check_workers_spread_over_the_gpus_of_the_run(small, monkeypatch: pytes
 
     monkeypatch.setattr(tune_run, "open_gpu_workers", open_workers)
     opts = TuneOptions(
-        arch="sm90", points=POINTS, db_path=tmp_path / "t.db", check_workers=4, dense="none", gpus=(0, 1),
+        arch="sm90", points=POINTS, db_path=tmp_path / "t.db", check_workers=4, dense_formats="none", gpus=(0, 1),
         thorough=True, cmdline=["test"],
     )  # fmt: skip
     tune_run.run_tune(opts)
@@ -344,7 +344,7 @@ def test_a_stopped_thorough_run_resumes_without_measuring_anything_twice(
     small, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     db = tmp_path / "t.db"
-    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, thorough=True, dense="none", cmdline=["test"])
+    opts = TuneOptions(arch="sm90", points=POINTS, db_path=db, thorough=True, dense_formats="none", cmdline=["test"])
     first = Recorder(fail_after=100)
     fake_gpu(monkeypatch, first)
     with pytest.raises(RuntimeError, match="went away"):
@@ -424,7 +424,18 @@ def test_the_summary_states_coverage_and_the_db_the_search(
     fake_gpu(monkeypatch, Recorder(timing_fails=slow_to_fail))
     db = tmp_path / "t.db"
     r = invoke(
-        "tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none", "--json", "-q"
+        "tune",
+        "--arch",
+        "sm90",
+        "--db",
+        str(db),
+        "--tokens",
+        TOKENS,
+        "--thorough",
+        "--dense-formats",
+        "none",
+        "--json",
+        "-q",
     )
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
@@ -443,7 +454,9 @@ def test_the_summary_states_coverage_and_the_db_the_search(
     assert json.loads(stored(db, "SELECT search_space FROM tuning_run")[0][0])["search"] == "thorough"
 
     # The text summary says the same; tactics show names the search.
-    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none").output
+    text = invoke(
+        "tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense-formats", "none"
+    ).output
     lines = [line for line in text.splitlines() if line.startswith("  thorough search, bf16:")]
     cov = out["problems"][0]["coverage"]
     assert len(lines) == 2 and lines[0] == (
@@ -456,11 +469,11 @@ def test_the_summary_states_coverage_and_the_db_the_search(
     assert rows and {w["search"] for w in rows} == {"thorough"}
 
     # A pruned run replaces the ranges, and says so; its summary is as before, with the search.
-    r = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense", "none", "--json", "-q")
+    r = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense-formats", "none", "--json", "-q")
     pruned = json.loads(r.output)
     assert pruned["search"] == "pruned" and all("coverage" not in p for p in pruned["problems"])
     assert {s for (s,) in stored(db, "SELECT search FROM winner")} == {"pruned"}
-    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense", "none").output
+    text = invoke("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--dense-formats", "none").output
     assert "search," not in text and "valid variants" not in text
     assert invoke("tactics", "show", "--db", str(db)).output.count("pruned search") == 2
 
@@ -477,7 +490,7 @@ def test_a_thorough_run_out_of_budget_says_so_and_the_next_one_finishes(
 
     fake_gpu(monkeypatch, Slow())
     db = tmp_path / "t.db"
-    args = ("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense", "none")
+    args = ("tune", "--arch", "sm90", "--db", str(db), "--tokens", TOKENS, "--thorough", "--dense-formats", "none")
     r = invoke(*args, "--budget-minutes", "0.1")
     assert r.exit_code == 0, r.output
     assert "(partial: budget reached; rerun to resume)" in r.output
@@ -518,7 +531,7 @@ def test_progress_lines_count_variants_and_estimate_the_time_left(
 
 def tune_both(monkeypatch: pytest.MonkeyPatch, pruned_db: Path, thorough_db: Path) -> None:
     fake_gpu(monkeypatch, Recorder())
-    base = ("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense", "none", "-q")
+    base = ("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense-formats", "none", "-q")
     assert invoke(*base, "--db", str(pruned_db), "--max-candidates", "8").exit_code == 0
     assert invoke(*base, "--db", str(thorough_db), "--thorough").exit_code == 0
 
@@ -537,7 +550,7 @@ def test_the_comparison_reads_both_searches_from_the_db(
     thorough_db = pruned_db if one_db else tmp_path / "thorough.db"
     tune_both(monkeypatch, pruned_db, thorough_db)
     dbs = [str(pruned_db)] if one_db else [str(pruned_db), str(thorough_db)]
-    from prepkit.tune import compare
+    from benchmarks import search_compare as compare
 
     doc = compare.compare(**compare.read_searches(dbs))
     assert doc["gpu"] == H100_ENV.name and len(doc["gemms"]) == 2
@@ -624,12 +637,13 @@ def test_the_comparison_counts_every_leg_of_a_resumed_search(
     assert tune_compare.main([str(db)]) == 3  # no such DB: a clear error
     assert "no such tactics DB" in capsys.readouterr().err
     fake_gpu(monkeypatch, Recorder())
-    assert invoke("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense", "none", "-q", "--db", str(db)).exit_code == 0
+    r = invoke("tune", "--arch", "sm90", "--tokens", TOKENS, "--dense-formats", "none", "-q", "--db", str(db))
+    assert r.exit_code == 0
     assert tune_compare.main([str(db)]) == 3  # a pruned run alone
     assert "no finished thorough run" in capsys.readouterr().err
 
     opts = TuneOptions(
-        arch="sm90", points=POINTS, db_path=db, thorough=True, dense="none", cmdline=["prepkit", "--thorough"]
+        arch="sm90", points=POINTS, db_path=db, thorough=True, dense_formats="none", cmdline=["prepkit", "--thorough"]
     )
     fake_gpu(monkeypatch, Recorder(fail_after=60))
     with pytest.raises(RuntimeError):

@@ -12,20 +12,21 @@ from typing import Any
 
 import pytest
 
+from benchmarks.search_compare import SIDE_BY_SIDE, markdown, retime
 from prepkit.errors import TacticsError
 from prepkit.kernels.device import H100 as H100_INFO
 from prepkit.tactics import store
 from prepkit.tactics.keys import Environment, ProblemKey, canon, gpt_oss_problems
 from prepkit.tune import CheckResult, SweepConfig, Timing, kernel_defaults, sweep
-from prepkit.tune.compare import SIDE_BY_SIDE, markdown, retime
+from prepkit.tune.layer_sweep import work_left
 from prepkit.tune.records import OK, Measurement, Screen
-from prepkit.tune.sweep import _work_left, choose
+from prepkit.tune.winners import choose
 
 POINTS = (1, 8, 64)
 
 
 def problem() -> ProblemKey:
-    from prepkit.kernels.moe_mxfp4 import KERNEL_VERSION
+    from prepkit.kernels.mx import KERNEL_VERSION
 
     return gpt_oss_problems(kernel="moe_mxfp4", kernel_version=str(KERNEL_VERSION), weight_layout="triton_moe_v3")[
         "gemm1"
@@ -111,10 +112,10 @@ def test_the_thorough_budget_follows_the_work_left_to_screen() -> None:
     half = {(m, t): {"status": OK, "median_us": 1.0} for t in cands[:5] for m in POINTS}
     partly = {**half, (1, cands[5]): {"status": OK, "median_us": 1.0}}  # one anchor of six: not done
     size = p.n * p.k  # a screen's time grows with the GEMM's size
-    assert _work_left(p, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 5 * size
-    assert _work_left(p, lambda q: cands, lambda q: (half, {}, set(cands[5:])), cfg) == size  # the rest blocked
+    assert work_left(p, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 5 * size
+    assert work_left(p, lambda q: cands, lambda q: (half, {}, set(cands[5:])), cfg) == size  # the rest blocked
     wide = dataclasses.replace(p, n=2 * p.n)
-    assert _work_left(wide, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 10 * size
+    assert work_left(wide, lambda q: cands, lambda q: (partly, {}, set()), cfg) == 10 * size
 
 
 def test_the_db_prefers_a_full_timing_over_a_later_screen(tmp_path: Path) -> None:

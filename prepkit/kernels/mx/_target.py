@@ -40,6 +40,18 @@ def launch_capability(device: torch.device) -> Capability | None:
     return _cuda_capability(device.index or 0)
 
 
+def current_stream(device: torch.device) -> int:
+    """The raw handle of the current CUDA stream of ``device`` (what Triton launches on)."""
+    return torch._C._cuda_getCurrentRawStream(device.index or 0)
+
+
+def stream_key(device: torch.device) -> tuple[str, int, int]:
+    """What keys per-stream buffers: the device and, on CUDA, its current stream (elsewhere one
+    stream: the interpreter runs launches in order)."""
+    stream = current_stream(device) if device.type == "cuda" else 0
+    return device.type, device.index or 0, stream
+
+
 @contextlib.contextmanager
 def pinned_capability(capability: Capability) -> Iterator[None]:
     """Inside the block every launch decides as on a CUDA device of ``capability``, whatever device

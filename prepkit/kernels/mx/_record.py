@@ -1,5 +1,5 @@
 """Every kernel launch of the layer goes through :func:`launch`, so that a launch plan
-(:mod:`prepkit.kernels.moe_mxfp4.plan`) can record what one call launched and replay it."""
+(:mod:`prepkit.kernels.mx.plan`) can record what one call launched and replay it."""
 
 from __future__ import annotations
 

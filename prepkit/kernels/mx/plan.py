@@ -25,9 +25,9 @@ from typing import Any, Protocol
 import torch
 
 from prepkit.kernels.activations import ActivationPolicy
-from prepkit.kernels.moe_mxfp4._record import Launch, Zeroing, recording
-from prepkit.kernels.moe_mxfp4._target import interpreting
-from prepkit.kernels.moe_mxfp4.launch import Workspace
+from prepkit.kernels.mx._record import Launch, Zeroing, recording
+from prepkit.kernels.mx._target import current_stream, interpreting
+from prepkit.kernels.mx.launch import Workspace
 
 # Above this many tokens a call's GPU time dwarfs its host time (measured on an H100: 64 tokens
 # take ~630 us on the GPU), and each planned token count keeps a workspace.
@@ -37,11 +37,6 @@ _HIDDEN, _LOGITS, _OUT = 0, 1, 2  # the per-call tensors, in the order a replay 
 
 _WorkspaceKey = tuple[int, int, int, int, int, int, int, str]
 _WORKSPACES: dict[_WorkspaceKey, Workspace] = {}
-
-
-def current_stream(device: torch.device) -> int:
-    """The raw handle of the current CUDA stream of ``device`` (what Triton launches on)."""
-    return torch._C._cuda_getCurrentRawStream(device.index or 0)
 
 
 def shared_workspace(
@@ -173,7 +168,7 @@ def plan_fused_moe(
     """:func:`~.launch.fused_moe` with the same arguments, and the plan that replays it for new
     activations and logits of the same shapes (``None`` where calls cannot be planned: see
     :func:`plannable`)."""
-    from prepkit.kernels.moe_mxfp4.launch import fused_moe
+    from prepkit.kernels.mx.launch import fused_moe
 
     def call(workspace: Workspace | None) -> torch.Tensor:
         return fused_moe(

@@ -1,4 +1,4 @@
-"""The host side of the dense MX linear (:mod:`~prepkit.kernels.moe_mxfp4._dense`): the weights,
+"""The host side of the dense MX linear (:mod:`~prepkit.kernels.mx._dense`): the weights,
 argument checks, the default variant and the launches.
 
 ``mx_linear(x, weights, bias)`` is ``x @ W^T + bias`` for bf16 ``x [..., K]`` and a weight stored
@@ -19,21 +19,18 @@ import triton
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import ARCH_DEVICES, H100, DeviceInfo
-from prepkit.kernels.moe_mxfp4._chain import chain_launch
-from prepkit.kernels.moe_mxfp4._dense import W_MXFP4, W_MXFP8, _dense_kernel, _quantize_rows_kernel
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
-from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
-from prepkit.kernels.moe_mxfp4._record import launch
-from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
-from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_BITS, UPCAST_DOT_SCALED
+from prepkit.kernels.mx._chain import chain_launch
+from prepkit.kernels.mx._dense import _dense_kernel, _quantize_rows_kernel
+from prepkit.kernels.mx._ids import ACT_IDS, UPCAST_IDS, WFMT_IDS
+from prepkit.kernels.mx._mx_rows import MxRows
+from prepkit.kernels.mx._record import launch
+from prepkit.kernels.mx._target import interpreting, launch_capability, stream_key
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import dense_default, dense_invalid_reason, joins_halves, swaps_operands
-from prepkit.layouts.dense_mx import MX_FORMATS, mx_format
+from prepkit.layouts.dense_mx import mx_format
 from prepkit.layouts.triton_moe import PANEL_BYTES
+from prepkit.mx_formats import MX_FORMATS, pairing_reason
 
-_UPCAST_IDS = {"bits": UPCAST_BITS.value, "dot_scaled": UPCAST_DOT_SCALED.value, "asm": UPCAST_ASM.value}
-_ACT_IDS = {"bf16": ACT_BF16.value, "mxfp8": ACT_MXFP8.value, "mxfp4": ACT_MXFP4.value}
-_WFMT_IDS = {"mxfp4": W_MXFP4.value, "mxfp8": W_MXFP8.value}
 # Rows and columns one program of the row quantizer covers.
 _QUANT_ROWS = 16
 _QUANT_COLS = 128
@@ -169,7 +166,7 @@ def quantize_rows(
             _quantize_rows_kernel,
             (triton.cdiv(T, _QUANT_ROWS), triton.cdiv(K, _QUANT_COLS)),
             x, rows.codes, rows.scales, T, K, x.stride(0),
-            BLOCK_T=_QUANT_ROWS, BLOCK_K=_QUANT_COLS, ACT=_ACT_IDS[activations], NATURAL=natural,
+            BLOCK_T=_QUANT_ROWS, BLOCK_K=_QUANT_COLS, ACT=ACT_IDS[activations], NATURAL=natural,
             **chain_launch(x.device),
         )  # fmt: skip
     return rows
@@ -189,7 +186,7 @@ def launch_dense(
     N = weights.n
     if T == 0:
         return out
-    act = _ACT_IDS[activations]
+    act = ACT_IDS[activations]
     if act:
         xq = quantize_rows(x, activations, natural=weights.fmt == "mxfp8")
         x_in, xs_in, stride_x = xq.codes, xq.scales, xq.codes.stride(0)
@@ -207,25 +204,28 @@ def launch_dense(
         bias if bias is not None else out, out, part, counts, T, N, K, stride_x, out.stride(0),
         weights.blocks.stride(0) // PANEL_BYTES, weights.scales.stride(0),
         BLOCK_M=tactic.block_m, BLOCK_N=tactic.block_n, BLOCK_K=tactic.block_k, SPLIT_K=tactic.split_k,
-        UPCAST=_UPCAST_IDS[tactic.upcast], DOT_FP32=interpreting(), SWAP=swaps_operands(tactic, activations),
+        UPCAST=UPCAST_IDS[tactic.upcast], DOT_FP32=interpreting(), SWAP=swaps_operands(tactic, activations),
         JOIN=joins_halves(tactic), W_TMA=w_desc is not None, MASK_ALL=tactic.k_loop == "masked",
-        PANEL_K=mx_format(weights.fmt).panel_k, ACT=act, WFMT=_WFMT_IDS[weights.fmt], HAS_BIAS=bias is not None,
+        PANEL_K=mx_format(weights.fmt).panel_k, ACT=act, WFMT=WFMT_IDS[weights.fmt], HAS_BIAS=bias is not None,
         **chain_launch(x.device), num_warps=tactic.num_warps, num_stages=tactic.num_stages,
     )  # fmt: skip
     return out
 
 
-# Per device: arrival counters of the K splits' tiles, zero between calls (each call's last split
-# resets its tile's). Calls on one stream run one after another (programmatic dependent launch
-# waits for the kernel before), so they can share one buffer.
-_SPLIT_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# Per device and stream, as the MoE layer's workspaces (plan.shared_workspace): arrival counters
+# of the K splits' tiles, zero between calls (each call's last split resets its tile's). Calls on
+# one stream run one after another (programmatic dependent launch waits for the kernel before), so
+# they can share one buffer; calls on two streams may overlap, so they must not.
+_SPLIT_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` zeroed int32 counters on ``device`` (grown, zeroed, when short)."""
-    counts = _SPLIT_COUNTERS.get(device)
+    """At least ``tiles`` zeroed int32 counters for launches on ``device``'s current stream (grown,
+    zeroed, when short)."""
+    key = stream_key(device)
+    counts = _SPLIT_COUNTERS.get(key)
     if counts is None or counts.numel() < tiles:
-        counts = _SPLIT_COUNTERS[device] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        counts = _SPLIT_COUNTERS[key] = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
     return counts
 
 
@@ -246,8 +246,9 @@ def mx_linear(
         ValueError: shapes, dtypes, devices or a tactic that do not fit (the message names the tensor).
     """
     activations = check_policy(activations)
-    if activations == "mxfp4" and weights.fmt != "mxfp4":
-        raise ValueError(f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {weights.fmt}")
+    pairing = pairing_reason(activations, weights.fmt)
+    if pairing is not None:
+        raise ValueError(pairing)
     if x.dtype != torch.bfloat16:
         raise ValueError(f"x: dtype {x.dtype}, the dense kernel reads bfloat16 activations")
     if x.dim() < 1 or x.shape[-1] != weights.k:

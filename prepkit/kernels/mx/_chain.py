@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
+from prepkit.kernels.mx._target import interpreting, launch_capability
 
 
 @triton.jit

@@ -1,4 +1,5 @@
-"""The bundled MXFP4 MoE layer in Triton: routing, grouping, GEMM1 + SwiGLU, GEMM2 + combine.
+"""The bundled MX kernels in Triton: the MXFP4 MoE layer (routing, grouping, GEMM1 + SwiGLU, GEMM2 +
+combine) and the dense MX linear, which share one K loop.
 
 Four launches per layer (three when one routing program covers every token), all with static
 grids so a CUDA graph can capture them:
@@ -45,18 +46,20 @@ same-format operands: e4m3 x e4m3 (the weights widened from e2m1 in registers, e
 e2m1 x e2m1 (the stored weight bytes as they are). SM12x lowers both to block-scaled MMA; other
 GPUs run Triton's decomposition of the same dot.
 
-Modules: :mod:`~prepkit.kernels.moe_mxfp4.launch` (the host API, re-exported here), ``_routing``
-(steps 1-2), ``_gemm`` (steps 3-4) over ``_mainloop`` (the K loops), ``_upcast`` (fp4 -> bf16,
+Modules: :mod:`~prepkit.kernels.mx.launch` (the host API, re-exported here), ``_routing``
+(steps 1-2), ``_gemm`` (steps 3-4) over ``_mainloop`` (the K loops and their one dispatcher; their steps in
+``_steps``), ``_buffers`` (the routing and the workspace), ``_ids`` (the
+host names of the kernels' constexpr ids), ``_upcast`` (fp4 -> bf16,
 with its inline PTX), ``_mx`` (MX quantizing and widening), ``_mx_rows`` (the MX row format),
 ``_chain`` (programmatic dependent launch), ``_target`` (the one place launches read the
 device and the interpreter), and the dense MX linear that shares the K loops: ``_dense``
-(its kernels) and :mod:`~prepkit.kernels.moe_mxfp4.dense` (``mx_linear``, re-exported here).
+(its kernels) and :mod:`~prepkit.kernels.mx.dense` (``mx_linear``, re-exported here).
 """
 
 from prepkit.constants import TRITON_MOE_LAYOUT_ID
-from prepkit.kernels.moe_mxfp4._mx_rows import MxRows, from_mx_rows, group_order, to_mx_rows
-from prepkit.kernels.moe_mxfp4.dense import DenseMxWeights, default_dense_tactic, mx_linear
-from prepkit.kernels.moe_mxfp4.launch import (
+from prepkit.kernels.mx._mx_rows import MxRows, from_mx_rows, group_order, to_mx_rows
+from prepkit.kernels.mx.dense import DenseMxWeights, default_dense_tactic, mx_linear
+from prepkit.kernels.mx.launch import (
     SWIGLU_ALPHA,
     SWIGLU_LIMIT,
     Routing,
@@ -71,7 +74,7 @@ from prepkit.kernels.moe_mxfp4.launch import (
     upcast_id,
     weight_descriptor,
 )
-from prepkit.kernels.moe_mxfp4.plan import MAX_PLANNED_TOKENS, LaunchPlan, plan_fused_moe
+from prepkit.kernels.mx.plan import MAX_PLANNED_TOKENS, LaunchPlan, plan_fused_moe
 
 WEIGHT_LAYOUT = TRITON_MOE_LAYOUT_ID
 # The kernel's version in tactic DB keys: bump it when a change alters what a tactic measures

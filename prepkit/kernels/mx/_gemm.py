@@ -6,10 +6,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._chain import _chain_enter
-from prepkit.kernels.moe_mxfp4._mainloop import _mx_mainloop, _mxfp4_mainloop, _zero_acc
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, _store_mx
-from prepkit.kernels.moe_mxfp4._routing import _row_block
+from prepkit.kernels.mx._chain import _chain_enter
+from prepkit.kernels.mx._ids import W_MXFP4
+from prepkit.kernels.mx._mainloop import _mainloop, _zero_acc
+from prepkit.kernels.mx._mx import ACT_BF16, _store_mx
+from prepkit.kernels.mx._routing import _row_block
 
 
 @triton.jit
@@ -60,58 +61,35 @@ def _gemm1_swiglu_kernel(
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
-        if ACT != ACT_BF16:
-            acc = _mx_mainloop(
-                x_ptr + tok * stride_xt,
-                xs_ptr + tok * (K // 32),
-                m_mask,
-                w_ptr + e64 * stride_we,
-                w_desc,
-                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-                s_ptr + e64 * stride_se,
-                offs_n,
-                n_mask,
-                N_STORED,
-                stride_sk,
-                0,
-                K,
-                acc,
-                BLOCK_N,
-                BLOCK_K,
-                ACT,
-                SWAP,
-                W_TMA,
-                MASK_ALL,
-                PANEL_K,
-                not DOT_FP32,
-            )
-        else:
-            acc = _mxfp4_mainloop(
-                x_ptr + tok * stride_xt,
-                m_mask,
-                w_ptr + e64 * stride_we,
-                w_desc,
-                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-                s_ptr + e64 * stride_se,
-                offs_n,
-                n_mask,
-                N_STORED,
-                stride_sk,
-                0,
-                K,
-                K,
-                acc,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                UPCAST,
-                DOT_FP32,
-                SWAP,
-                JOIN,
-                W_TMA,
-                MASK_ALL,
-                PANEL_K,
-            )
+        acc = _mainloop(
+            x_ptr + tok * stride_xt,
+            xs_ptr + tok * (K // 32) if ACT != ACT_BF16 else xs_ptr,
+            m_mask,
+            w_ptr + e64 * stride_we,
+            w_desc,
+            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+            s_ptr + e64 * stride_se,
+            offs_n,
+            n_mask,
+            N_STORED,
+            stride_sk,
+            0,
+            K,
+            K,
+            acc,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            DOT_FP32,
+            SWAP,
+            JOIN,
+            W_TMA,
+            MASK_ALL,
+            PANEL_K,
+            ACT,
+            W_MXFP4,
+        )
         bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
         offs_i = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         # Rows alternate gate/up, so each pair of tile rows/columns is one (gate, up) unit.
@@ -198,58 +176,35 @@ def _gemm2_combine_kernel(
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
         acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
-        if ACT != ACT_BF16:
-            acc = _mx_mainloop(
-                h_ptr + rows * stride_ht,
-                hs_ptr + rows * (K // 32),
-                m_mask,
-                w_ptr + e64 * stride_we,
-                w_desc,
-                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-                s_ptr + e64 * stride_se,
-                offs_n,
-                n_mask,
-                N_STORED,
-                stride_sk,
-                k_lo,
-                k_hi,
-                acc,
-                BLOCK_N,
-                BLOCK_K,
-                ACT,
-                SWAP,
-                W_TMA,
-                MASK_ALL,
-                PANEL_K,
-                not DOT_FP32,
-            )
-        else:
-            acc = _mxfp4_mainloop(
-                h_ptr + rows * stride_ht,
-                m_mask,
-                w_ptr + e64 * stride_we,
-                w_desc,
-                (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
-                s_ptr + e64 * stride_se,
-                offs_n,
-                n_mask,
-                N_STORED,
-                stride_sk,
-                k_lo,
-                k_hi,
-                K,
-                acc,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                UPCAST,
-                DOT_FP32,
-                SWAP,
-                JOIN,
-                W_TMA,
-                MASK_ALL,
-                PANEL_K,
-            )
+        acc = _mainloop(
+            h_ptr + rows * stride_ht,
+            hs_ptr + rows * (K // 32) if ACT != ACT_BF16 else hs_ptr,
+            m_mask,
+            w_ptr + e64 * stride_we,
+            w_desc,
+            (e64 * N_STORED * K_PANELS + pid_n * BLOCK_N).to(tl.int32),
+            s_ptr + e64 * stride_se,
+            offs_n,
+            n_mask,
+            N_STORED,
+            stride_sk,
+            k_lo,
+            k_hi,
+            K,
+            acc,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            UPCAST,
+            DOT_FP32,
+            SWAP,
+            JOIN,
+            W_TMA,
+            MASK_ALL,
+            PANEL_K,
+            ACT,
+            W_MXFP4,
+        )
         if HAS_BIAS:
             bias = tl.load(b_ptr + e64 * stride_be + offs_n, mask=n_mask, other=0.0)
             bias = tl.where(pid_k == 0, bias, 0.0)

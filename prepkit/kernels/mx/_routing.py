@@ -7,8 +7,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._chain import _chain_enter
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, _store_mx
+from prepkit.kernels.mx._chain import _chain_enter
+from prepkit.kernels.mx._mx import ACT_BF16, _store_mx
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """The dense MX linear, ``y[T, N] = x[T, K] @ W^T (+ bias)``: the MoE GEMM with one group and no
-routing. Each program runs the MoE layer's K loop (:mod:`~prepkit.kernels.moe_mxfp4._mainloop`)
+routing. Each program runs the MoE layer's K loop (:mod:`~prepkit.kernels.mx._mainloop`)
 over one row block of ``x`` and one N tile of ``W``, the weights as a single expert whose panels
 hold ``N`` rows. With a K split (decode shapes with few N tiles) each split stores its fp32
 partial sums and the last split of a tile to finish reduces them (a counter per tile, reset by
@@ -15,13 +15,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from prepkit.kernels.moe_mxfp4._chain import _chain_enter
-from prepkit.kernels.moe_mxfp4._mainloop import _e4m3_mainloop, _mx_mainloop, _mxfp4_mainloop, _zero_acc
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, _store_mx
-
-# The kernel's WFMT constant: the weights' element format.
-W_MXFP4: tl.constexpr = tl.constexpr(0)
-W_MXFP8: tl.constexpr = tl.constexpr(1)
+from prepkit.kernels.mx._chain import _chain_enter
+from prepkit.kernels.mx._mainloop import _mainloop, _zero_acc
+from prepkit.kernels.mx._mx import _store_mx
 
 
 @triton.jit
@@ -81,21 +77,10 @@ def _dense_kernel(
     a_rows = x_ptr + rows * stride_xt
     as_rows = xs_ptr + rows * (K // 32)
     w_row = (pid_n * BLOCK_N).to(tl.int32)
-    if WFMT == W_MXFP8:
-        acc = _e4m3_mainloop(
-            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, acc,
-            BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K,
-        )  # fmt: skip
-    elif ACT != ACT_BF16:
-        acc = _mx_mainloop(
-            a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, acc,
-            BLOCK_N, BLOCK_K, ACT, SWAP, W_TMA, MASK_ALL, PANEL_K, not DOT_FP32,
-        )  # fmt: skip
-    else:
-        acc = _mxfp4_mainloop(
-            a_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, K, acc,
-            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K,
-        )  # fmt: skip
+    acc = _mainloop(
+        a_rows, as_rows, m_mask, w_ptr, w_desc, w_row, s_ptr, offs_n, n_mask, N_STORED, stride_sk, k_lo, k_hi, K, acc,
+        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_FP32, SWAP, JOIN, W_TMA, MASK_ALL, PANEL_K, ACT, WFMT,
+    )  # fmt: skip
     if SWAP:
         ptrs = y_ptr + rows[None, :] * stride_yt + offs_n[:, None]
         mask = m_mask[None, :] & n_mask[:, None]

@@ -1,32 +1,28 @@
-"""The host side of the layer: argument checks, grids and the launches of the four kernels."""
+"""The host side of the layer: argument checks, grids and the launches of the four kernels
+(:class:`Routing` and :class:`Workspace`, re-exported here, live in :mod:`._buffers`)."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.kernels.device import DeviceInfo
-from prepkit.kernels.moe_mxfp4._chain import chain_launch
-from prepkit.kernels.moe_mxfp4._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
-from prepkit.kernels.moe_mxfp4._mx import ACT_BF16, ACT_MXFP4, ACT_MXFP8
-from prepkit.kernels.moe_mxfp4._mx_rows import MxRows
-from prepkit.kernels.moe_mxfp4._record import launch, zero
-from prepkit.kernels.moe_mxfp4._routing import _route_kernel, _scatter_kernel
-from prepkit.kernels.moe_mxfp4._target import interpreting, launch_capability
-from prepkit.kernels.moe_mxfp4._upcast import UPCAST_ASM, UPCAST_ASM_FOLDED, UPCAST_BITS, UPCAST_DOT_SCALED
+from prepkit.kernels.mx._buffers import Routing, Workspace, empty_h1
+from prepkit.kernels.mx._chain import chain_launch
+from prepkit.kernels.mx._gemm import _gemm1_swiglu_kernel, _gemm2_combine_kernel
+from prepkit.kernels.mx._ids import ACT_IDS, UPCAST_IDS
+from prepkit.kernels.mx._mx_rows import MxRows
+from prepkit.kernels.mx._record import launch, zero
+from prepkit.kernels.mx._routing import _route_kernel, _scatter_kernel
+from prepkit.kernels.mx._target import interpreting, launch_capability
+from prepkit.kernels.mx._upcast import UPCAST_ASM_FOLDED
 from prepkit.kernels.tactic import GemmTactic
-from prepkit.kernels.variants import invalid_reason, joins_halves, swaps_operands
+from prepkit.kernels.variants import invalid_reason, joins_halves, next_pow2, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
 
 SWIGLU_ALPHA = 1.702
 SWIGLU_LIMIT = 7.0
-
-# Host names of the kernels' constexpr ids (defined once, next to the code that compares them).
-_UPCAST_IDS = {"bits": UPCAST_BITS.value, "dot_scaled": UPCAST_DOT_SCALED.value, "asm": UPCAST_ASM.value}
-_ACT_IDS = {"bf16": ACT_BF16.value, "mxfp8": ACT_MXFP8.value, "mxfp4": ACT_MXFP4.value}
 
 
 def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
@@ -37,7 +33,7 @@ def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
     wrong ``True`` gives wrong values for scales above 2."""
     if tactic.upcast == "asm" and small_scales:
         return UPCAST_ASM_FOLDED.value
-    return _UPCAST_IDS[tactic.upcast]
+    return UPCAST_IDS[tactic.upcast]
 
 
 def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
@@ -45,10 +41,6 @@ def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
     busy = min(num_local_experts, num_picks)
     return (num_picks + busy * (block_m - 1)) // block_m
-
-
-def _next_pow2(x: int) -> int:
-    return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def _check_tactic(t: GemmTactic, name: str, activations: ActivationPolicy = "bf16") -> None:
@@ -103,75 +95,6 @@ def weight_descriptor(
     return TensorDescriptor.from_tensor(flat, [tactic.block_n, tactic.block_k // 2])
 
 
-@dataclass
-class Routing:
-    """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``;
-    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16."""
-
-    num_tokens: int
-    top_k: int
-    num_local_experts: int
-    counts: torch.Tensor  # [E_local] int32 rows per local expert
-    sorted_picks: torch.Tensor  # [T*k] int32 pick index (token*k + slot), grouped by expert
-    topk_ids: torch.Tensor  # [T, k] int32 global expert ids, largest logit first
-    topk_weights: torch.Tensor  # [T, k] fp32 softmax over the k picks
-    out: torch.Tensor  # [T, H] fp32
-    activations: ActivationPolicy = "bf16"
-    x_mx: MxRows | None = None
-
-    @property
-    def num_picks(self) -> int:
-        return self.num_tokens * self.top_k
-
-
-def empty_h1(
-    num_picks: int, valid_intermediate: int, activations: ActivationPolicy, device: torch.device
-) -> torch.Tensor | MxRows:
-    """GEMM1's output rows: bf16, or quantized to the MX policy."""
-    if activations != "bf16":
-        return MxRows.empty(max(num_picks, 1), valid_intermediate, activations, device)
-    return torch.empty((max(num_picks, 1), valid_intermediate), dtype=torch.bfloat16, device=device)
-
-
-@dataclass
-class Workspace:
-    """What one call of the layer keeps between its launches: everything but the output. A launch
-    plan keeps one per stream and shape and reuses it call after call; calls on one stream run in
-    order, so no call reads what a later one writes."""
-
-    counts: torch.Tensor
-    topk_ids: torch.Tensor
-    topk_weights: torch.Tensor
-    rank: torch.Tensor
-    sorted_picks: torch.Tensor
-    x_mx: MxRows | None = None
-    h1: torch.Tensor | MxRows | None = None
-
-    @classmethod
-    def empty(
-        cls,
-        *,
-        tokens: int,
-        top_k: int,
-        num_local_experts: int,
-        hidden: int,
-        activations: ActivationPolicy,
-        device: torch.device,
-        valid_intermediate: int | None = None,
-    ) -> Workspace:
-        """Routing buffers for ``tokens``; with ``valid_intermediate`` GEMM1's output rows too."""
-        picks = tokens * top_k
-        return cls(
-            torch.empty(num_local_experts, dtype=torch.int32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.float32, device=device),
-            torch.empty((tokens, top_k), dtype=torch.int32, device=device),
-            torch.empty(max(picks, 1), dtype=torch.int32, device=device),
-            MxRows.empty(max(tokens, 1), hidden, activations, device) if activations != "bf16" else None,
-            None if valid_intermediate is None else empty_h1(picks, valid_intermediate, activations, device),
-        )
-
-
 def route(
     router_logits: torch.Tensor,
     *,
@@ -191,7 +114,7 @@ def route(
     device = router_logits.device
     if router_logits.stride(1) != 1:
         raise ValueError("router_logits must be contiguous in its last dim")
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     if act:
         if hidden_states is None or tuple(hidden_states.shape) != (T, hidden) or not hidden_states.is_contiguous():
             got = None if hidden_states is None else list(hidden_states.shape)
@@ -201,10 +124,10 @@ def route(
     TK = T * top_k
     if out is None:
         out = torch.empty((T, hidden), dtype=torch.float32, device=device)
-    e_pad_all = max(16, _next_pow2(E_total))
-    e_pad_local = max(16, _next_pow2(num_local_experts))
+    e_pad_all = max(16, next_pow2(E_total))
+    e_pad_local = max(16, next_pow2(num_local_experts))
     # Up to 32 tokens (128 experts) one program routes them all and groups the picks itself.
-    block_t = max(1, min(32, 4096 // e_pad_all, _next_pow2(T)))
+    block_t = max(1, min(32, 4096 // e_pad_all, next_pow2(T)))
     programs = triton.cdiv(T, block_t)
     if workspace is None:
         workspace = Workspace.empty(
@@ -218,11 +141,13 @@ def route(
     if programs != 1:
         # Counters start at zero for the atomics of several programs; one program writes them whole.
         zero(counts)
+    if act and x_mx is None:
+        raise ValueError(f"activations {activations!r}: the workspace holds no rows to quantize into (x_mx)")
     routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
     if T == 0:
         return routing
     block_h = 128
-    picks_per_program = block_t * _next_pow2(top_k)
+    picks_per_program = block_t * next_pow2(top_k)
     launch(
         _route_kernel,
         (programs, max(1, triton.cdiv(hidden, block_h))),
@@ -241,14 +166,14 @@ def route(
         expert_lo,
         num_local_experts,
         hidden_states if act else None,
-        x_mx.codes if act else None,
-        x_mx.scales if act else None,
+        x_mx.codes if x_mx is not None and act else None,
+        x_mx.scales if x_mx is not None and act else None,
         TOP_K=top_k,
         BLOCK_T=block_t,
         E_PAD=e_pad_all,
         BLOCK_H=block_h,
         E_LOCAL_PAD=e_pad_local,
-        TOPK_PAD=_next_pow2(top_k),
+        TOPK_PAD=next_pow2(top_k),
         PLACE=programs == 1,  # one launch fewer for few tokens
         ACT=act,
         **chain_launch(device),
@@ -292,7 +217,7 @@ def gemm1_swiglu(
     """GEMM1 + SwiGLU: bf16 ``[T*k, valid_intermediate]`` activations in grouped order, or with
     an MX policy the same rows quantized (:class:`MxRows`; GEMM1 then reads ``routing.x_mx``, so
     the routing must have been made with the same policy). ``small_scales``: see :func:`upcast_id`."""
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm1", activations)
     if routing.activations != activations:
         raise ValueError(f"gemm1 runs activations {activations!r}, the routing quantized for {routing.activations!r}")
@@ -315,7 +240,10 @@ def gemm1_swiglu(
     n1 = 2 * valid_intermediate
     grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
     w_desc = weight_descriptor(w13_blocks, tactic, activations)
-    x_in = routing.x_mx.codes if act else hidden_states
+    x_mx = routing.x_mx if act else None
+    if act and (x_mx is None or not isinstance(h1, MxRows)):
+        raise ValueError(f"gemm1: activations {activations!r} need the routing's quantized rows and MX output rows")
+    x_in = x_mx.codes if x_mx is not None else hidden_states
     launch(
         _gemm1_swiglu_kernel,
         grid,
@@ -326,9 +254,9 @@ def gemm1_swiglu(
         w13_bias,
         routing.counts,
         routing.sorted_picks,
-        h1.codes if act else h1,
-        routing.x_mx.scales if act else None,
-        h1.scales if act else None,
+        h1.codes if isinstance(h1, MxRows) else h1,
+        x_mx.scales if x_mx is not None else None,
+        h1.scales if isinstance(h1, MxRows) else None,
         n1,
         H,
         E_local,
@@ -337,13 +265,13 @@ def gemm1_swiglu(
         w13_scales.stride(0),
         w13_scales.stride(1),
         w13_bias.stride(0),
-        h1.codes.stride(0) if act else h1.stride(0),
+        h1.codes.stride(0) if isinstance(h1, MxRows) else h1.stride(0),
         w13_blocks.shape[2],
         w13_blocks.shape[1],
         swiglu_alpha,
         swiglu_limit,
         TOP_K=routing.top_k,
-        E_PAD=max(16, _next_pow2(E_local)),
+        E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
         BLOCK_N=tactic.block_n,
         BLOCK_K=tactic.block_k,
@@ -376,9 +304,9 @@ def gemm2_combine(
     """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``. ``h1``
     is what :func:`gemm1_swiglu` returned for the same ``activations``. ``small_scales``: see
     :func:`upcast_id`."""
-    act = _ACT_IDS[check_policy(activations)]
+    act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm2", activations)
-    if isinstance(h1, MxRows) != bool(act) or (act and h1.activations != activations):
+    if isinstance(h1, MxRows) != bool(act) or (isinstance(h1, MxRows) and h1.activations != activations):
         got = h1.activations if isinstance(h1, MxRows) else "bf16"
         raise ValueError(f"gemm2 runs activations {activations!r}, h1 holds {got!r} rows")
     out = routing.out
@@ -415,12 +343,12 @@ def gemm2_combine(
         w2_blocks.stride(0),
         w2_scales.stride(0),
         w2_scales.stride(1),
-        w2_bias.stride(0) if has_bias else 0,
+        w2_bias.stride(0) if w2_bias is not None else 0,
         out.stride(0),
         w2_blocks.shape[2],
         w2_blocks.shape[1],
         TOP_K=routing.top_k,
-        E_PAD=max(16, _next_pow2(E_local)),
+        E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
         BLOCK_N=tactic.block_n,
         BLOCK_K=tactic.block_k,
@@ -502,3 +430,19 @@ def fused_moe(
     return gemm2_combine(
         routing, h1, w2_blocks, w2_scales, w2_bias, tactic=gemm2, small_scales=small_scales[1], activations=activations
     )
+
+
+__all__ = [
+    "SWIGLU_ALPHA",
+    "SWIGLU_LIMIT",
+    "Routing",
+    "Workspace",
+    "empty_h1",
+    "fused_moe",
+    "gemm1_swiglu",
+    "gemm2_combine",
+    "max_row_blocks",
+    "route",
+    "upcast_id",
+    "weight_descriptor",
+]

@@ -13,7 +13,7 @@ from prepkit.kernels.activations import ActivationPolicy
 @dataclass
 class MxRows:
     """Rows quantized to MX: ``codes`` uint8 ``[rows, n]`` (e4m3) or ``[rows, n/2]`` (two e2m1 per
-    byte), each 32-value group in the kernel's group order (:mod:`prepkit.kernels.moe_mxfp4._mx`); ``scales``
+    byte), each 32-value group in the kernel's group order (:mod:`prepkit.kernels.mx._mx`); ``scales``
     uint8 ``[rows, n/32]`` E8M0. Both contiguous."""
 
     codes: torch.Tensor
