@@ -105,7 +105,7 @@ def test_dense_lookup_falls_back_to_the_default(tmp_path) -> None:  # type: igno
         t = lookup(1, 2880, 4096, "mxfp4", "bf16", H100)
     assert t is None  # the lookup's Protocol: None means the default, which the chooser fills in
     assert any("dense mxfp4_e2m1 N=2880 K=4096" in str(w.message) for w in caught)
-    from prepkit.kernels.moe_mxfp4.dense import default_dense_tactic
+    from prepkit.kernels.mx.dense import default_dense_tactic
     from prepkit.tactics.choose import DenseCall, choose
 
     chosen = choose(DenseCall(1, 2880, 4096, "mxfp4", lookup), H100, "bf16", on_cuda=True)
