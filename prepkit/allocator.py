@@ -36,7 +36,8 @@ _active = 0  # runs inside the scope now: the settings are restored when the las
 def glibc_mallopt() -> Mallopt | None:
     """glibc's ``mallopt``, or None under another C library."""
     try:
-        return ctypes.CDLL("libc.so.6").mallopt  # type: ignore[no-any-return]
+        mallopt: Mallopt = ctypes.CDLL("libc.so.6").mallopt
+        return mallopt
     except (OSError, AttributeError):
         return None
 

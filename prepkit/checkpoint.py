@@ -197,10 +197,11 @@ class Checkpoint:
                 problems.append(str(err))
         expected = self.expected_tensors()
         for name, (shape, dtype) in expected.items():
-            file = self.weight_map.get(name)
-            if file is None:
+            listed = self.weight_map.get(name)
+            if listed is None:
                 problems.append(f"{name}: not in {INDEX_NAME}")
                 continue
+            file = listed
             if file not in headers:
                 continue
             info = _stored(headers[file][0], name)
@@ -283,7 +284,7 @@ class Checkpoint:
         fd = self._fds.get(entry.file)
         if fd is None:
             fd = self._fds[entry.file] = os.open(self.root / entry.file, os.O_RDONLY)
-        view = memoryview(out.numpy()).cast("B") if count else memoryview(b"")
+        view = out.numpy().data.cast("B") if count else memoryview(b"")
         done = 0
         try:
             while done < count:
@@ -293,6 +294,8 @@ class Checkpoint:
                 done += n
         except OSError as err:
             raise CheckpointError(f"{entry.file}: cannot read {name}: {err}", hint="re-download the file") from err
+        if entry.dtype is None:
+            raise CheckpointError(f"{entry.file}: {name} has dtype {entry.dtype_name}, which torch cannot hold")
         return out.view(entry.dtype).reshape((hi - lo, *entry.shape[1:]))
 
     def read_experts_range(

@@ -45,7 +45,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def safetensors_header(

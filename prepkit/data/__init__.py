@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME
 
 if TYPE_CHECKING:
-    from importlib.resources.abc import Traversable
+    from importlib.abc import Traversable  # importlib.resources.abc from Python 3.11
 
 # A source checkout: prepkit/data/ -> prepkit/ -> the repository top, recognised by its pyproject.
 _CHECKOUT = Path(__file__).resolve().parent.parent.parent

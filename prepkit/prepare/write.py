@@ -57,7 +57,7 @@ class _RankFile:
 
     def write_chunk(self, first_local_expert: int, tensors: dict[str, torch.Tensor]) -> None:
         for name, t in tensors.items():
-            data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()).cast("B")
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
             offset = self.offsets[name] + first_local_expert * self.per_expert[name]
             written = 0
             while written < len(data):
