@@ -54,7 +54,7 @@ def check_dependencies() -> None:
     """Raise DependencyError naming the extra to install when transformers or triton is missing."""
     import importlib.util
 
-    from prepkit.integrations.transformers import check_transformers_version
+    from prepkit.integrations.gpt_oss_parts import check_transformers_version
 
     check_transformers_version()
     if importlib.util.find_spec("triton") is None:
@@ -99,7 +99,7 @@ def resolve_device(name: str) -> torch.device:
 
     device = parse_device(name)
     if device.type == "cpu":
-        from prepkit.integrations.transformers import require_kernel_device
+        from prepkit.integrations.gpt_oss_parts import require_kernel_device
 
         require_kernel_device(device)
     return device

@@ -6,7 +6,7 @@ template, sampling values, context, device memory), so bad input fails before lo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from prepkit.generation import loading
 from prepkit.generation.sampling import SamplingParams, new_seed
 from prepkit.generation.steps import DecodeStep, build_decoder, default_step
 from prepkit.generation.text import TextStream, encode_prompts, left_pad
+from prepkit.integrations.decode_loop import ids_of
 
 
 @dataclass(frozen=True)
@@ -149,10 +150,7 @@ def _pad_id(model: Any, tokenizer: Any) -> int:
 
 
 def _end_ids(model: Any) -> list[int]:
-    eos = model.generation_config.eos_token_id
-    if eos is None:
-        return []
-    return [int(e) for e in eos] if isinstance(eos, Sequence | torch.Tensor) else [int(eos)]
+    return ids_of(model.generation_config.eos_token_id)
 
 
 def _device_name(device: torch.device) -> str:

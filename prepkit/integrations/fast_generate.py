@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from prepkit.generation.sampling import SamplingParams
 from prepkit.generation.steps import DecodeStep, default_step
+from prepkit.integrations.decode_loop import ids_of
 from prepkit.warn_once import warn_once
 
 # Generation-config fields the fast path reads, or that change nothing it computes.
@@ -102,7 +102,7 @@ def fast_generate(
         return type(model).generate(model, inputs, generation_config=generation_config, streamer=streamer, **kwargs)
     sampling = SamplingParams.create(do_sample=bool(config.do_sample), defaults=config)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if not sampling.greedy else 0
-    eos = _ids(config.eos_token_id)
+    eos = ids_of(config.eos_token_id)
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else None)
     decoder = _decoder(model, input_ids.shape[0], input_ids.shape[1] + new_tokens, eos, pad)
     out = decoder.generate(
@@ -120,12 +120,6 @@ def _new_tokens(config: Any, prompt: int) -> int:
     if config.max_new_tokens is not None:
         return int(config.max_new_tokens)
     return int(config.max_length if config.max_length is not None else 20) - prompt
-
-
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, Sequence | torch.Tensor) else [int(value)]
 
 
 def _decoder(model: Any, batch: int, length: int, eos: list[int], pad: int | None) -> Any:

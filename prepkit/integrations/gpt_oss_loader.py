@@ -24,7 +24,7 @@ from prepkit.errors import RecipeError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.integrations.dense_swap import MxParts, add_part, mx_part_of, swap_in_mx_linears
 from prepkit.integrations.fast_generate import enable_fast_generate
-from prepkit.integrations.transformers import (
+from prepkit.integrations.gpt_oss_parts import (
     PrepkitMoeBlock,
     check_manifest_against_config,
     check_transformers_version,

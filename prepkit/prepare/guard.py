@@ -10,7 +10,7 @@ import os
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prepkit import __version__
 from prepkit.checkpoint import Checkpoint
@@ -22,9 +22,6 @@ from prepkit.locks import busy_error
 from prepkit.manifest import Manifest
 from prepkit.model_files import is_model_file
 from prepkit.shards import Journal, WrittenFile
-
-if TYPE_CHECKING:
-    from prepkit.prepare.plan import PreparePlan
 
 
 def plan_identity(
@@ -308,19 +305,20 @@ def intact_finished_manifest(out_dir: Path, fingerprint: str) -> Manifest | None
     return manifest
 
 
-def resume_journal(plan: PreparePlan) -> Journal:
-    """The files an earlier run of this plan finished: from its journal, or, when it got as far as
-    the manifest, from that; files complete under their final names that the journal missed are
-    hashed and adopted (:func:`unrecorded_files`)."""
-    journal = Journal.load(plan.out_dir, plan.fingerprint, {**plan.identity, "source_dir": str(plan.checkpoint.root)})
-    finished = _finished_manifest(plan.out_dir)
+def resume_journal(out_dir: Path, fingerprint: str, identity: dict[str, Any], planned_files: dict[str, int]) -> Journal:
+    """The files an earlier run of a plan (its output folder, fingerprint, identity and planned
+    file sizes) finished: from its journal, or, when it got as far as the manifest, from that;
+    files complete under their final names that the journal missed are hashed and adopted
+    (:func:`unrecorded_files`)."""
+    journal = Journal.load(out_dir, fingerprint, identity)
+    finished = _finished_manifest(out_dir)
     if finished is not None:
         journal.files = {
             rel: WrittenFile(rel, h.sha256, h.bytes)
             for rel, h in finished.files.items()
             if rel.endswith(".safetensors")
         }
-    adopted = unrecorded_files(plan.out_dir, plan.fingerprint, plan.planned_files(), set(journal.files))
+    adopted = unrecorded_files(out_dir, fingerprint, planned_files, set(journal.files))
     for rel, size in adopted.items():
-        journal.files[rel] = WrittenFile(rel, sha256_file(plan.out_dir / rel), size)
+        journal.files[rel] = WrittenFile(rel, sha256_file(out_dir / rel), size)
     return journal

@@ -84,7 +84,8 @@ def _prepare(plan: PreparePlan, on_progress: ProgressFn | None, quantize_threads
                     Journal(root, plan.fingerprint).remove()
                 done = len(plan.planned_files())
                 return PrepareResult(root, 0, done, 0, 0, time.perf_counter() - started, finished)
-            journal = resume_journal(plan)
+            identity = {**plan.identity, "source_dir": str(plan.checkpoint.root)}
+            journal = resume_journal(plan.out_dir, plan.fingerprint, identity, plan.planned_files())
             journal.save()  # before any output file: from here on the folder is this plan's
             run = WritePass(plan, journal, on_progress, quantize_threads)
             # The source record is read once: its hashes spare hashing those files, and it is cited.

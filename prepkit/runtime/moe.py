@@ -200,6 +200,12 @@ class MoeLayer:
     def problem(self, num_tokens: int) -> MoeProblem:
         return self.shape.problem(num_tokens)
 
+    def run_eager(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """:func:`moe` on this layer, eagerly: the body of ``torch.ops.prepkit.moe``."""
+        return moe(self, hidden_states, router_logits, out_dtype=out_dtype)
+
     def validate(self) -> None:
         """Raises ``LayoutError`` when the tensors do not form one ``triton_moe_v3`` layer."""
         El, Ip = self.num_local_experts, self.padded_intermediate

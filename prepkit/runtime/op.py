@@ -11,24 +11,31 @@ holds weak references, so registering keeps no layer alive.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from prepkit.runtime.registry import WeakRegistry
 
-if TYPE_CHECKING:
-    from prepkit.runtime.moe import MoeLayer
 
-_LAYERS: WeakRegistry[MoeLayer] = WeakRegistry("torch.ops.prepkit.moe", "MoeLayer")
+class EagerLayer(Protocol):
+    """What the op needs of a layer: its eager call (a :class:`~prepkit.runtime.moe.MoeLayer`'s;
+    named by this protocol so that the op does not import the module that imports it)."""
+
+    def run_eager(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor, out_dtype: torch.dtype
+    ) -> torch.Tensor: ...
 
 
-def register(layer: MoeLayer) -> int:
+_LAYERS: WeakRegistry[EagerLayer] = WeakRegistry("torch.ops.prepkit.moe", "MoeLayer")
+
+
+def register(layer: EagerLayer) -> int:
     """A new id under which the op finds ``layer`` (held weakly; the id is dropped with it)."""
     return _LAYERS.add(layer)
 
 
-def registered_layer(layer_id: int) -> MoeLayer:
+def registered_layer(layer_id: int) -> EagerLayer:
     """The layer behind ``layer_id``.
 
     Raises:
@@ -43,9 +50,7 @@ def moe_op(
 ) -> torch.Tensor:
     """``[T, H]`` activations, ``[T, E]`` router logits -> ``[T, H]`` in ``out_dtype``, through
     layer ``layer_id``'s experts (eagerly: the op body is the plain :func:`~prepkit.runtime.moe` call)."""
-    from prepkit.runtime.moe import moe
-
-    return moe(registered_layer(layer_id), hidden_states, router_logits, out_dtype=out_dtype)
+    return registered_layer(layer_id).run_eager(hidden_states, router_logits, out_dtype)
 
 
 @moe_op.register_fake

@@ -71,7 +71,7 @@ class SubprocessBackend:
     past the timeout, or reports a sticky CUDA error is killed and started again on the next
     request, and the candidate in flight is reported as ``crash``/``timeout``/``sticky_cuda_error``.
     ``check_m``: the token counts a numerics check runs at (default: the worker's
-    :data:`~prepkit.tune.worker.CHECK_M`).
+    :data:`~prepkit.tune.gpu_bench.CHECK_M`).
     """
 
     def __init__(

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import ProblemKey
 from prepkit.tune.dense import dense_format
+from prepkit.tune.gpu_bench import CHECK_M, GpuBench, build_lock, graph_samples, release_cached_memory
 from prepkit.tune.records import Screen
-from prepkit.tune.worker import CHECK_M, GpuBench, build_lock, graph_samples, release_cached_memory
 
 if TYPE_CHECKING:
     from prepkit.kernels.mx import DenseMxWeights
@@ -83,7 +83,7 @@ class DenseBench:
         return choose(call, self.info, self.activations, on_cuda=self.dev.type == "cuda", warn=False).tactics[0]
 
     def check(self, tactic: str, m_values: Sequence[int] | None = None) -> dict[str, Any]:
-        """Run ``tactic`` at each of ``m_values`` tokens (default :data:`~prepkit.tune.worker.CHECK_M`)
+        """Run ``tactic`` at each of ``m_values`` tokens (default :data:`~prepkit.tune.gpu_bench.CHECK_M`)
         on random bf16 activations and compare it with the fp32 reference."""
         from prepkit.kernels.mx import mx_linear
         from prepkit.kernels.reference import dense_reference, relative_error
@@ -140,7 +140,7 @@ class DenseBench:
     def time(
         self, tactic: str | None, m: int, pair: Sequence[str] | None = None, screen: Screen | None = None
     ) -> dict[str, Any]:
-        """Samples of one call (:func:`~prepkit.tune.worker.graph_samples`) over the weight copies.
+        """Samples of one call (:func:`~prepkit.tune.gpu_bench.graph_samples`) over the weight copies.
 
         Raises:
             ValueError: no tactic, or a pair (a dense problem has one GEMM).

@@ -27,10 +27,10 @@ from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space, neighbourhood, rule_space
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
+from prepkit.tune.gpu_bench import BUILD_LOCK_ENV, CHECK_M, NICE_ENV, SINGLE_CHECK_M, kernel_timing_scope
 from prepkit.tune.layer_sweep import tune_layer
 from prepkit.tune.records import LayerReport
 from prepkit.tune.sweep_config import PreviousRecords, ProgressFn, SweepConfig
-from prepkit.tune.worker import BUILD_LOCK_ENV, CHECK_M, NICE_ENV, SINGLE_CHECK_M, kernel_timing_scope
 
 if TYPE_CHECKING:
     from prepkit.kernels.activations import ActivationPolicy
@@ -134,7 +134,7 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         TacticsError: the DB cannot be opened or written.
     """
     lock_dir = tempfile.TemporaryDirectory(prefix="prepkit-tune-")
-    # Workers build their layers one at a time (worker.build_lock): a build's peak is several layers.
+    # Workers build their layers one at a time (gpu_bench.build_lock): a build's peak is several layers.
     worker_env = {BUILD_LOCK_ENV: os.path.join(lock_dir.name, "build.lock")}
     workers = open_gpu_workers(opts.gpus, worker_env)
     checkers: list[Backend] = []

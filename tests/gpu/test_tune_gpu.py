@@ -140,7 +140,7 @@ def test_thorough_sweep_checks_once_at_one_shape_and_times_every_variant(worker,
     from prepkit.tactics.store import RunRecorder, env_record, open_db
     from prepkit.tune import SubprocessBackend, SweepConfig, kernel_defaults, tune_layer
     from prepkit.tune.candidates import kernel_space
-    from prepkit.tune.worker import SINGLE_CHECK_M
+    from prepkit.tune.gpu_bench import SINGLE_CHECK_M
 
     info = DeviceInfo.from_torch()
     env = Environment(**worker.describe()["environment"])

@@ -40,8 +40,9 @@ from prepkit.tune import (
 from prepkit.tune import candidates as tune_candidates
 from prepkit.tune import run as tune_run
 from prepkit.tune.candidates import kernel_space, moe_problem
+from prepkit.tune.gpu_bench import CHECK_M, SINGLE_CHECK_M
 from prepkit.tune.records import Screen
-from prepkit.tune.worker import CHECK_M, SINGLE_CHECK_M, trim_kernel_caches
+from prepkit.tune.worker import trim_kernel_caches
 
 ROOT = Path(__file__).resolve().parents[2]
 H100_ENV = Environment.of(H100_INFO)

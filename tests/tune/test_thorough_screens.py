@@ -234,14 +234,14 @@ def test_workers_of_a_gpu_build_one_at_a_time_under_the_run_lock(tmp_path: Path)
     import sys
     import textwrap
 
-    from prepkit.tune.worker import BUILD_LOCK_ENV
+    from prepkit.tune.gpu_bench import BUILD_LOCK_ENV
 
     script = tmp_path / "build.py"
     script.write_text(
         textwrap.dedent(
             """
             import sys, time
-            from prepkit.tune.worker import build_lock
+            from prepkit.tune.gpu_bench import build_lock
             with build_lock():
                 start = time.monotonic()
                 time.sleep(0.6)
@@ -270,7 +270,7 @@ def test_a_bench_draws_the_same_checkpoint_weights_every_time() -> None:
     for references: both draws must be the layer's weights."""
     import torch
 
-    from prepkit.tune.worker import GpuBench
+    from prepkit.tune.gpu_bench import GpuBench
 
     tiny = gpt_oss_problems(
         kernel="moe_mxfp4", kernel_version="1", weight_layout="triton_moe_v3", num_experts=4, hidden=128,
