@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -26,6 +26,22 @@ class DeviceInfo:
     # DRAM bandwidth (bytes/s, from the data sheet; 0 when unknown: the driver does not report it).
     dram_bytes_per_s: float = 0.0
     mem_bytes: int = 0  # device memory (0 for the reference devices: not a heuristic input)
+    # True for the CPU's stand-in: kernels run on the Triton interpreter, sized as for this part.
+    stand_in: bool = False
+
+    @property
+    def label(self) -> str:
+        """How messages name the device: the CPU's interpreter is not called a GPU."""
+        return f"the CPU's Triton interpreter (sized as an {self.name})" if self.stand_in else self.name
+
+    @classmethod
+    def for_device(cls, device: Any) -> DeviceInfo:
+        """The facts kernels are chosen by on ``device``: the CUDA device's own, or on the CPU (the
+        Triton interpreter) :data:`INTERPRETER`, a Hopper part's. The one place that decides."""
+        import torch
+
+        target = torch.device(device)
+        return cls.from_torch(target) if target.type == "cuda" else INTERPRETER
 
     @classmethod
     def from_torch(cls, device: Any = None) -> DeviceInfo:
@@ -54,6 +70,8 @@ H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 232448, 50 * 2**20, dram
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 232448, 60 * 2**20, dram_bytes_per_s=4.8e12)
 RTX_PRO_6000 = DeviceInfo("NVIDIA RTX PRO 6000 Blackwell", (12, 0), 188, 101376, 128 * 2**20, dram_bytes_per_s=1.79e12)
 GB10 = DeviceInfo("NVIDIA GB10", (12, 1), 48, 101376, 24 * 2**20, dram_bytes_per_s=273e9)
+# What the CPU runs kernels as: an H100's facts, marked as a stand-in.
+INTERPRETER = replace(H100, stand_in=True)
 
 # The reference device of each architecture a compile-only check targets (prepkit.kernels.compile_check).
 ARCH_DEVICES: dict[str, DeviceInfo] = {"sm90": H100, "sm120": RTX_PRO_6000, "sm121": GB10}

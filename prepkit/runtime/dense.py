@@ -222,9 +222,9 @@ def fuse_sharing(parts: list[MxLinear]) -> MxLinear:
 def kernel_device(device: torch.device) -> DeviceInfo:
     """The kernels' description of ``device``; CPU tensors run only under the Triton interpreter,
     described as a Hopper part."""
-    from prepkit.kernels.device import H100, DeviceInfo
+    from prepkit.kernels.device import DeviceInfo
 
-    return DeviceInfo.from_torch(device) if device.type == "cuda" else H100
+    return DeviceInfo.for_device(device)
 
 
 @functools.cache

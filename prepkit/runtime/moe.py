@@ -260,13 +260,7 @@ class MoeLayer:
 
     def _device_info(self) -> DeviceInfo:
         if self.device_info is None:
-            if self.w13_blocks.device.type != "cuda":
-                # CPU tensors run only under the Triton interpreter; describe a Hopper part.
-                from prepkit.kernels.device import H100
-
-                self.device_info = H100
-            else:
-                self.device_info = DeviceInfo.from_torch(self.w13_blocks.device)
+            self.device_info = DeviceInfo.for_device(self.w13_blocks.device)
         return self.device_info
 
 

@@ -192,7 +192,7 @@ def choose(
         if warn and source == DEFAULT and call.lookup is None:
             warn_once(
                 "no tuned tactic",
-                f"no tuned tactic for {call.describe()} on {device.name}; using the built-in default "
+                f"no tuned tactic for {call.describe()} on {device.label}; using the built-in default "
                 "(run `prepkit tune` for faster variants)",
                 stacklevel=4,
             )

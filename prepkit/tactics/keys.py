@@ -240,10 +240,17 @@ class Environment:
     torch_version: str = ""
     cuda_version: str = ""
     driver_version: str = ""
+    # The CPU's Triton interpreter described as a GPU of these facts (never stored in a DB).
+    stand_in: bool = False
 
     @property
     def arch(self) -> str:
         return arch_name(self.cc_major, self.cc_minor)
+
+    @property
+    def label(self) -> str:
+        """How messages name the device: the CPU's interpreter is not called a GPU."""
+        return f"the CPU's Triton interpreter (sized as an {self.name})" if self.stand_in else self.name
 
     @property
     def triton_minor(self) -> str:
@@ -280,6 +287,7 @@ class Environment:
             mem_bytes=int(getattr(device, "mem_bytes", 0)),
             triton_version=str(getattr(device, "triton_version", "") or _dist_version("triton")),
             torch_version=str(getattr(device, "torch_version", "") or _dist_version("torch")),
+            stand_in=bool(getattr(device, "stand_in", False)),
         )
 
     @classmethod

@@ -72,7 +72,7 @@ class TacticResolver:
         outside = bool(table.ranges)  # a table exists but does not reach this M
         key = (self._warn_owner, problem.problem_hash(), device.arch + device.name, "outside" if outside else "none")
         cmd = suggest_tune_command(table.problem, device.arch)
-        where = device.name or "this GPU"
+        where = device.label or "this GPU"
         if outside:
             msg = (
                 f"no tuned tactic for {num_tokens} tokens ({table.problem.describe()}): the table from "

@@ -41,7 +41,7 @@ class DenseBench:
     def __init__(self, pk: Mapping[str, Any], seed: int) -> None:
         import torch
 
-        from prepkit.kernels.device import H100, DeviceInfo
+        from prepkit.kernels.device import DeviceInfo
         from prepkit.kernels.mx import DenseMxWeights
         from prepkit.layouts import dense_mx
 
@@ -51,7 +51,7 @@ class DenseBench:
         self.activations = self.problem.act_dtype
         # Without CUDA (TRITON_INTERPRET=1) the same code runs tiny problems on the CPU.
         self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.info = DeviceInfo.from_torch(self.dev) if self.dev.type == "cuda" else H100
+        self.info = DeviceInfo.for_device(self.dev)
         n, k = self.problem.n, self.problem.k
         self.gen = torch.Generator(device=self.dev).manual_seed(seed)
         fmt = dense_mx.mx_format(self.fmt)

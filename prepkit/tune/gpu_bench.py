@@ -111,12 +111,7 @@ class GpuBench:
         # Without CUDA (TRITON_INTERPRET=1) the same code runs tiny problems on the CPU, so the
         # whole worker path can be exercised before any GPU time is spent.
         self.dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.dev.type == "cuda":
-            self.info = DeviceInfo.from_torch(self.dev)
-        else:
-            from prepkit.kernels.device import H100
-
-            self.info = H100
+        self.info = DeviceInfo.for_device(self.dev)
         shape = key_layer(self.problem)
         E, H, I, top_k = shape.num_local_experts, shape.hidden, shape.valid_intermediate, shape.top_k
         self.H, self.I, self.E, self.top_k = H, I, E, top_k

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from prepkit.generation.sampling import SamplingParams
-from prepkit.integrations.static_decode import PrepkitDecoder, left_padding
+from prepkit.integrations.decode_loop import left_padding
+from prepkit.integrations.static_decode import PrepkitDecoder
 from prepkit.synth import write_synthetic_checkpoint
 
 from .test_transformers import TINY, load_reference

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from prepkit.integrations.static_decode import PrepkitDecoder, generate_greedy, stop_at_eos  # noqa: E402
+from prepkit.integrations.decode_loop import stop_at_eos  # noqa: E402
+from prepkit.integrations.static_decode import PrepkitDecoder, generate_greedy  # noqa: E402
 from prepkit.kernels.reference import relative_error  # noqa: E402
 from prepkit.synth import write_synthetic_checkpoint  # noqa: E402
 
