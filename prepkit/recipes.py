@@ -19,7 +19,14 @@ from prepkit.data import recipes_dir
 from prepkit.dims import ModelDims
 from prepkit.errors import RecipeError
 
-RECIPES_DIR = Path(os.environ.get("PREPKIT_RECIPES") or recipes_dir())
+RECIPES_ENV = "PREPKIT_RECIPES"
+
+
+def recipes_root() -> Path:
+    """The recipes folder: ``$PREPKIT_RECIPES`` when set (read at each call, so a change takes
+    effect without a new process), else the bundled one."""
+    return Path(os.environ.get(RECIPES_ENV) or recipes_dir())
+
 
 DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SAFETENSORS_DTYPES = {
@@ -72,12 +79,12 @@ class Recipe:
 
 
 def available() -> list[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.json"))
+    return sorted(p.stem for p in recipes_root().glob("*.json"))
 
 
 def _known_models_hint() -> str:
     known = f"known models: {', '.join(available()) or 'none'}"
-    return known + ("; the folder is set by PREPKIT_RECIPES" if os.environ.get("PREPKIT_RECIPES") else "")
+    return known + (f"; the folder is set by {RECIPES_ENV}" if os.environ.get(RECIPES_ENV) else "")
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
@@ -85,7 +92,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     path = Path(name_or_path)
     if path.suffix != ".json":
         wanted = str(name_or_path).split("/")[-1]
-        path = RECIPES_DIR / f"{wanted}.json"
+        path = recipes_root() / f"{wanted}.json"
     if not path.is_file():
         raise RecipeError(f"no recipe {str(name_or_path)!r} in {path.parent}", hint=_known_models_hint())
     try:

@@ -32,7 +32,7 @@ def test_a_source_checkout_reads_the_recipes_and_the_db_at_the_top() -> None:
     # this tree is imported from source (PYTHONPATH or an editable install): no package copy exists
     assert data.recipes_dir() == ROOT / "recipes" and data.recipes_dir().is_dir()
     assert data.tactics_db() == ROOT / "tactics.db" and data.tactics_db().is_file()
-    assert data.recipes_dir() == recipes.RECIPES_DIR  # no PREPKIT_RECIPES in the test environment
+    assert data.recipes_dir() == recipes.recipes_root()  # no PREPKIT_RECIPES in the test environment
     names = recipes.available()
     assert {"gpt-oss-120b", "gpt-oss-20b"} <= set(names)
     for name in names:
@@ -148,3 +148,11 @@ def test_the_cli_finds_the_recipes_from_any_folder(tmp_path: Path) -> None:
     code = "from prepkit import recipes; r = recipes.load_recipe('openai/gpt-oss-120b'); print(r.name, r.repo_id)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=workdir)
     assert out.stdout.split() == ["gpt-oss-120b", "openai/gpt-oss-120b"]
+
+
+def test_the_recipes_folder_is_read_at_call_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "only-this.json").write_text((ROOT / "recipes" / "gpt-oss-20b.json").read_text())
+    monkeypatch.setenv(recipes.RECIPES_ENV, str(tmp_path))
+    assert recipes.available() == ["only-this"]
+    monkeypatch.delenv(recipes.RECIPES_ENV)
+    assert "gpt-oss-120b" in recipes.available()

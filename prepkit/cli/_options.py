@@ -61,3 +61,8 @@ def out_option(help: str, *, file: bool = False) -> Callable[[F], F]:
     """``--out``: the one spelling of where a command writes its result."""
     kind = click.Path(path_type=Path, dir_okay=not file, file_okay=file)
     return click.option("--out", "out", type=kind, required=True, help=help)
+
+
+def db_option(help: str) -> Callable[[F], F]:
+    """``--db``: the one spelling of the tactics DB a command reads or writes."""
+    return click.option("--db", "db_path", type=click.Path(path_type=Path, dir_okay=False), help=help)

@@ -17,19 +17,12 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option, out_option, quiet_option
+from prepkit.cli._options import db_option, json_option, out_option, quiet_option
 from prepkit.distribution import install_hint
 from prepkit.errors import DependencyError, TacticsError
 from prepkit.tactics.keys import DENSE_ROLE
 
-
-def _db_option(f: Any) -> Any:
-    return click.option(
-        "--db",
-        "db_path",
-        type=click.Path(path_type=Path, dir_okay=False),
-        help="Tactics DB (default: the user DB, else the bundled one).",
-    )(f)
+_db_option = db_option("Tactics DB (default: the user DB, else the bundled one).")
 
 
 @contextlib.contextmanager
@@ -255,12 +248,8 @@ def export_command(db_path: Path | None, quiet: bool) -> None:
 
 @tactics_group.command("merge")
 @click.argument("paths", nargs=-1, required=True, metavar="SRC", type=click.Path(path_type=Path, dir_okay=False))
-@click.option(
-    "--db",
-    "db_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="DB to merge into, created if missing (default: the user DB, $PREPKIT_TACTICS_DB or "
-    "~/.cache/prepkit/tactics.db).",
+@db_option(
+    "DB to merge into, created if missing (default: the user DB, $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db)."
 )
 @json_option
 @quiet_option

@@ -13,7 +13,7 @@ import click
 
 from prepkit import console
 from prepkit.cli._app import cli
-from prepkit.cli._options import json_option, quiet_option
+from prepkit.cli._options import db_option, json_option, quiet_option
 from prepkit.mx_formats import ACTIVATION_POLICIES, ActivationPolicy
 from prepkit.tune.dense import DENSE_CHOICES
 
@@ -111,12 +111,7 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     help="Tune the MoE layer's two GEMMs (--no-moe: only the --dense-formats problems).",
 )
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
-@click.option(
-    "--db",
-    "db_path",
-    type=click.Path(path_type=Path, dir_okay=False),
-    help="Tactics DB to fill (default: $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db).",
-)
+@db_option("Tactics DB to fill (default: $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db).")
 @click.option(
     "--budget-minutes",
     type=click.FloatRange(min=0.1),

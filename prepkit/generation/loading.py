@@ -15,8 +15,7 @@ from typing import Any
 import torch
 
 from prepkit.constants import MANIFEST_NAME, TRITON_MOE_LAYOUT_ID
-from prepkit.distribution import install_hint
-from prepkit.errors import DependencyError, DeviceError, LayoutError, RecipeError
+from prepkit.errors import DeviceError, LayoutError, RecipeError
 from prepkit.manifest import Manifest
 
 PREPARE_HINT = "prepare it with: prepkit prepare --src MODEL --layout triton-moe --tp 1 --out FOLDER"
@@ -52,16 +51,10 @@ def open_prepared(folder: Path) -> Manifest:
 
 def check_dependencies() -> None:
     """Raise DependencyError naming the extra to install when transformers or triton is missing."""
-    import importlib.util
-
-    from prepkit.integrations.gpt_oss_parts import check_transformers_version
+    from prepkit.integrations.gpt_oss_parts import check_transformers_version, require_triton
 
     check_transformers_version()
-    if importlib.util.find_spec("triton") is None:
-        raise DependencyError(
-            "triton is not installed: the runtime's MoE kernel is a Triton kernel",
-            hint=install_hint("gpu"),
-        )
+    require_triton()
 
 
 def load_tokenizer(folder: Path, *, chat: bool = False) -> Any:

@@ -29,6 +29,7 @@ from prepkit.integrations.gpt_oss_parts import (
     check_manifest_against_config,
     check_transformers_version,
     require_kernel_device,
+    require_triton,
 )
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.layouts.dense_mx import DEFAULT_DENSE_FORMAT
@@ -68,6 +69,7 @@ def from_prepared(
     presence, size and readable headers, and every tensor for its shape.
 
     Raises:
+        DependencyError: triton is missing (the ``gpu`` extra).
         RecipeError: transformers outside the supported range, ``rank`` not an int, or a manifest
             config field that is missing or invalid (named).
         LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
@@ -78,6 +80,7 @@ def from_prepared(
         PrepkitError: ``activations`` is not a policy.
     """
     check_transformers_version()
+    require_triton()
     check_policy(activations)
     dtype = check_dtype(dtype)
     target = parse_device(device)

@@ -137,6 +137,16 @@ def check_manifest_against_config(manifest: Manifest, config: Any, *, rank: int 
             raise RecipeError(f"{key}: the model config says {have}, the prepared shards say {prepared}")
 
 
+def require_triton() -> None:
+    """Raise DependencyError naming the extra to install when triton (the MoE kernel) is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise DependencyError(
+            "triton is not installed: prepkit's MoE kernel is a Triton kernel", hint=install_hint("gpu")
+        )
+
+
 def require_kernel_device(device: torch.device) -> None:
     """Raise when the kernel cannot run on ``device``: a CPU needs the Triton interpreter."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

@@ -34,3 +34,20 @@ def test_the_context_must_hold_the_prompt_and_its_new_tokens(tiny_prepared: Path
     limit = int(manifest.model.config["max_position_embeddings"])
     with pytest.raises(RecipeError, match=f"context of {limit} tokens"):
         loading.check_context(manifest, limit, 1, None)
+
+
+def test_a_missing_triton_names_the_extra_before_anything_loads(
+    tiny_prepared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from prepkit.distribution import install_hint
+    from prepkit.errors import DependencyError
+    from prepkit.integrations.transformers import from_prepared
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    for call in (lambda: from_prepared(tiny_prepared, device="cpu"), loading.check_dependencies):
+        with pytest.raises(DependencyError, match="triton is not installed") as caught:
+            call()
+        assert caught.value.hint == install_hint("gpu")

@@ -33,7 +33,7 @@ def recipe_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     small["reference_dims"] = {**raw["reference_dims"], "num_local_experts": 16, "hidden_size": 1024,
                                "intermediate_size": 512, "vocab_size": 32000, "num_attention_heads": 16}  # fmt: skip
     (tmp_path / "mini-moe.json").write_text(json.dumps(small))
-    monkeypatch.setattr(recipes, "RECIPES_DIR", tmp_path)
+    monkeypatch.setenv(recipes.RECIPES_ENV, str(tmp_path))
     suggest.shipped_models.cache_clear()
     yield tmp_path
     suggest.shipped_models.cache_clear()
