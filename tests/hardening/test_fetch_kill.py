@@ -29,8 +29,8 @@ from prepkit import fetch as fetching
 from prepkit.cli import cli
 from prepkit.constants import FETCH_RECORD
 from prepkit.fetch.record import STATE_PATH
-from tests import olah_server
-from tests.test_fetch_olah import DEFAULT_FILES, OLAH_CLI, _write_source
+from tests.fetch import olah_server
+from tests.fetch.test_fetch_olah import DEFAULT_FILES, OLAH_CLI, _write_source
 
 pytestmark = pytest.mark.skipif(OLAH_CLI is None or shutil.which("git") is None, reason="needs olah-cli and git")
 

@@ -3,6 +3,6 @@ one, else the Triton CPU interpreter (set before any kernel module is imported).
 
 from __future__ import annotations
 
-from tests.kernels.conftest import DEVICE
+from tests.kernels.conftest import DEVICE, device
 
-__all__ = ["DEVICE"]
+__all__ = ["DEVICE", "device"]

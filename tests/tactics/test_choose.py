@@ -22,7 +22,7 @@ from prepkit.kernels.variants import default_tactics, policy_variant
 from prepkit.tactics import choose as choose_module
 from prepkit.tactics.choose import DenseCall, MoeCall, choose
 from tests.kernels.moe_data import make_layer, random_experts, random_inputs
-from tests.kernels.test_dense_op import linear
+from tests.runtime.test_dense_op import linear
 
 ASM = GemmTactic(16, 32, 64, 4, 2, 1, "asm")
 

@@ -12,8 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from prepkit.runtime import moe
 from prepkit.runtime.op import registered_layer
-
-from .moe_data import make_layer, random_experts, random_inputs
+from tests.kernels.moe_data import make_layer, random_experts, random_inputs
 
 E, H, I, TOP_K = 4, 64, 64, 2
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LFS_SUFFIXES = (".safetensors", ".bin")
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def find_olah_cli() -> str | None:
@@ -187,7 +187,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-if __name__ == "__main__":  # manual use: python tests/olah_server.py SRC_DIR ORG/NAME
+if __name__ == "__main__":  # manual use: python tests/fetch/olah_server.py SRC_DIR ORG/NAME
     import tempfile
 
     work = Path(tempfile.mkdtemp(prefix="olah-"))

@@ -27,7 +27,7 @@ from prepkit.errors import FetchError
 from prepkit.fetch.source import DEFAULT_INCLUDE
 
 try:  # tests/ is a package here; without its __init__.py pytest puts tests/ itself on sys.path
-    from tests import olah_server
+    from tests.fetch import olah_server
 except ModuleNotFoundError:
     import olah_server  # type: ignore[no-redef]
 
