@@ -121,7 +121,7 @@ def _installed_triton(device: object) -> str | None:
     from prepkit.dims import ModelDims
     from prepkit.layer import rank_layer
     from prepkit.runtime import Environment, TacticResolver, make_tactic_lookup
-    from prepkit.tactics.lookup import _all_decode
+    from prepkit.tactics.resolver import _all_decode
 
     env = Environment.of(device)
     resolver = TacticResolver(user_db="/nonexistent/prepkit-user/tactics.db", smoke_check=_all_decode)
