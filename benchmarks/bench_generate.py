@@ -214,7 +214,8 @@ def accuracy_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
 def host_overhead(folder: Path) -> dict[str, float]:
     """ms per decode step of the compiled step (2 layers): graph replays alone, replays with the
     one-step-behind readback, and ``generate`` (readback, row bookkeeping)."""
-    from prepkit.integrations.static_decode import PrepkitDecoder, _Readback
+    from prepkit.integrations.decode_loop import Readback
+    from prepkit.integrations.static_decode import PrepkitDecoder
     from prepkit.integrations.transformers import from_prepared
 
     with warnings.catch_warnings():
@@ -231,7 +232,7 @@ def host_overhead(folder: Path) -> dict[str, float]:
             decoder.step()
 
     def with_readback() -> None:
-        reader = _Readback(decoder.next_ids, 1)
+        reader = Readback(decoder.next_ids, 1)
         for _ in range(steps):
             decoder.step()
             reader.launch()

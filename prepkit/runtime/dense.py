@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
+from prepkit.mx_formats import pairing_reason
 from prepkit.runtime.registry import WeakRegistry
 from prepkit.tactics.choose import Choice, DenseCall, DenseTacticLookup, choose, compile_errors, fall_back
 from prepkit.warn_once import new_owner
@@ -66,8 +67,9 @@ class MxLinear(nn.Module):
 
         check_weights(blocks, scales, fmt)
         self.activations = check_policy(activations)
-        if self.activations == "mxfp4" and fmt != "mxfp4":
-            raise ValueError(f"activations 'mxfp4' multiply e2m1 x e2m1: they need mxfp4 weights, not {fmt}")
+        reason = pairing_reason(self.activations, fmt)
+        if reason is not None:
+            raise ValueError(reason)
         self.fmt = fmt
         self.in_features = scales.shape[0] * 32
         self.out_features = scales.shape[1]

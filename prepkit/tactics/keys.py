@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from prepkit.mx_formats import MX_FORMATS
+
 if TYPE_CHECKING:
     from prepkit.kernels.activations import ActivationPolicy
     from prepkit.layer import RankLayer
@@ -24,7 +26,7 @@ Role = Literal["gemm1", "gemm2", "dense"]
 ROLES: tuple[Role, Role] = ("gemm1", "gemm2")  # the MoE layer's
 DENSE_ROLE: Role = "dense"
 # Each dense weight format's w_dtype in a problem key (the MoE weights are "mxfp4_e2m1").
-DENSE_W_DTYPES = {"mxfp4": "mxfp4_e2m1", "mxfp8": "mxfp8_e4m3"}
+DENSE_W_DTYPES = {f.name: f.w_dtype for f in MX_FORMATS.values()}
 
 
 def canonical_json(obj: Any) -> str:

@@ -85,5 +85,5 @@ def suggest_tune_command(problem: ProblemKey, arch: str) -> str:
     src = f"--model {model}" if model else "--shards DIR"
     if problem.role == DENSE_ROLE:
         fmt = {w: f for f, w in DENSE_W_DTYPES.items()}.get(problem.w_dtype, "all")
-        return f"prepkit tune --arch {arch} {src} --dense {fmt} --no-moe{acts}"
+        return f"prepkit tune --arch {arch} {src} --dense-formats {fmt} --no-moe{acts}"
     return f"prepkit tune --arch {arch} {src} --tp {problem.tp_size}{acts}"

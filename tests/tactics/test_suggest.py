@@ -46,13 +46,15 @@ def test_a_shipped_recipe_names_its_model_for_moe_and_dense(recipe_dir: Path) ->
             f"prepkit tune --arch sm90 --model mini-moe --tp {tp}"
         )
     qkv = dense_problem(n=(16 + 2 * 8) * 64, k=1024, fmt="mxfp4", **COMMON)
-    assert suggest_tune_command(qkv, "sm90") == "prepkit tune --arch sm90 --model mini-moe --dense mxfp4 --no-moe"
+    assert (
+        suggest_tune_command(qkv, "sm90") == "prepkit tune --arch sm90 --model mini-moe --dense-formats mxfp4 --no-moe"
+    )
     # gpt-oss-120b is not in this folder: its layer is no shipped model's
     big = json.loads((ROOT / "recipes" / "gpt-oss-120b.json").read_text())["reference_dims"]
     assert "--shards DIR" in suggest_tune_command(_moe(big)["gemm1"], "sm90")
     head = dense_problem(n=201088, k=2880, fmt="mxfp8", act_dtype="mxfp8", **COMMON)
     assert suggest_tune_command(head, "sm90") == (
-        "prepkit tune --arch sm90 --model gpt-oss-20b --dense mxfp8 --no-moe --activations mxfp8"
+        "prepkit tune --arch sm90 --model gpt-oss-20b --dense-formats mxfp8 --no-moe --activations mxfp8"
     )
 
 
@@ -62,7 +64,7 @@ def test_the_bundled_recipes_name_gpt_oss() -> None:
         dims = json.loads((ROOT / "recipes" / f"{name}.json").read_text())["reference_dims"]
         assert f"--model {name} --tp 4" in suggest_tune_command(_moe(dims, 4)["gemm1"], "sm90")
     odd = dense_problem(n=96, k=64, fmt="mxfp4", **COMMON)
-    assert suggest_tune_command(odd, "sm121") == "prepkit tune --arch sm121 --shards DIR --dense mxfp4 --no-moe"
+    assert suggest_tune_command(odd, "sm121") == "prepkit tune --arch sm121 --shards DIR --dense-formats mxfp4 --no-moe"
 
 
 def test_the_lookup_holds_no_model_shapes() -> None:

@@ -306,10 +306,10 @@ def test_a_dense_miss_names_the_dense_tune_command() -> None:
     common = {"kernel": "moe_mxfp4", "kernel_version": "1", "weight_layout": "dense_mx_v1"}
     head = dense_problem(n=201088, k=2880, fmt="mxfp8", act_dtype="mxfp8", **common)
     assert suggest_tune_command(head, "sm90") == (
-        "prepkit tune --arch sm90 --model gpt-oss-120b --dense mxfp8 --no-moe --activations mxfp8"
+        "prepkit tune --arch sm90 --model gpt-oss-120b --dense-formats mxfp8 --no-moe --activations mxfp8"
     )
     odd = dense_problem(n=96, k=256, fmt="mxfp4", **common)
-    assert suggest_tune_command(odd, "sm121") == "prepkit tune --arch sm121 --shards DIR --dense mxfp4 --no-moe"
+    assert suggest_tune_command(odd, "sm121") == "prepkit tune --arch sm121 --shards DIR --dense-formats mxfp4 --no-moe"
 
 
 # ------------------------------------------------------------------------------ the worker
