@@ -112,13 +112,11 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         tests.append(_row(f"pp{length}", 1, [length / t for t in times], None))
         progress("bench", len(tests), total)
 
+    kinds = [("", SamplingParams())] + ([(" sampled", sampling)] if request.sampled and not sampling.greedy else [])
     for batch, decoder in decoders.items():
         step_bytes = floor.step_bytes(model, batch)
         floor_tps = bandwidth / sum(step_bytes.values()) * batch if bandwidth else None
         for length in request.gen_lengths:
-            kinds = [("", SamplingParams())] + (
-                [(" sampled", sampling)] if request.sampled and not sampling.greedy else []
-            )
             for suffix, params in kinds:
                 rates = []
                 for rep in range(request.repetitions):
@@ -144,7 +142,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
             "vocab": vocab,
             "dense": manifest.dense_format,
         },
-        "device": _device_name(device),
+        "device": loading.device_name(device),
         "activations": request.activations,
         "step": step,
         "sampling": sampling.describe(),
@@ -228,13 +226,6 @@ def _tactics_used(model: Any, prompt_lengths: Sequence[int]) -> dict[str, str]:
         origin = "default" if tuple(pair) == tuple(default) else "tuned"
         used[str(tokens)] = f"{origin}: " + " / ".join(str(t) for t in pair)
     return used
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
-    return "CPU (Triton interpreter)"
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -172,15 +172,18 @@ class LoadedModel:
 
 def load_model(folder: Path, manifest: Manifest, device: torch.device, activations: str) -> LoadedModel:
     """transformers' gpt-oss from the prepared folder (:func:`~prepkit.integrations.transformers.from_prepared`)."""
-    import warnings
-
     from prepkit.integrations.gpt_oss_loader import from_prepared
 
     started = time.perf_counter()
-    with warnings.catch_warnings():
-        # A missing tuned tactic is said once by the run's summary, not per layer.
-        warnings.filterwarnings("ignore", message=".*no tuned tactic.*")
-        model = from_prepared(folder, device=device, activations=activations)  # type: ignore[arg-type]
+    model = from_prepared(folder, device=device, activations=activations)  # type: ignore[arg-type]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(model, manifest, device, time.perf_counter() - started)
+
+
+def device_name(device: torch.device) -> str:
+    """How reports name ``device``: the GPU's name and architecture, or the CPU's interpreter."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{torch.cuda.get_device_name(device)} (sm{major}{minor})"
+    return "CPU (Triton interpreter)"

@@ -11,13 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from prepkit.generation import loading
 from prepkit.generation.sampling import SamplingParams, new_seed
 from prepkit.generation.steps import DecodeStep, build_decoder, default_step
 from prepkit.generation.text import TextStream, encode_prompts, left_pad
 from prepkit.integrations.decode_loop import ids_of
+from prepkit.integrations.gpt_oss_loader import read_generation_config
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
     loading.check_dependencies()
     manifest = loading.open_prepared(request.folder)
     tokenizer = loading.load_tokenizer(request.folder, chat=request.chat)
-    generation_config = _generation_defaults(request.folder)
+    generation_config = read_generation_config(request.folder)
     sampling = SamplingParams.create(
         greedy=request.greedy,
         temperature=request.temperature,
@@ -125,20 +124,9 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
         seed=seed,
         sampling=sampling.describe(),
         step=step,
-        device=_device_name(device),
+        device=loading.device_name(device),
         finish=[why or "length" for why in stream.stopped],
     )
-
-
-def _generation_defaults(folder: Path) -> Any:
-    """The folder's generation config (sampling defaults, EOS ids), or None without one.
-
-    Raises:
-        RecipeError: a generation_config.json that does not parse.
-    """
-    from prepkit.integrations.gpt_oss_loader import read_generation_config
-
-    return read_generation_config(folder)
 
 
 def _pad_id(model: Any, tokenizer: Any) -> int:
@@ -151,9 +139,3 @@ def _pad_id(model: Any, tokenizer: Any) -> int:
 
 def _end_ids(model: Any) -> list[int]:
     return ids_of(model.generation_config.eos_token_id)
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "CPU (Triton interpreter)"

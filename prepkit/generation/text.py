@@ -113,6 +113,7 @@ class TextStream:
         self._read = [0] * batch
         self.stopped: list[str | None] = [None] * batch  # why each row ended: "eos", "stop"
         self._written = 0
+        self._reported: set[int] = set()  # rows already handed to the decoder as stopped
         self._prompt_seen = False
         self._hold = max((len(s) for s in self.stop_strings), default=1) - 1
 
@@ -132,15 +133,12 @@ class TextStream:
 
     def __call__(self, new: torch.Tensor) -> set[int]:
         """The rows that reached a stop string with this step (the decoder stops them)."""
-        return {row for row, why in enumerate(self.stopped) if why == "stop" and self._unreported(row)}
+        fresh = {row for row, why in enumerate(self.stopped) if why == "stop"} - self._reported
+        self._reported |= fresh
+        return fresh
 
     def end(self) -> None:
         self._flush(final=True)
-
-    def _unreported(self, row: int) -> bool:
-        reported: set[int] = getattr(self, "_reported", set())
-        self._reported = reported | {row}
-        return row not in reported
 
     def _settle(self, row: int) -> None:
         ids, prefix, read = self.ids[row], self._prefix[row], self._read[row]

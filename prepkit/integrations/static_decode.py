@@ -170,15 +170,15 @@ class PrepkitDecoder:
         batch, prompt = input_ids.shape
         if max_new_tokens < 1 or prompt + max_new_tokens > self.max_len:
             raise ValueError(f"prompt {prompt} + max_new_tokens {max_new_tokens} must be within max_len {self.max_len}")
+        started = time.perf_counter()
         pad = self.prefill(input_ids, attention_mask=attention_mask, sampling=sampling, seed=seed)
+        first = self.next_ids[:batch, 0].to("cpu", copy=True)  # one sync: ends the prefill
         stats = self.stats = DecodeStats(prompt_tokens=int(prompt * batch - int(pad.sum())))
+        stats.prefill_s = time.perf_counter() - started
         if streamer is not None:
             streamer.put(input_ids.cpu())
         rows = Rows(batch, self._eos)
-        started = time.perf_counter()
-        first = self.next_ids[:batch, 0].to("cpu", copy=True)  # one sync: ends the prefill
         self._take(first, rows, streamer, stop)
-        stats.prefill_s = time.perf_counter() - started
         reader = Readback(self.next_ids, batch)
         launched = 0
         if max_new_tokens > 1 and not rows.all_done():
@@ -230,21 +230,15 @@ class PrepkitDecoder:
         pad = left_padding(attention_mask, batch, prompt)
         ids = torch.zeros(self.batch_size, prompt, dtype=torch.long)
         ids[:batch] = input_ids.cpu()
-        full_pad = torch.zeros(self.batch_size, dtype=torch.long)
-        full_pad[:batch] = pad
-        self._start(ids.to(self.device), full_pad, sampling, seed)
-        return pad
-
-    def _start(self, ids: torch.Tensor, pad: torch.Tensor, sampling: SamplingParams, seed: int) -> None:
-        """Run the prompt and set the state for the first decode step."""
-        prompt = ids.shape[1]
         self.sampling = sampling
-        self.pad.copy_(pad.to(self.device))
+        self.pad.zero_()
+        self.pad[:batch] = pad.to(self.device)
         self.finished.zero_()
         self.seed.fill_(seed)
-        logits = self.forward(ids, self.kv_index[:prompt])
+        logits = self.forward(ids.to(self.device), self.kv_index[:prompt])
         self.position.fill_(prompt)
         self.next_ids.copy_(self._choose(logits)[:, None])
+        return pad
 
     def _take(self, new: torch.Tensor, rows: Rows, streamer: TokenStreamer | None, stop: StopCheck | None) -> None:
         new = rows.add(new, self._fill)
