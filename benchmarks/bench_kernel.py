@@ -55,10 +55,16 @@ def flops_per_token(hidden: int = H, intermediate: int = I, top_k: int = TOP_K) 
     return 2 * top_k * (hidden * 2 * intermediate + intermediate * hidden)
 
 
-def synth_layer(device: torch.device, seed: int = 0) -> tuple[MoeLayer, ExpertWeights]:
-    """A random layer in checkpoint form, scales near real gpt-oss values (2^-8 .. 2^-4), built
+# E8M0 scale bytes [lo, hi): "small" near gpt-oss's (2^-8 .. 2^-4, every byte <= 128, so the
+# kernel's folded upcast applies); "wide" reaches past 128 (scales up to 2^8), which turns it off.
+SCALE_BYTES = {"small": (119, 124), "wide": (119, 136)}
+
+
+def synth_layer(device: torch.device, seed: int = 0, scales: str = "small") -> tuple[MoeLayer, ExpertWeights]:
+    """A random layer in checkpoint form, its scale bytes from :data:`SCALE_BYTES`, built
     into the kernel's layout by the layout itself; returns (layer, checkpoint experts), the latter
     for the fp32 reference."""
+    lo, hi = SCALE_BYTES[scales]
     g = torch.Generator(device=device).manual_seed(seed)
 
     def u8(shape: tuple[int, ...], lo: int, hi: int) -> torch.Tensor:
@@ -66,10 +72,10 @@ def synth_layer(device: torch.device, seed: int = 0) -> tuple[MoeLayer, ExpertWe
 
     source = ExpertWeights(
         gate_up_proj_blocks=u8((E, 2 * I, H // 32, 16), 0, 256),
-        gate_up_proj_scales=u8((E, 2 * I, H // 32), 119, 124),
+        gate_up_proj_scales=u8((E, 2 * I, H // 32), lo, hi),
         gate_up_proj_bias=(torch.randn((E, 2 * I), generator=g, device=device) * 0.1).to(torch.bfloat16),
         down_proj_blocks=u8((E, H, I // 32, 16), 0, 256),
-        down_proj_scales=u8((E, H, I // 32), 119, 124),
+        down_proj_scales=u8((E, H, I // 32), lo, hi),
         down_proj_bias=(torch.randn((E, H), generator=g, device=device) * 0.1).to(torch.bfloat16),
     )
     layer, _ = MoeLayer.from_experts(source, top_k=TOP_K)
@@ -327,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tactics", help="JSON file {T: [gemm1, gemm2]} used instead of the defaults")
     parser.add_argument("--tuned", action="store_true", help="take variants from the tactic DBs, as the runtime does")
     parser.add_argument("--json", dest="json_out", help="write the results here")
+    parser.add_argument("--scales", choices=sorted(SCALE_BYTES), default="small", help="E8M0 scale byte range")
     parser.add_argument(
         "--activations",
         default="bf16",
@@ -351,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
         f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s"
     )
-    layer, source = synth_layer(device)
+    layer, source = synth_layer(device, scales=args.scales)
+    log(f"scales: {args.scales} (E8M0 bytes {SCALE_BYTES[args.scales]}), folded upcast {layer.small_scales}")
     pinned = {}
     if args.tactics:
         raw = json.loads(Path(args.tactics).read_text())

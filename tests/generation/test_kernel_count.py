@@ -1,0 +1,47 @@
+"""Counting a step's GPU kernels: the per-layer slope, the CPU answer, and (on a GPU) a graph's
+kernels seen one by one through a replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prepkit.generation.kernel_count import count_kernels, per_layer
+
+
+def test_per_layer_is_the_slope_over_layer_counts() -> None:
+    assert per_layer({2: 2 * 7 + 9, 5: 5 * 7 + 9}) == pytest.approx(7.0)
+    assert per_layer({1: 1 * 4 + 3, 3: 3 * 4 + 3, 6: 6 * 4 + 3}) == pytest.approx(4.0)
+
+
+def test_one_count_gives_no_slope() -> None:
+    assert per_layer({4: 40}) is None
+
+
+def test_off_cuda_there_is_nothing_to_count() -> None:
+    calls = []
+    assert count_kernels(lambda: calls.append(1), torch.device("cpu")) is None
+    assert calls == []  # nothing ran
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_graph_replay_shows_each_of_its_kernels() -> None:
+    device = torch.device("cuda")
+    a = torch.randn(256, 256, device=device)
+
+    def body() -> None:
+        b = a * 2
+        c = b + 1
+        torch.mm(c, c)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    counted = count_kernels(graph.replay, device)
+    assert counted is not None and counted.kernels == 3
