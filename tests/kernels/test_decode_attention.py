@@ -3,6 +3,7 @@ tiny dims: against a fp32 torch reference and the decode step's torch path, on r
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -205,3 +206,16 @@ def test_problem_key_and_facts() -> None:
     inputs = ROPE_CACHE_ATTEND.inputs(attention_problem(2, HQ, HKV, D, slots=20), "cpu")
     assert inputs["window"] is None and int(inputs["position"]) == 19
     assert all(0 <= p <= 19 // 4 for p in inputs["pad"].tolist())
+
+
+def test_benchmark_smoke_run_on_tiny_dims(device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    if device != "cpu":
+        pytest.skip("a smoke check of the CPU path; the benchmark proper runs on a GPU")
+    from benchmarks.bench_decode_attention import main
+
+    argv = ["--dims", f"{HQ},{HKV},{D}", "--cache-len", str(L), "--positions", "30", "--batches", "2", "--windows", "8"]
+    assert main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["batch"], row["window"], row["position"]) == (2, 8, 30)
+    assert row["read_bytes"] == 2 * 8 * HKV * D * 2 * 2  # 8 slots a row, keys and values
+    assert row["err"] < TOL and row["kernel_us"] > 0 and row["torch_us"] > 0
