@@ -68,7 +68,7 @@ def time_us(calls: list[Callable[[], object]], cuda: bool, replays: int = 20) ->
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: its workspaces serve the capture
         for fn in calls:
             fn()
     return events_median(graph.replay, iters=replays, warmup=3) * 1e3 / len(calls)

@@ -99,6 +99,16 @@ def test_slots_outside_the_range_in_use_are_never_read(device: str) -> None:
         assert torch.equal(got, want), f"split {split}"
 
 
+def test_a_position_past_the_cache_touches_no_slot(device: str) -> None:
+    """The host never reads ``position``; a bad one must not write outside the cache."""
+    inputs = make(L - 1, None, device, seed=4)
+    inputs["position"] = torch.tensor(L, dtype=torch.int64, device=device)
+    before = copy(inputs)
+    for split in (1, 2):
+        run(inputs, DecodeVariant(16, D, 4, split))
+        assert torch.equal(inputs["keys"], before["keys"]) and torch.equal(inputs["values"], before["values"])
+
+
 def test_the_tolerance_catches_a_wrong_mask_sink_or_rotary(device: str) -> None:
     """The reference moves by more than the tolerance when the mask, the sinks or the rotary is
     wrong: a kernel making any of these mistakes fails the checks above."""

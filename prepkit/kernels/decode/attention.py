@@ -174,7 +174,7 @@ def rope_cache_attend(
         keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0),
-        window if window is not None else 0, scaling * LOG2E,
+        window if window is not None else 0, slots, scaling * LOG2E,
         HQ=query_heads, HKV=kv_heads, D=head_dim, GROUP_PAD=rows, BLOCK_N=variant.block_n,
         SPLIT=variant.split_k, HAS_WINDOW=window is not None, DOT_FP32=interpreting(),
         num_warps=variant.num_warps, num_stages=variant.num_stages,

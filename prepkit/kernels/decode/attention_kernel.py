@@ -44,7 +44,7 @@ def _rope_cache_attend_kernel(
     stride_kb, stride_kh, stride_kl,
     stride_vb, stride_vh, stride_vl,
     stride_out,
-    window, scale_log2,
+    window, n_slots, scale_log2,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
@@ -79,7 +79,8 @@ def _rope_cache_attend_kernel(
     pos = tl.load(pos_ptr).to(tl.int32)
     k_base = keys_ptr + b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
     v_base = values_ptr + b.to(tl.int64) * stride_vb + kvh.to(tl.int64) * stride_vh
-    if split == 0:
+    # A position past the cache (a caller's bug the host cannot see) writes and reads nothing out of bounds.
+    if (split == 0) & (pos < n_slots):
         tl.store(k_base + pos * stride_kl + offs_d[None, :], k_cur)
         tl.store(v_base + pos * stride_vl + offs_d[None, :], v_cur)
 
@@ -95,10 +96,11 @@ def _rope_cache_attend_kernel(
     acc = tl.where(own, 1.0, 0.0) * v_cur.to(tl.float32) + tl.zeros([GROUP_PAD, D], dtype=tl.float32)
 
     # This split's share of the slots before the token, whole blocks each.
-    used = tl.maximum(pos - lo, 0)
+    hi = tl.minimum(pos, n_slots)
+    used = tl.maximum(hi - lo, 0)
     share = tl.cdiv(tl.cdiv(used, SPLIT), BLOCK_N) * BLOCK_N
     start = lo + split * share
-    end = tl.minimum(start + share, pos)
+    end = tl.minimum(start + share, hi)
     q_dot = q.to(tl.float32) if DOT_FP32 else q
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
