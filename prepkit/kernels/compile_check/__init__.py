@@ -16,8 +16,9 @@ found by its back-edge branch in the ``nvdisasm`` listing (docs/sm12x.md explain
 Variants that :func:`~prepkit.kernels.variants.invalid_reason` rejects are reported as pruned with
 its reason and never reach the compiler.
 
-By concern: :mod:`.candidates` (what to compile), :mod:`.moe` and :mod:`.dense` (compiling the
-MoE layer's kernels and the dense linear's), :mod:`._compiler` (the stand-in target),
+By concern: :mod:`.candidates` (what to compile), :mod:`.moe`, :mod:`.dense` and
+:mod:`.decode_attention` (compiling the MoE layer's kernels, the dense linear's and the decode
+step's attention), :mod:`._compiler` (the stand-in target),
 :mod:`.sass` (reading PTX and SASS) and :mod:`.report` (the reports and the failure rule).
 ``prepkit tune --compile-only`` is the command that runs it.
 """
@@ -31,6 +32,7 @@ from prepkit.kernels.compile_check.candidates import (
     family,
     sample_candidates,
 )
+from prepkit.kernels.compile_check.decode_attention import AttentionCandidate, attention_candidates, compile_attention
 from prepkit.kernels.compile_check.dense import DENSE_TOKENS, DenseCandidate, compile_dense, dense_candidates
 from prepkit.kernels.compile_check.moe import ProgressFn, check_arch, compile_variants
 from prepkit.kernels.compile_check.report import (
@@ -48,6 +50,7 @@ from prepkit.kernels.compile_check.sass import k_loop, mma_kind
 __all__ = [
     "DENSE_TOKENS",
     "NATIVE_MMA",
+    "AttentionCandidate",
     "Candidate",
     "CompileReport",
     "DenseCandidate",
@@ -55,9 +58,11 @@ __all__ = [
     "Stage",
     "Status",
     "arch_device",
+    "attention_candidates",
     "check_arch",
     "check_candidates",
     "check_failures",
+    "compile_attention",
     "compile_dense",
     "compile_variants",
     "default_candidates",
