@@ -61,7 +61,7 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     except (ValueError, RecursionError) as err:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(f"{path.name}: header is not valid JSON", hint="re-download it") from err
     data_start = 8 + header_len
-    end = _check_header(path, header)
+    end = check_safetensors_header(path.name, header)
     if data_start + end > size:
         raise CheckpointError(
             f"{path.name}: truncated: holds {size} bytes, its header needs {data_start + end}",
@@ -70,12 +70,12 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
     return header, data_start
 
 
-def _check_header(path: Path, header: Any) -> int:
+def check_safetensors_header(file: str, header: Any) -> int:
     """Check every entry's dtype, shape and offsets (so reads by them cannot go astray); returns
-    the data section's length."""
+    the data section's length. ``file`` is how errors name the file."""
 
     def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"{path.name}: malformed safetensors header: {why}", hint="re-download it")
+        return CheckpointError(f"{file}: malformed safetensors header: {why}", hint="re-download it")
 
     if not isinstance(header, dict):
         raise bad("not a JSON object")
