@@ -126,6 +126,8 @@ class HubRepo:
     @contextlib.contextmanager
     def errors(self, filename: str | None) -> Iterator[None]:
         """huggingface_hub's and the network's errors as FetchErrors naming the repo and file."""
+        import httpx2
+
         from prepkit.fetch.hub import hub_errors
         from prepkit.fetch.source import Source
 
@@ -136,7 +138,12 @@ class HubRepo:
             except FileNotFoundError as err:  # HfFileSystem's answer to a missing repo, revision or file
                 raise FetchError(
                     f"{what} not found at revision {self.revision} on {self.endpoint}",
-                    hint="check the repo id and --revision; if the repo is private or gated, set HF_TOKEN",
+                    hint="check the repo id and the revision; if the repo is private or gated, set HF_TOKEN",
+                ) from err
+            except (httpx2.ConnectError, httpx2.TimeoutException) as err:  # hub_errors' hint is fetch's
+                raise FetchError(
+                    f"cannot reach {self.endpoint} for {what}: {err}",
+                    hint="check the network and HF_ENDPOINT, or download the shards and read the local folder",
                 ) from err
 
 

@@ -307,3 +307,10 @@ def test_the_command_reads_a_hub_repo(olah: str, capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert f"read 3 of 3 shard(s) of {REPO}@main" in out
     assert "folded upcast applies to every expert GEMM: yes" in out
+
+
+def test_an_unreachable_hub_is_one_clear_error() -> None:
+    dead = f"http://127.0.0.1:{olah_server.free_port()}"  # nothing listens there
+    with pytest.raises(FetchError, match=f"cannot reach {dead} for {REPO}") as err:
+        ss.hub_shards(REPO, "main", endpoint=dead)
+    assert "--offline" not in (err.value.hint or "")  # fetch's advice, not this reader's
