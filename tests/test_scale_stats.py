@@ -27,6 +27,12 @@ DOWN = "model.layers.3.mlp.experts.down_proj_scales"
 GATE_UP = "model.layers.3.mlp.experts.gate_up_proj_scales"
 
 
+@pytest.fixture(autouse=True)
+def _own_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reads or fills the user's Hugging Face cache."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+
+
 class CountingReader:
     """A reader that records every byte range asked of the one it wraps."""
 
@@ -262,11 +268,6 @@ def olah(synth: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield endpoint
 
 
-@pytest.fixture(autouse=True)
-def _own_hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-
-
 @needs_olah
 def test_the_hub_path_transfers_only_the_header_and_the_scales(olah: str, synth: Path) -> None:
     with range_proxy(olah) as (endpoint, served):
@@ -292,7 +293,7 @@ def test_the_hub_path_errors_name_the_repo_and_file(olah: str) -> None:
             ss.hub_shards("testorg/missing", "main", endpoint=endpoint)
         shards = ss.hub_shards(REPO, "main", endpoint=endpoint)
         with pytest.raises(FetchError, match=f"{REPO}/absent.safetensors not found"):
-            shards.opener("absent.safetensors")
+            shards.open("absent.safetensors")
     # Straight to olah, which answers a ranged download with the whole file: refused, not misread.
     shards = ss.hub_shards(REPO, "main", endpoint=olah)
     with pytest.raises(FetchError, match="asked .* for 8 bytes at 0, got") as err:
