@@ -71,9 +71,9 @@ class PrepkitDecoder:
     half the time per layer (measured on an H100: 109 against 213 us at gpt-oss-120b dims), but
     the fused floating-point work rounds differently in the last bf16 bits, and where a router
     holds a near tie a token then goes to another expert: its tokens can part from ``generate``'s
-    where the default step's do not. ``projections="reduction"`` writes the step's bf16
+    where the default step's do not. ``projections="reduction"`` writes the compiled step's bf16
     projections as fp32 multiply-and-sum reductions instead of library GEMMs (a few percent
-    faster compiled on an H100). ``ops`` replaces the step's layer ops
+    faster on an H100; the eager step keeps the GEMMs). ``ops`` replaces the step's layer ops
     (:class:`~prepkit.integrations.decode_step.Ops`; default: the torch ones); ``reduce`` and
     ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``).
     """
@@ -138,7 +138,9 @@ class PrepkitDecoder:
         self.compiled = compile
         # The sampler's elementwise work (temperature, filters, the hash noise) fuses when compiled.
         self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile else sample
-        step_ops = decode_step.torch_ops(projections) if ops is None else ops
+        # Reductions pay off only fused: eagerly they would materialize [B, N, K] fp32 products.
+        compiled_ops = decode_step.torch_ops(projections)  # checks the name in any mode
+        step_ops = ops if ops is not None else compiled_ops if compile else decode_step.TORCH_OPS
         if self.compiled:
             # One compiled graph per piece, batch size, cache length and layer form: allow a few.
             limit = torch._dynamo.config.recompile_limit

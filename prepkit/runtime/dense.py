@@ -211,7 +211,8 @@ def fuse_projections(parts: Sequence[nn.Module]) -> nn.Module:
     of ``parts`` one after the other (q, k, v -> qkv): weights and biases concatenated along the
     output rows (a zero bias for a part without one, unless none has one). Each part's tensors then
     become views of the fused module's, so the parts compute as before, alone, and the model holds
-    one copy; fusing again makes a fresh copy and frees the last.
+    one copy; bf16 parts that already view one fused tensor (fused before) fuse into it again,
+    without a copy.
 
     Raises:
         ValueError: no parts, parts of mixed kinds, or parts that do not share their input
@@ -248,14 +249,32 @@ def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
     for i, p in enumerate(parts[1:], 1):
         if p.in_features != first.in_features:
             raise ValueError(f"part {i} has {p.in_features} inputs, part 0 {first.in_features}")
-    weight = torch.cat([p.weight.detach() for p in parts])
-    fused = nn.Linear(first.in_features, weight.shape[0], bias=False, device="meta")
-    fused.weight = nn.Parameter(weight, requires_grad=first.weight.requires_grad)
+    weights = [p.weight.detach() for p in parts]
+    weight = _rows_of_one_tensor(weights)
+    fused = nn.Linear(first.in_features, sum(w.shape[0] for w in weights), bias=False, device="meta")
+    fused.weight = nn.Parameter(weight if weight is not None else torch.cat(weights), first.weight.requires_grad)
     if any(p.bias is not None for p in parts):
         ref = next(p.bias for p in parts if p.bias is not None)
-        bias = torch.cat([p.bias.detach() if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
-        fused.bias = nn.Parameter(bias, requires_grad=ref.requires_grad)
+        biases = [p.bias.detach() if p.bias is not None else ref.new_zeros(p.out_features) for p in parts]
+        bias = _rows_of_one_tensor(biases)
+        fused.bias = nn.Parameter(bias if bias is not None else torch.cat(biases), ref.requires_grad)
     return fused
+
+
+def _rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive rows ``tensors`` are, when they are that already (the views an
+    earlier fusion left); else ``None``. Building a second decoder then costs no second copy."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        same = t.dtype == first.dtype and t.device == first.device and t.shape[1:] == first.shape[1:]
+        if not (same and t.is_contiguous() and t.untyped_storage().data_ptr() == storage):
+            return None
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def kernel_device(device: torch.device) -> DeviceInfo:

@@ -273,3 +273,11 @@ def test_compiled_pieces_hold_whole_graphs_around_the_hooks(bf16_model: torch.nn
     want = eager(*args, [k.clone() for k in decoder.keys], [v.clone() for v in decoder.values])
     assert got.shape == want.shape == (2, TINY["vocab_size"])
     assert torch.allclose(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_reductions_serve_only_the_compiled_step(bf16_model: torch.nn.Module) -> None:
+    # Eagerly a reduction would materialize [B, N, K] fp32 products: the eager step keeps GEMMs.
+    assert PrepkitDecoder(bf16_model, 16, projections="reduction").decode_step.ops is ds.TORCH_OPS
+    assert ds.torch_ops("reduction") != ds.TORCH_OPS
+    with pytest.raises(ValueError, match="projections must be"):
+        PrepkitDecoder(bf16_model, 16, projections="gemm")

@@ -150,6 +150,10 @@ def test_fused_projections_compute_their_parts_and_share_one_copy(device: str, k
         for p, want in zip(parts, alone, strict=True):
             assert getattr(p, storage).untyped_storage().data_ptr() == whole  # a view, not a copy
             assert torch.equal(p(x), want)
+        if kind == "bf16":  # fusing the views again reuses the fused tensor: no second copy
+            again = fuse_projections(parts)
+            assert getattr(again, storage).data_ptr() == getattr(fused, storage).data_ptr()
+            assert torch.equal(again(x), torch.cat(alone, dim=1))
     with pytest.raises(ValueError, match="not all of one kind"):
         fuse_projections([linear("mxfp4", 32, 16, device), torch.nn.Linear(K, 32)])
 
