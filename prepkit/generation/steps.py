@@ -1,5 +1,6 @@
-"""Which decode step runs: transformers' modules replayed in a CUDA graph, or the compiled step
-(:mod:`prepkit.integrations.decode_step`), and which one a device gets by default."""
+"""How the decode step (:mod:`prepkit.integrations.decode_step`) runs: ``"modules"``, eagerly,
+the model's modules' operations one for one (replayed in a CUDA graph on a GPU), or
+``"compiled"``, through ``torch.compile``; and which one a device gets by default."""
 
 from __future__ import annotations
 

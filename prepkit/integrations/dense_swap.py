@@ -96,9 +96,9 @@ def fuse_attention_inputs(model: nn.Module) -> None:
     """Give each attention whose q/k/v are MX linears a ``qkv_proj``: the three fused into one
     launch, whose buffers q, k and v then view (one copy in memory). transformers' attention
     keeps calling q, k and v; prepkit's decode step calls ``qkv_proj``."""
-    from prepkit.runtime.dense import MxLinear, fuse_sharing
+    from prepkit.runtime.dense import MxLinear, fuse_projections
 
     for module in list(model.modules()):  # adding qkv_proj changes the tree
         parts = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj")]
         if all(isinstance(p, MxLinear) for p in parts):
-            module.qkv_proj = fuse_sharing(parts)  # type: ignore[arg-type]
+            module.qkv_proj = fuse_projections(parts)  # type: ignore[arg-type]

@@ -5,10 +5,12 @@ decode step (embedding -> all decoder layers -> final norm -> lm_head -> greedy 
 transformers' own caches keep part of their bookkeeping on the host (a plain capture of a
 ``StaticCache`` step replays out of bounds), so this module brings its own: a static KV cache per
 layer, ``[batch, kv_heads, max_len, head_dim]``, written at a device-side position, and causal /
-sliding-window masks computed from that position on the device. Everything else is the model's
-own modules: embedding, rotary embedding, norms, q/k/v/o projections, attention sinks, the MoE
-block (prepkit's :class:`~prepkit.integrations.transformers.PrepkitMoeBlock`; transformers' own
-expert loop syncs with the host and cannot be captured) and ``lm_head``. The attention follows
+sliding-window masks computed from that position on the device. The prompt runs through the
+model's own modules (embedding, rotary embedding, norms, q/k/v/o projections, attention sinks, the
+MoE block, ``lm_head``); each decode step runs :mod:`prepkit.integrations.decode_step`'s step on
+the same weights (q, k and v fused into one projection), eagerly or compiled. The MoE block is
+prepkit's :class:`~prepkit.integrations.transformers.PrepkitMoeBlock` for a captured step
+(transformers' own expert loop syncs with the host and cannot be captured). Both follow
 transformers' eager gpt-oss attention operation for operation (bf16 scores, additive mask, sink
 column, softmax in the scores' dtype), so the tokens are ``model.generate(do_sample=False)``'s: on
 the CPU exactly; on a GPU up to near ties between logits, since the MoE kernel's combine adds in
@@ -58,19 +60,22 @@ class PrepkitDecoder:
     stopped at the EOS ids (rows that finish early padded with the pad id).
 
     ``eos_ids`` and ``pad_id`` default to the model's generation config; ``keep_logits`` leaves
-    each step's logits in ``self.logits``. The decode step reads
-    the model's modules at call time, so a model whose MoE blocks were
-    swapped (``use_prepkit_moe``) before the decoder was built decodes with them. The cache costs
-    ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the model's dtype.
+    each step's logits in ``self.logits``. The decode step takes the model's weights and MoE
+    blocks as they are when the decoder is built: swap MoE blocks (``use_prepkit_moe``) first.
+    The cache costs ``2 * layers * batch * kv_heads * max_len * head_dim`` elements of the
+    model's dtype.
 
-    ``compile=True`` (prepkit's MoE blocks only) runs each decode step through the compiled
-    halves of :mod:`prepkit.integrations.decode_step` instead of the modules: about half the time
-    per layer (measured on an H100: 109 against 213 us at gpt-oss-120b dims), but the fused
-    floating-point work rounds differently in the last bf16 bits, and where a router holds a near
-    tie a token then goes to another expert: its tokens can part from ``generate``'s where the
-    default step's do not. The q/k/v projections are packed into one matrix then (the modules keep
-    views of it). ``projections="reduction"`` writes the compiled step's projections as fp32
-    multiply-and-sum reductions instead of library GEMMs (a few percent faster on an H100).
+    The decode step (:class:`~prepkit.integrations.decode_step.DecodeStep`) runs eagerly by
+    default: the modules' operations one for one, so its tokens are ``generate``'s.
+    ``compile=True`` (prepkit's MoE blocks only) runs its pieces through ``torch.compile``: about
+    half the time per layer (measured on an H100: 109 against 213 us at gpt-oss-120b dims), but
+    the fused floating-point work rounds differently in the last bf16 bits, and where a router
+    holds a near tie a token then goes to another expert: its tokens can part from ``generate``'s
+    where the default step's do not. ``projections="reduction"`` writes the compiled step's bf16
+    projections as fp32 multiply-and-sum reductions instead of library GEMMs (a few percent
+    faster on an H100; the eager step keeps the GEMMs). ``ops`` replaces the step's layer ops
+    (:class:`~prepkit.integrations.decode_step.Ops`; default: the torch ones); ``reduce`` and
+    ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``).
     """
 
     def __init__(
@@ -85,6 +90,9 @@ class PrepkitDecoder:
         eos_ids: Sequence[int] | None = None,
         pad_id: int | None = None,
         keep_logits: bool = False,
+        ops: decode_step.Ops | None = None,
+        reduce: decode_step.Hook | None = None,
+        gather: decode_step.Hook | None = None,
     ) -> None:
         config = model.config
         base = model.model
@@ -122,28 +130,24 @@ class PrepkitDecoder:
         self.sampling = GREEDY
         self.graphs: dict[SamplingParams, torch.cuda.CUDAGraph] = {}
         self.stats = DecodeStats()
-        # Compiled decode steps fuse the work between matrix products (decode_step); never for
-        # the prompt (one shape per length).
+        # Every decode step runs decode_step's functions (eagerly, or compiled: the work between
+        # matrix products fuses); the prompt runs the model's modules (one shape per length).
         prepkit_moe = all(hasattr(layer.mlp, "moe_layer") for layer in self.layers)
         if compile and not prepkit_moe:
             raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
         self.compiled = compile
         # The sampler's elementwise work (temperature, filters, the hash noise) fuses when compiled.
         self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile else sample
-        if projections not in ("reduction", "linear"):
-            raise ValueError(f"projections must be 'reduction' or 'linear', got {projections!r}")
-        self._as_reduction = projections == "reduction"
+        # Reductions pay off only fused: eagerly they would materialize [B, N, K] fp32 products.
+        compiled_ops = decode_step.torch_ops(projections)  # checks the name in any mode
+        step_ops = ops if ops is not None else compiled_ops if compile else decode_step.TORCH_OPS
         if self.compiled:
-            # One compiled graph per batch size, cache length and first-layer form: allow a few.
+            # One compiled graph per piece, batch size, cache length and layer form: allow a few.
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
-            self._weights = [decode_step.LayerWeights.of(layer) for layer in self.layers]
-            self._lm_head = decode_step.weight_of(model.lm_head)
-            self._eps = float(base.norm.variance_epsilon)
-            self._embed = torch.compile(decode_step.embed, fullgraph=True, dynamic=False)
-            self._attention_in = torch.compile(decode_step.attention_in, fullgraph=True, dynamic=False)
-            self._attention_out = torch.compile(decode_step.attention_out, fullgraph=True, dynamic=False)
-            self._head = torch.compile(decode_step.head, fullgraph=True, dynamic=False)
+        self.decode_step = decode_step.step_of_model(
+            model, ops=step_ops, compiled=compile, reduce=reduce, gather=gather
+        )
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -291,14 +295,14 @@ class PrepkitDecoder:
         self.graphs[self.sampling] = graph
 
     def _step(self) -> None:
-        positions = self.position.view(1)
-        logits = self._compiled_forward(positions) if self.compiled else self.forward(self.next_ids, positions)
+        logits = self.decode_step(self.next_ids[:, 0], self.position, self.pad, self.keys, self.values)
         self.position.add_(1)
         self.next_ids.copy_(self._choose(logits)[:, None])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of the last position, ``[batch, vocab]``, for ``input_ids`` ``[batch, T]`` at
-        device-side cache slots ``positions`` ``[T]``; writes their keys and values into the cache."""
+        device-side cache slots ``positions`` ``[T]``, through the model's modules (the prompt);
+        writes their keys and values into the cache."""
         base = self.model.model
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, decode_step.token_positions(positions, self.pad))
@@ -316,56 +320,6 @@ class PrepkitDecoder:
             hidden = residual + hidden
         # The norm is per token: only the last position feeds the head.
         return self.model.lm_head(base.norm(hidden[:, -1:]))[:, -1]
-
-    def _compiled_forward(self, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``[batch, vocab]`` after ``self.next_ids`` at cache slots ``positions`` ``[1]``,
-        through the compiled halves of :mod:`prepkit.integrations.decode_step`; writes the cache."""
-        from prepkit.runtime.moe import moe
-
-        base = self.model.model
-        rotary = base.rotary_emb
-        hidden, cos, sin = self._embed(
-            self.next_ids,
-            base.embed_tokens.weight,
-            decode_step.token_positions(positions, self.pad),
-            rotary.inv_freq,
-            float(rotary.attention_scaling),
-        )
-        windows = {"full_attention": None, "sliding_attention": self.config.sliding_window}
-        mlp_out = None
-        for index, (layer, weights) in enumerate(zip(self.layers, self._weights, strict=True)):
-            attn = layer.self_attn
-            keys, values = self.keys[index], self.values[index]
-            hidden, query = self._attention_in(
-                hidden,
-                mlp_out,
-                weights,
-                cos,
-                sin,
-                keys,
-                values,
-                positions,
-                self._eps,
-                attn.head_dim,
-                self._as_reduction,
-            )
-            window = windows[self.config.layer_types[index]]
-            hidden, x, logits = self._attention_out(
-                hidden,
-                query,
-                keys,
-                values,
-                positions,
-                self.pad,
-                window,
-                weights,
-                attn.scaling,
-                self._eps,
-                self._as_reduction,
-            )
-            mlp_out = moe(layer.mlp.moe_layer, x, logits).view(hidden.shape)
-        assert mlp_out is not None  # the model has layers
-        return self._head(hidden, mlp_out, base.norm.weight, self._lm_head, self._eps)
 
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive ``[B, 1, T, max_len]`` mask: causal, within ``window`` for sliding layers, and

@@ -3,15 +3,16 @@ bundled kernel family (:func:`prepkit.kernels.mx.mx_linear`).
 
 Under ``torch.compile`` the forward goes through the registered op ``torch.ops.prepkit.mx_linear``
 (one opaque node with a fake implementation, so ``fullgraph=True`` holds); eagerly, and under
-CUDA-graph capture, it launches the kernel directly, which costs less host time. As with the MoE
-op (:mod:`prepkit.runtime.op`), the op takes a module id rather than the weights: the module
-keeps state no op argument can (its tactic per token count, its lookup), and registers itself
-once, weakly. The tactic of each token count is chosen once and cached.
+CUDA-graph capture, it runs the op's body directly, which costs less host time. The op takes the
+weight's tensors (not a module), so one compiled function serves every layer's weights
+(:mod:`prepkit.integrations.decode_step`); it chooses the variant of each token count through the
+tactic DBs, once per shape. A module chooses through its own lookup, once per token count.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,26 +20,13 @@ from torch import nn
 
 from prepkit.kernels.activations import ActivationPolicy, check_policy
 from prepkit.mx_formats import pairing_reason
-from prepkit.runtime.registry import WeakRegistry
-from prepkit.tactics.choose import Choice, DenseCall, DenseTacticLookup, choose, compile_errors, fall_back
+from prepkit.tactics.choose import DEFAULT, Choice, DenseCall, DenseTacticLookup, choose, compile_errors, fall_back
 from prepkit.warn_once import new_owner
 
 if TYPE_CHECKING:
     from prepkit.kernels.device import DeviceInfo
     from prepkit.kernels.mx.dense import DenseMxWeights
     from prepkit.kernels.tactic import GemmTactic
-
-
-_MODULES: WeakRegistry[MxLinear] = WeakRegistry("torch.ops.prepkit.mx_linear", "MxLinear")
-
-
-def registered_linear(module_id: int) -> MxLinear:
-    """The module behind ``module_id``.
-
-    Raises:
-        KeyError: no live MxLinear has that id.
-    """
-    return _MODULES.get(module_id)
 
 
 class MxLinear(nn.Module):
@@ -83,7 +71,6 @@ class MxLinear(nn.Module):
         self._warn_owner = new_owner()  # this module's warnings are its own
         self._weights: DenseMxWeights | None = None
         self._device_info: DeviceInfo | None = None
-        self.op_id = _MODULES.add(self)
 
     def extra_repr(self) -> str:
         return (
@@ -174,51 +161,120 @@ class MxLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.prepkit.mx_linear(x, self.op_id, self.out_features)
+            return torch.ops.prepkit.mx_linear(
+                x, self.weight_blocks, self.weight_scales, self.bias, self.fmt, self.activations
+            )
         return self.run(x)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The kernel on ``x [..., in_features]`` (bf16; other float dtypes are cast in and out)."""
-        from prepkit.kernels.mx.dense import launch_dense
-
-        weights = self.weights()
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: shape {list(x.shape)}, expected [..., {self.in_features}]")
         if x.device != self.weight_blocks.device:
             raise ValueError(f"x on {x.device}, weights on {self.weight_blocks.device}")
-        dtype = x.dtype
-        x2 = x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.bfloat16, device=x.device)
-        try:
-            launch_dense(x2, weights, self.bias, self.tactic(x2.shape[0]), self.activations, out)
-        except compile_errors() as err:
-            # A variant tuned with another Triton may no longer compile: the default always does.
-            fallback = self._fall_back(x2.shape[0], err)
-            if fallback is None:
-                raise
-            launch_dense(x2, weights, self.bias, fallback, self.activations, out)
-        y = out.view(*x.shape[:-1], self.out_features)
-        return y if dtype == torch.bfloat16 else y.to(dtype)
+        return run_dense(x, self.weights(), self.bias, self.activations, self.tactic, self._fall_back)
 
 
-def fuse_sharing(parts: list[MxLinear]) -> MxLinear:
-    """:meth:`MxLinear.fused`, after which each part's buffers are views of the fused module's
-    (the kernel reads rows of a wider weight in place): q, k and v run alone or as one launch,
-    with one copy of their weights in memory."""
-    fused = MxLinear.fused(parts)
+def run_dense(
+    x: torch.Tensor,
+    weights: DenseMxWeights,
+    bias: torch.Tensor | None,
+    activations: ActivationPolicy,
+    tactic: Callable[[int], GemmTactic],
+    fall_back_to: Callable[[int, BaseException], GemmTactic | None],
+) -> torch.Tensor:
+    """``x [..., K] @ W^T + bias`` in ``x``'s dtype (bf16 inside) with the variant ``tactic(rows)``;
+    after a variant that does not compile, ``fall_back_to(rows, error)``'s (``None``: re-raise)."""
+    from prepkit.kernels.mx.dense import launch_dense
+
+    dtype = x.dtype
+    x2 = x.reshape(-1, weights.k)
+    if x2.dtype != torch.bfloat16:
+        x2 = x2.to(torch.bfloat16)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty((x2.shape[0], weights.n), dtype=torch.bfloat16, device=x.device)
+    try:
+        launch_dense(x2, weights, bias, tactic(x2.shape[0]), activations, out)
+    except compile_errors() as err:
+        # A variant tuned with another Triton may no longer compile: the default always does.
+        fallback = fall_back_to(x2.shape[0], err)
+        if fallback is None:
+            raise
+        launch_dense(x2, weights, bias, fallback, activations, out)
+    y = out.view(*x.shape[:-1], weights.n)
+    return y if dtype == torch.bfloat16 else y.to(dtype)
+
+
+def fuse_projections(parts: Sequence[nn.Module]) -> nn.Module:
+    """One module of the parts' kind (``nn.Linear`` or :class:`MxLinear`) whose outputs are those
+    of ``parts`` one after the other (q, k, v -> qkv): weights and biases concatenated along the
+    output rows (a zero bias for a part without one, unless none has one). Each part's tensors then
+    become views of the fused module's, so the parts compute as before, alone, and the model holds
+    one copy; bf16 parts that already view one fused tensor (fused before) fuse into it again,
+    without a copy.
+
+    Raises:
+        ValueError: no parts, parts of mixed kinds, or parts that do not share their input
+            (or, MX, their format and activation policy).
+    """
+    if not parts:
+        raise ValueError("fuse_projections needs at least one part")
+    fused: nn.Module
+    if all(isinstance(p, MxLinear) for p in parts):
+        fused = MxLinear.fused(list(parts))  # type: ignore[arg-type]
+        rows = {"weight_blocks": 1, "weight_scales": 1, "bias": 0}  # the dim of the output rows
+    elif all(isinstance(p, nn.Linear) for p in parts):
+        fused = _fused_linear(list(parts))  # type: ignore[arg-type]
+        rows = {"weight": 0, "bias": 0}
+    else:
+        raise ValueError(f"fuse_projections: parts {[type(p).__name__ for p in parts]} are not all of one kind")
     lo = 0
     for part in parts:
-        hi = lo + part.out_features
-        part.weight_blocks = fused.weight_blocks[:, lo:hi]
-        part.weight_scales = fused.weight_scales[:, lo:hi]
-        if part.bias is not None and fused.bias is not None:
-            part.bias = fused.bias[lo:hi]
+        hi = lo + int(part.out_features)  # type: ignore[arg-type]
+        for name, dim in rows.items():
+            own, whole = getattr(part, name), getattr(fused, name)
+            if own is None or whole is None:
+                continue
+            view = whole.detach().narrow(dim, lo, hi - lo)
+            setattr(
+                part, name, nn.Parameter(view, requires_grad=own.requires_grad) if name in part._parameters else view
+            )
         lo = hi
     return fused
+
+
+def _fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    first = parts[0]
+    for i, p in enumerate(parts[1:], 1):
+        if p.in_features != first.in_features:
+            raise ValueError(f"part {i} has {p.in_features} inputs, part 0 {first.in_features}")
+    weights = [p.weight.detach() for p in parts]
+    weight = _rows_of_one_tensor(weights)
+    fused = nn.Linear(first.in_features, sum(w.shape[0] for w in weights), bias=False, device="meta")
+    fused.weight = nn.Parameter(weight if weight is not None else torch.cat(weights), first.weight.requires_grad)
+    if any(p.bias is not None for p in parts):
+        ref = next(p.bias for p in parts if p.bias is not None)
+        biases = [p.bias.detach() if p.bias is not None else ref.new_zeros(p.out_features) for p in parts]
+        bias = _rows_of_one_tensor(biases)
+        fused.bias = nn.Parameter(bias if bias is not None else torch.cat(biases), ref.requires_grad)
+    return fused
+
+
+def _rows_of_one_tensor(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor whose consecutive rows ``tensors`` are, when they are that already (the views an
+    earlier fusion left); else ``None``. Building a second decoder then costs no second copy."""
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        same = t.dtype == first.dtype and t.device == first.device and t.shape[1:] == first.shape[1:]
+        if not (same and t.is_contiguous() and t.untyped_storage().data_ptr() == storage):
+            return None
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
 
 
 def kernel_device(device: torch.device) -> DeviceInfo:
@@ -238,24 +294,44 @@ def db_tactic_lookup() -> DenseTacticLookup:
     return make_dense_tactic_lookup()
 
 
-_STORED_TACTICS: dict[tuple[int, int, int, str, str, torch.device], GemmTactic] = {}
+_SHARED_CHOICES: dict[tuple[int, int, int, str, str, torch.device], Choice] = {}
 
 
-def stored_tactic(tokens: int, blocks: torch.Tensor, scales: torch.Tensor, fmt: str, activations: str) -> GemmTactic:
-    """The variant for a weight given as tensors (the DB's, else the default), chosen once per shape."""
-    n, k = scales.shape[1], scales.shape[0] * 32
-    key = (tokens, n, k, fmt, activations, blocks.device)
-    t = _STORED_TACTICS.get(key)
-    if t is None:
-        t = _STORED_TACTICS[key] = choose(
-            DenseCall(tokens, n, k, fmt, db_tactic_lookup()), kernel_device(blocks.device), check_policy(activations),
-            on_cuda=blocks.device.type == "cuda",
-        ).tactics[0]  # fmt: skip
-    return t
+def _shared_call(tokens: int, weights: DenseMxWeights) -> DenseCall:
+    return DenseCall(tokens, weights.n, weights.k, weights.fmt, db_tactic_lookup())
 
 
-@torch.library.custom_op("prepkit::mx_linear_stored", mutates_args=())
-def mx_linear_stored_op(
+def shared_tactic(tokens: int, weights: DenseMxWeights, activations: ActivationPolicy) -> GemmTactic:
+    """The variant for ``tokens`` rows through a weight given as tensors: the tactic DBs', else the
+    default; chosen once per shape and device (tensors carry no lookup of their own)."""
+    key = (tokens, weights.n, weights.k, weights.fmt, activations, weights.blocks.device)
+    c = _SHARED_CHOICES.get(key)
+    if c is None:
+        device = weights.blocks.device
+        c = _SHARED_CHOICES[key] = choose(
+            _shared_call(tokens, weights), kernel_device(device), activations, on_cuda=device.type == "cuda"
+        )
+    return c.tactics[0]
+
+
+def shared_fall_back(
+    tokens: int, weights: DenseMxWeights, activations: ActivationPolicy, error: BaseException
+) -> GemmTactic | None:
+    """After the DBs' variant for this shape failed to compile: the default from now on (warned),
+    or ``None`` when the failing variant was already the default."""
+    key = (tokens, weights.n, weights.k, weights.fmt, activations, weights.blocks.device)
+    failed = _SHARED_CHOICES.get(key)
+    if failed is None or failed.source == DEFAULT:
+        return None
+    device = weights.blocks.device
+    c = _SHARED_CHOICES[key] = fall_back(
+        _shared_call(tokens, weights), failed, error, kernel_device(device), activations,
+        on_cuda=device.type == "cuda",
+    )  # fmt: skip
+    return c.tactics[0]
+
+
+def mx_linear(
     x: torch.Tensor,
     blocks: torch.Tensor,
     scales: torch.Tensor,
@@ -263,21 +339,49 @@ def mx_linear_stored_op(
     fmt: str,
     activations: str,
 ) -> torch.Tensor:
-    """``x [..., K]`` (bf16) -> ``[..., N]`` through the stored MX weight ``blocks``/``scales``.
-    The weights are arguments, not a module id, so one compiled function serves every layer
-    (:mod:`prepkit.integrations.decode_step`) without a recompile per module."""
-    from prepkit.kernels.mx.dense import DenseMxWeights, launch_dense
+    """``x [..., K] @ W^T + bias`` for the MX weight stored as ``blocks``/``scales``: the registered
+    op under ``torch.compile`` (one opaque node), else its body (less host time)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.prepkit.mx_linear(x, blocks, scales, bias, fmt, activations)
+    return _mx_linear_body(x, blocks, scales, bias, fmt, activations)
+
+
+def _mx_linear_body(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    activations: str,
+) -> torch.Tensor:
+    from prepkit.kernels.mx.dense import DenseMxWeights
 
     weights = DenseMxWeights(blocks, scales, fmt)
-    x2 = x.reshape(-1, weights.k).to(torch.bfloat16).contiguous()
-    out = torch.empty((x2.shape[0], weights.n), dtype=torch.bfloat16, device=x.device)
-    tactic = stored_tactic(x2.shape[0], blocks, scales, fmt, activations)
-    launch_dense(x2, weights, bias, tactic, check_policy(activations), out)
-    return out.view(*x.shape[:-1], weights.n).to(x.dtype)
+    policy = check_policy(activations)
+    return run_dense(
+        x, weights, bias, policy,
+        lambda tokens: shared_tactic(tokens, weights, policy),
+        lambda tokens, err: shared_fall_back(tokens, weights, policy, err),
+    )  # fmt: skip
 
 
-@mx_linear_stored_op.register_fake
-def _mx_linear_stored_fake(
+@torch.library.custom_op("prepkit::mx_linear", mutates_args=())
+def mx_linear_op(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    fmt: str,
+    activations: str,
+) -> torch.Tensor:
+    """``x [..., K]`` -> ``[..., N]`` in ``x``'s dtype through the stored MX weight
+    ``blocks``/``scales`` (``fmt``, activation policy ``activations``). The weights are arguments,
+    not a module, so one compiled function serves every layer without a recompile per module."""
+    return _mx_linear_body(x, blocks, scales, bias, fmt, activations)
+
+
+@mx_linear_op.register_fake
+def _mx_linear_fake(
     x: torch.Tensor,
     blocks: torch.Tensor,
     scales: torch.Tensor,
@@ -286,14 +390,3 @@ def _mx_linear_stored_fake(
     activations: str,
 ) -> Any:
     return x.new_empty((*x.shape[:-1], scales.shape[1]))
-
-
-@torch.library.custom_op("prepkit::mx_linear", mutates_args=())
-def mx_linear_op(x: torch.Tensor, module_id: int, out_features: int) -> torch.Tensor:
-    """``x [..., K]`` -> ``[..., out_features]`` in ``x``'s dtype through MxLinear ``module_id``."""
-    return registered_linear(module_id).run(x)
-
-
-@mx_linear_op.register_fake
-def _mx_linear_fake(x: torch.Tensor, module_id: int, out_features: int) -> Any:
-    return x.new_empty((*x.shape[:-1], out_features))

@@ -1,6 +1,6 @@
 """PrepkitDecoder: greedy decoding on a device-side static cache, against transformers' own
-``generate(do_sample=False)``. On the CPU the step runs eagerly (the captured step is the same
-code); the GPU tests capture it in a CUDA graph and compile a decoder layer with fullgraph=True."""
+``generate(do_sample=False)``. On the CPU the decode step runs eagerly (the captured step is the
+same code); the GPU tests capture it in a CUDA graph and compile a decoder layer with fullgraph=True."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_graph_decode_predicts_what_transformers_predicts(real_model: torch.nn.M
     with torch.no_grad():
         want = real_model.generate(ids, max_new_tokens=new, do_sample=False)
     decoder = PrepkitDecoder(real_model, 160)
-    assert not decoder.compiled  # the default: the model's own modules, operation for operation
+    assert not decoder.compiled  # the default: the eager step, the modules' operations one for one
     for i, got in enumerate(_teacher_forced(decoder, want, prompt), start=prompt + 1):
         if got != int(want[0, i]):
             with torch.no_grad():
@@ -205,7 +205,7 @@ def test_a_decoder_layer_with_prepkit_moe_traces_whole(source: Path, prepared: P
 
 @pytest.mark.slow
 def test_compiled_decode_steps_give_the_eager_steps_tokens(source: Path, prepared: Path, interpreter: None) -> None:
-    # The compiled halves (prepkit.integrations.decode_step) against the module-by-module step.
+    # The compiled pieces (prepkit.integrations.decode_step) against the same step run eagerly.
     model = _no_eos(swapped(source, prepared))
     ids = _prompt(20)
     eager = PrepkitDecoder(model, 32, compile=False)
@@ -221,6 +221,6 @@ def test_compiled_decode_steps_give_the_eager_steps_tokens(source: Path, prepare
 
 def test_compiling_needs_prepkit_moe_blocks(source: Path) -> None:
     model = load_reference(source)
-    assert not PrepkitDecoder(model, 16).compiled  # the default: the modules, step for step
+    assert not PrepkitDecoder(model, 16).compiled  # the default: the eager step
     with pytest.raises(ValueError, match="prepkit's MoE blocks"):
         PrepkitDecoder(model, 16, compile=True)

@@ -1,5 +1,5 @@
-"""``MxLinear`` and ``torch.ops.prepkit.mx_linear``: the module against the kernel, fused q/k/v,
-the op's fake shapes and its opcheck, the dense tactic keys and lookup."""
+"""``MxLinear`` and ``torch.ops.prepkit.mx_linear``: the module against the kernel, fused q/k/v
+(MX and bf16), the op's fake shapes and its opcheck, the dense tactic keys and lookup."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def test_module_runs_the_kernel_and_the_op(device: str, fmt: str, activations: s
     assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
     want = mx_linear(x, m.weights(), m.bias, activations=activations, tactic=m.tactic(6))  # type: ignore[arg-type]
     assert torch.equal(y, want)
-    assert torch.equal(torch.ops.prepkit.mx_linear(x, m.op_id, 48), y)
+    # The op takes the weight's tensors; with no tuned rows it runs the module's variant.
+    op = torch.ops.prepkit.mx_linear(x, m.weight_blocks, m.weight_scales, m.bias, fmt, activations)
+    assert torch.equal(op, y)
     assert m.tactic(6) is m.tactic(6)  # chosen once per token count
     assert torch.isfinite(y).all() and y.abs().max() > 0
 
@@ -61,12 +63,13 @@ def test_fake_shapes_and_opcheck(device: str) -> None:
     m = linear("mxfp8", 40, 7, device)
     with FakeTensorMode():
         fx = torch.empty((5, 2, K), dtype=torch.bfloat16)
-        out = torch.ops.prepkit.mx_linear(fx, m.op_id, 40)
+        fb, fs = (torch.empty(t.shape, dtype=t.dtype) for t in (m.weight_blocks, m.weight_scales))
+        out = torch.ops.prepkit.mx_linear(fx, fb, fs, None, "mxfp8", "bf16")
         assert out.shape == (5, 2, 40) and out.dtype == torch.bfloat16
     x = torch.randn((3, K), generator=torch.Generator().manual_seed(8)).to(torch.bfloat16).to(device)
     torch.library.opcheck(
         torch.ops.prepkit.mx_linear.default,
-        (x, m.op_id, 40),
+        (x, m.weight_blocks, m.weight_scales, m.bias, "mxfp8", "bf16"),
         test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"),
     )
 
@@ -119,3 +122,67 @@ def test_compiles_fullgraph_through_the_op(device: str) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), m(x))
+
+
+@pytest.mark.parametrize("kind", ["mx", "bf16"])
+def test_fused_projections_compute_their_parts_and_share_one_copy(device: str, kind: str) -> None:
+    from prepkit.runtime.dense import MxLinear, fuse_projections
+
+    g = torch.Generator().manual_seed(12)
+    if kind == "mx":
+        parts: list[torch.nn.Module] = [linear("mxfp4", n, s, device) for n, s in ((64, 13), (32, 14), (32, 15))]
+        t = GemmTactic(16, 32, 64, 4, 3, 1, "bits", "ptr")
+        for m in parts:
+            m._tactics[(3, m.weight_blocks.device)] = t  # type: ignore[index, union-attr]
+        storage = "weight_blocks"
+    else:
+        parts = [torch.nn.Linear(K, n, dtype=torch.bfloat16, device=device) for n in (64, 32, 32)]
+        storage = "weight"
+    x = torch.randn((3, K), generator=g).to(torch.bfloat16).to(device)
+    with torch.no_grad():
+        alone = [p(x) for p in parts]
+        fused = fuse_projections(parts)
+        assert isinstance(fused, MxLinear if kind == "mx" else torch.nn.Linear)
+        if kind == "mx":
+            fused._tactics[(3, fused.weight_blocks.device)] = t  # type: ignore[index, union-attr]
+        assert torch.equal(fused(x), torch.cat(alone, dim=1))
+        whole = getattr(fused, storage).untyped_storage().data_ptr()
+        for p, want in zip(parts, alone, strict=True):
+            assert getattr(p, storage).untyped_storage().data_ptr() == whole  # a view, not a copy
+            assert torch.equal(p(x), want)
+        if kind == "bf16":  # fusing the views again reuses the fused tensor: no second copy
+            again = fuse_projections(parts)
+            assert getattr(again, storage).data_ptr() == getattr(fused, storage).data_ptr()
+            assert torch.equal(again(x), torch.cat(alone, dim=1))
+    with pytest.raises(ValueError, match="not all of one kind"):
+        fuse_projections([linear("mxfp4", 32, 16, device), torch.nn.Linear(K, 32)])
+
+
+def test_the_op_falls_back_from_a_tuned_variant_that_does_not_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tensor-taking op chooses through the tactic DBs per shape; a tuned variant that this
+    Triton cannot build gives way to the default, for that shape from then on."""
+    from triton.runtime.errors import OutOfResources
+
+    from prepkit.runtime import dense
+
+    tuned = GemmTactic(16, 32, 64, 4, 2, 1, "bits")
+    monkeypatch.setattr(dense, "db_tactic_lookup", lambda: lambda *a: tuned)
+    monkeypatch.setattr(dense, "_SHARED_CHOICES", {})
+    launched: list[GemmTactic] = []
+    real = __import__("prepkit.kernels.mx.dense", fromlist=["launch_dense"]).launch_dense
+
+    def fake_launch(x, weights, bias, tactic, activations, out):  # type: ignore[no-untyped-def]
+        launched.append(tactic)
+        if tactic == tuned:
+            raise OutOfResources(300000, 101376, "shared memory")
+        return real(x, weights, bias, tactic, activations, out)
+
+    monkeypatch.setattr("prepkit.kernels.mx.dense.launch_dense", fake_launch)
+    m = linear("mxfp4", 32, 17, "cpu")
+    x = torch.randn((2, K), generator=torch.Generator().manual_seed(18)).to(torch.bfloat16)
+    args = (m.weight_blocks, m.weight_scales, m.bias, "mxfp4", "bf16")
+    with pytest.warns(UserWarning, match="do not compile with this Triton"):
+        y = torch.ops.prepkit.mx_linear(x, *args)
+    assert launched[:2] == [tuned, launched[1]] and launched[1] != tuned
+    assert torch.equal(torch.ops.prepkit.mx_linear(x, *args), y)
+    assert launched[-1] == launched[1]  # the default serves the shape from now on
