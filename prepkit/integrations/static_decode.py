@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from prepkit.generation.sampling import SamplingParams, sample
-from prepkit.integrations import decode_step
+from prepkit.integrations import decode_ops, decode_step
 from prepkit.integrations.decode_loop import (
     DecodeStats,
     Readback,
@@ -74,7 +74,7 @@ class PrepkitDecoder:
     where the default step's do not. ``projections="reduction"`` writes the compiled step's bf16
     projections as fp32 multiply-and-sum reductions instead of library GEMMs (a few percent
     faster on an H100; the eager step keeps the GEMMs). ``ops`` replaces the step's layer ops
-    (:class:`~prepkit.integrations.decode_step.Ops`; default: the torch ones); ``reduce`` and
+    (:class:`~prepkit.integrations.decode_ops.Ops`; default: the torch ones); ``reduce`` and
     ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``).
     """
 
@@ -90,7 +90,7 @@ class PrepkitDecoder:
         eos_ids: Sequence[int] | None = None,
         pad_id: int | None = None,
         keep_logits: bool = False,
-        ops: decode_step.Ops | None = None,
+        ops: decode_ops.Ops | None = None,
         reduce: decode_step.Hook | None = None,
         gather: decode_step.Hook | None = None,
     ) -> None:
@@ -139,8 +139,8 @@ class PrepkitDecoder:
         # The sampler's elementwise work (temperature, filters, the hash noise) fuses when compiled.
         self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile else sample
         # Reductions pay off only fused: eagerly they would materialize [B, N, K] fp32 products.
-        compiled_ops = decode_step.torch_ops(projections)  # checks the name in any mode
-        step_ops = ops if ops is not None else compiled_ops if compile else decode_step.TORCH_OPS
+        compiled_ops = decode_ops.torch_ops(projections)  # checks the name in any mode
+        step_ops = ops if ops is not None else compiled_ops if compile else decode_ops.TORCH_OPS
         if self.compiled:
             # One compiled graph per piece, batch size, cache length and layer form: allow a few.
             limit = torch._dynamo.config.recompile_limit
@@ -305,7 +305,7 @@ class PrepkitDecoder:
         writes their keys and values into the cache."""
         base = self.model.model
         hidden = base.embed_tokens(input_ids)
-        cos, sin = base.rotary_emb(hidden, decode_step.token_positions(positions, self.pad))
+        cos, sin = base.rotary_emb(hidden, decode_ops.token_positions(positions, self.pad))
         masks = {
             "full_attention": self._mask(positions, None),
             "sliding_attention": self._mask(positions, self.config.sliding_window),
@@ -324,7 +324,7 @@ class PrepkitDecoder:
     def _mask(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
         """Additive ``[B, 1, T, max_len]`` mask: causal, within ``window`` for sliding layers, and
         past each row's left padding."""
-        return decode_step.additive_mask(self.kv_index, positions, window, self.dtype, self.pad)
+        return decode_ops.additive_mask(self.kv_index, positions, window, self.dtype, self.pad)
 
     def _attention(
         self,
@@ -348,10 +348,10 @@ class PrepkitDecoder:
         key = key.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
         value = value.reshape(batch, tokens, -1, head_dim).transpose(1, 2)
         keys, values = self.keys[index], self.values[index]
-        keys.index_copy_(2, positions, decode_step.rotate(key, cos, sin))
+        keys.index_copy_(2, positions, decode_ops.rotate(key, cos, sin))
         values.index_copy_(2, positions, value)
-        query = decode_step.rotate(query, cos, sin)
-        return attn.o_proj(decode_step.attend(query, keys, values, mask, attn.sinks, attn.scaling))
+        query = decode_ops.rotate(query, cos, sin)
+        return attn.o_proj(decode_ops.attend(query, keys, values, mask, attn.sinks, attn.scaling))
 
     def _pad_id(self) -> int | None:
         pad = self.model.generation_config.pad_token_id

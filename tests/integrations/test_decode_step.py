@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
 
 from prepkit.generation.sampling import SamplingParams  # noqa: E402
+from prepkit.integrations import decode_ops as dops  # noqa: E402
 from prepkit.integrations import decode_step as ds  # noqa: E402
 from prepkit.integrations.static_decode import PrepkitDecoder  # noqa: E402
 from prepkit.integrations.transformers import from_prepared  # noqa: E402
@@ -42,7 +43,7 @@ def _randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 def test_norm_linear_matches_a_plain_reference() -> None:
     hidden, add = _randn(3, 64, seed=1), torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
     norm_w, weight, bias = _randn(64, seed=3), _randn(40, 64, seed=4, scale=0.1), _randn(40, seed=5)
-    summed, out, normed = ds.norm_linear(hidden, add, norm_w, 1e-5, weight, bias, True)
+    summed, out, normed = dops.norm_linear(hidden, add, norm_w, 1e-5, weight, bias, True)
     want_summed = hidden + add.to(BF16)  # the fp32 add is rounded to bf16 before the sum
     assert torch.equal(summed, want_summed)
     x = want_summed.float()
@@ -51,18 +52,18 @@ def test_norm_linear_matches_a_plain_reference() -> None:
     want_out = (want_normed.float() @ weight.float().T + bias.float()).to(BF16)
     torch.testing.assert_close(out.float(), want_out.float(), rtol=2e-2, atol=2e-2)
     # No add (the first layer) and no normed output unless asked for.
-    first, _, none = ds.norm_linear(hidden, None, norm_w, 1e-5, weight, None, False)
+    first, _, none = dops.norm_linear(hidden, None, norm_w, 1e-5, weight, None, False)
     assert torch.equal(first, hidden) and none is None
 
 
 def test_linear_residual_rounds_the_projection_before_the_add() -> None:
     x, weight, bias = _randn(2, 64, seed=6), _randn(48, 64, seed=7, scale=0.1), _randn(48, seed=8)
     residual = _randn(2, 48, seed=9, scale=30.0)
-    got = ds.linear_residual(x, weight, bias, residual)
+    got = dops.linear_residual(x, weight, bias, residual)
     proj = (x.float() @ weight.float().T + bias.float()).to(BF16)
     torch.testing.assert_close(got.float(), (residual + proj).float(), rtol=1e-2, atol=0.25)
     # With the reduction form the projection agrees to bf16 rounding as well.
-    red = ds.linear_residual(x, weight, bias, residual, as_reduction=True)
+    red = dops.linear_residual(x, weight, bias, residual, as_reduction=True)
     torch.testing.assert_close(red.float(), got.float(), rtol=1e-2, atol=0.25)
 
 
@@ -120,7 +121,7 @@ def test_rope_cache_attend_matches_a_plain_reference(window: int | None, positio
         for cache in (keys, values):
             cache[b, :, :lo] = 1e4
             cache[b, :, position + 1 :] = -1e4
-    got = ds.rope_cache_attend(
+    got = dops.rope_cache_attend(
         qkv, cos, sin, keys, values, torch.tensor(position), torch.tensor(pad), window, sinks, 0.25
     )
     assert got.shape == (batch, heads * d) and got.dtype == BF16
@@ -200,7 +201,7 @@ def test_the_eager_step_gives_the_modules_logits_with_mx_weights(
     mx_model: torch.nn.Module, sampling: SamplingParams
 ) -> None:
     step = ds.step_of_model(mx_model)
-    assert isinstance(step.layers[0].weights.qkv_weight, ds.MxWeight) and isinstance(step.lm_head, ds.MxWeight)
+    assert isinstance(step.layers[0].weights.qkv_weight, dops.MxWeight) and isinstance(step.lm_head, dops.MxWeight)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _same_steps(mx_model, 4, LENGTHS[:2], sampling)
@@ -215,11 +216,11 @@ def test_the_step_runs_the_ops_it_is_given(bf16_model: torch.nn.Module) -> None:
     def counted(name: str) -> Any:
         def op(*args: Any) -> Any:
             calls[name] += 1
-            return getattr(ds.TORCH_OPS, name)(*args)
+            return getattr(dops.TORCH_OPS, name)(*args)
 
         return op
 
-    ops = ds.Ops(counted("norm_linear"), counted("rope_cache_attend"), counted("linear_residual"))
+    ops = dops.Ops(counted("norm_linear"), counted("rope_cache_attend"), counted("linear_residual"))
     ids, mask = _left_padded(LENGTHS, pad_id=0)
     want = PrepkitDecoder(bf16_model, 20, batch_size=3).generate(ids, 4, attention_mask=mask)
     got = PrepkitDecoder(bf16_model, 20, batch_size=3, ops=ops).generate(ids, 4, attention_mask=mask)
@@ -277,7 +278,7 @@ def test_compiled_pieces_hold_whole_graphs_around_the_hooks(bf16_model: torch.nn
 
 def test_reductions_serve_only_the_compiled_step(bf16_model: torch.nn.Module) -> None:
     # Eagerly a reduction would materialize [B, N, K] fp32 products: the eager step keeps GEMMs.
-    assert PrepkitDecoder(bf16_model, 16, projections="reduction").decode_step.ops is ds.TORCH_OPS
-    assert ds.torch_ops("reduction") != ds.TORCH_OPS
+    assert PrepkitDecoder(bf16_model, 16, projections="reduction").decode_step.ops is dops.TORCH_OPS
+    assert dops.torch_ops("reduction") != dops.TORCH_OPS
     with pytest.raises(ValueError, match="projections must be"):
         PrepkitDecoder(bf16_model, 16, projections="gemm")

@@ -83,7 +83,7 @@ def reference_attend(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """gpt-oss's rotary on ``[B, heads, 1, D]`` with ``cos``/``sin`` ``[B, D/2]``, in x's dtype."""
-    from prepkit.integrations.decode_step import rotate
+    from prepkit.integrations.decode_ops import rotate
 
     return rotate(x, cos[:, None, :], sin[:, None, :])
 
@@ -92,7 +92,7 @@ def decode_step_attend(inputs: dict[str, Any]) -> torch.Tensor:
     """The decode step's torch path (rotary, the cache write by ``index_copy_``, the additive
     mask over the whole cache, :func:`~prepkit.integrations.decode_step.attend`) -> ``[B, Hq * D]``;
     writes the caches of ``inputs`` as the kernel does."""
-    from prepkit.integrations.decode_step import additive_mask, attend
+    from prepkit.integrations.decode_ops import additive_mask, attend
 
     qkv, keys, values = inputs["qkv"], inputs["keys"], inputs["values"]
     batch, kv_heads, slots, head_dim = keys.shape
