@@ -149,10 +149,13 @@ def linear(
 
 def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     """The untuned variant of ``batch`` rows through an ``[n, k]`` ``fmt`` weight: 256 weight bytes
-    a row per K step, the widest row block (32 .. 8) that still gives :data:`TARGET_PROGRAMS`
-    programs, and K splits where even 8-row blocks give too few (the router, small heads)."""
+    a row per K step, the widest row block (32 .. 8, at most 32 weight values a thread) that still
+    gives :data:`TARGET_PROGRAMS` programs, and K splits where even 8-row blocks give too few (the
+    router, small heads)."""
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
-    block_n = next((bn for bn in (32, 16) if -(-n // bn) >= TARGET_PROGRAMS), 8)
+    # At most 32 decoded weight values a thread (4 warps): the B rows' sums need registers too.
+    widest = max(8, 32 * 128 // block_k)
+    block_n = next((bn for bn in (32, 16) if bn <= widest and -(-n // bn) >= TARGET_PROGRAMS), 8)
     tiles = -(-n // block_n)
     steps = -(-k // block_k)
     split = 1

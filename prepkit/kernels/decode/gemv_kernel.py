@@ -66,8 +66,16 @@ def _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stri
     if WFMT == WFMT_BF16:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = n_mask[:, None] & (offs_k < K)[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-        return w.to(tl.float32)
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        w = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
+    return w
+
+
+@triton.jit
+def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """:func:`_load_weight` of MX panels: codes decoded to fp32 and multiplied by their scales."""
     G: tl.constexpr = BLOCK_K // 32
     ELEMS_PER_BYTE: tl.constexpr = 2 if WFMT == WFMT_MXFP4 else 1
     TILE_BYTES: tl.constexpr = BLOCK_K // ELEMS_PER_BYTE
