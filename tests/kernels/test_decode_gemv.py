@@ -4,6 +4,9 @@ K and N tails, and every candidate variant of a small problem."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -163,3 +166,21 @@ def test_bad_variants_and_residuals_are_refused() -> None:
 class _Stored:
     def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, fmt: str) -> None:
         self.blocks, self.scales, self.fmt = blocks, scales, fmt
+
+
+def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> None:
+    if device != "cpu":
+        pytest.skip("the CPU smoke run of the benchmark; on a GPU it measures")
+    from benchmarks.bench_decode_ops import main
+
+    out = tmp_path / "rows.json"
+    argv = ["--shapes", "o,router", "--formats", "mxfp4", "--batches", "3", "--sweep-limit", "2", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["op"], r["batch"], r["weights"]) for r in rows] == [
+        ("o", "linear_residual", 3, "mxfp4"),
+        ("router", "norm_linear", 3, "mxfp4"),
+    ]
+    for r in rows:
+        assert r["rel_err"] <= TOLERANCE and r["best_rel_err"] <= TOLERANCE
+        assert r["us"] > 0 and r["torch_us"] > 0 and DecodeVariant.parse(r["best_variant"])
