@@ -61,21 +61,23 @@ def _tile_elements(BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
 @triton.jit
 def _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """The weight tile ``[BLOCK_N, BLOCK_K]`` at K offset ``k0`` in fp32, MX scales applied; rows
-    past ``N`` and groups past ``K`` read as zero."""
+    """The weight tile ``[BLOCK_N, BLOCK_K]`` at K offset ``k0`` in fp32 and, for MX, its scales
+    ``[BLOCK_N, BLOCK_K/32]`` as fp32 factors (applied to the group sums); rows past ``N`` and
+    groups past ``K`` read as zero."""
     if WFMT == WFMT_BF16:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = n_mask[:, None] & (offs_k < K)[None, :]
         w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        mult = tl.full((BLOCK_N, 1), 1.0, tl.float32)  # unused: bf16 weights have no scales
     else:
-        w = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
-    return w
+        w, mult = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
+    return w, mult
 
 
 @triton.jit
 def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
              WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """:func:`_load_weight` of MX panels: codes decoded to fp32 and multiplied by their scales."""
+    """:func:`_load_weight` of MX panels: codes decoded to fp32, scales as fp32 powers of two."""
     G: tl.constexpr = BLOCK_K // 32
     ELEMS_PER_BYTE: tl.constexpr = 2 if WFMT == WFMT_MXFP4 else 1
     TILE_BYTES: tl.constexpr = BLOCK_K // ELEMS_PER_BYTE
@@ -92,7 +94,19 @@ def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N:
     scale = tl.load(s_ptr + offs_g[None, :] * stride_sk + offs_n[:, None], mask=s_mask, other=127)
     # E8M0 byte e is 2^(e - 127): the fp32 whose exponent field is e.
     mult = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return tl.reshape(tl.reshape(w, (BLOCK_N, G, 32)) * mult[:, :, None], (BLOCK_N, BLOCK_K))
+    return w, mult
+
+
+@triton.jit
+def _row_dot(w, mult, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
+    """``sum_k w[n, k] * x[k]`` of unscaled weight values ``w``: MX sums each 32-element group
+    first and applies its scale ``mult [BLOCK_N, BLOCK_K/32]`` once, not once per element."""
+    prod = w * xb[None, :]
+    if WFMT == WFMT_BF16:
+        dot = tl.sum(prod, axis=1)
+    else:
+        dot = tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 32)), axis=2) * mult, axis=1)
+    return dot
 
 
 @triton.jit
@@ -162,7 +176,7 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        w = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
                          WFMT, ASM)  # fmt: skip
         offs_k = k0 + elem
         k_mask = offs_k < K
@@ -173,7 +187,7 @@ def _gemv_kernel(
             r = tl.sum(tl.where(rows == b, rstd, 0.0), axis=0)
             xb = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD,
                             SW_ROUND)  # fmt: skip
-            dot = tl.sum(w * xb[None, :], axis=1)
+            dot = _row_dot(w, mult, xb, BLOCK_N, BLOCK_K, WFMT)
             acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
     mask = n_mask[:, None] & (rows < B)[None, :]
     if SPLIT_K > 1:
