@@ -184,3 +184,24 @@ def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> Non
     for r in rows:
         assert r["rel_err"] <= TOLERANCE and r["best_rel_err"] <= TOLERANCE
         assert r["us"] > 0 and r["torch_us"] > 0 and DecodeVariant.parse(r["best_variant"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_both_k_loops_match_the_reference(device: str, fmt: str, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher picks the K loop (sums every step, or once after the loop) by registers; both
+    # must give the op's result for every row count up to eight.
+    inputs = _inputs("norm_linear", fmt, batch, 24, 256, device, seed=20 + batch, normed=1)
+    want = norm_linear_reference(**inputs)
+    for deferred in (False, True):
+        monkeypatch.setattr(gemv, "defers", lambda *_, d=deferred: d)
+        got = gemv.norm_linear(**inputs, variant=DecodeVariant(8, 64 if fmt == "mxfp4" else 32, 4, 2))
+        assert torch.equal(got[0], want[0])
+        assert relative_error(got, want) <= TOLERANCE, deferred
+
+
+def test_deferred_sums_only_where_the_registers_allow() -> None:
+    v = DecodeVariant(16, 128, 4)
+    assert gemv.defers(v, 1, "bf16") and gemv.defers(v, 2, "bf16") and not gemv.defers(v, 4, "bf16")
+    # One row of MX weights sums scale groups instead; more rows share the scaled tile.
+    assert not gemv.defers(v, 1, "mxfp4") and gemv.defers(v, 2, "mxfp4")

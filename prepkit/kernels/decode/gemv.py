@@ -32,6 +32,8 @@ _WFMT_IDS = {"bf16": WFMT_BF16.value, "mxfp8": WFMT_MXFP8.value, "mxfp4": WFMT_M
 # Per weight format: the narrowest K step a variant may take (mxfp4: 32 code bytes, what the
 # nibble widener handles) and the default one (256 weight bytes a row and step).
 MIN_BLOCK_K = {"bf16": 16, "mxfp8": 32, "mxfp4": 64}
+# The most accumulator registers a thread spends on deferred row sums (:func:`defers`).
+DEFERRED_VALUES = 32
 DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
 
 
@@ -83,6 +85,17 @@ def variant_reason(variant: DecodeVariant, fmt: str) -> str | None:
     if not 1 <= variant.split_k <= 64:
         return f"split_k {variant.split_k} is not in 1..64"
     return None
+
+
+def defers(variant: DecodeVariant, rows: int, fmt: str) -> bool:
+    """Whether a launch keeps each row's products in registers through the K loop and sums them
+    once (one multiply-add per weight value and row) rather than summing every step (a
+    cross-thread sum per row and step, fewer registers): when the rows' tiles take at most
+    :data:`DEFERRED_VALUES` fp32 registers a thread, and for MX weights only from two rows on
+    (one row sums 32-value groups and scales the sums, which costs fewer instructions than
+    scaling every value; sm_90 SASS counts)."""
+    fits = rows * variant.block_n * variant.block_k <= DEFERRED_VALUES * 32 * variant.num_warps
+    return fits and (fmt == "bf16" or rows > 1)
 
 
 def norm_linear(
@@ -149,12 +162,13 @@ def linear(
 
 def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     """The untuned variant of ``batch`` rows through an ``[n, k]`` ``fmt`` weight: 256 weight bytes
-    a row per K step, the widest row block (32 .. 8, at most 32 weight values a thread) that still
-    gives :data:`TARGET_PROGRAMS` programs, and K splits where even 8-row blocks give too few (the
-    router, small heads)."""
+    a row per K step, the widest row block (32 .. 8; the rows' products at most
+    :data:`DEFERRED_VALUES` values a thread) that still gives :data:`TARGET_PROGRAMS` programs,
+    and K splits where even 8-row blocks give too few (the router, small heads)."""
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
-    # At most 32 decoded weight values a thread (4 warps): the B rows' sums need registers too.
-    widest = max(8, 32 * 128 // block_k)
+    # At most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where 8-row
+    # blocks allow it, so that the K loop sums once (:func:`defers`).
+    widest = max(8, DEFERRED_VALUES * 128 // (block_k * batch))
     block_n = next((bn for bn in (32, 16) if bn <= widest and -(-n // bn) >= TARGET_PROGRAMS), 8)
     tiles = -(-n // block_n)
     steps = -(-k // block_k)
@@ -267,6 +281,7 @@ def _launch(
         B=rows, B_PAD=_pow2_at_least(rows), BLOCK_N=variant.block_n, BLOCK_K=variant.block_k,
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        ASM=not interpreting(), SW_ROUND=interpreting(), num_warps=variant.num_warps, num_stages=variant.num_stages,
+        ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
+        num_warps=variant.num_warps, num_stages=variant.num_stages,
     )  # fmt: skip
     return out

@@ -11,6 +11,11 @@ tiles are too thin for it, and the interpreter computes bf16 dots wrongly).
 computes the rows' inverse RMS over the whole row (a few KB read from L2) and then the normed values
 of its own K steps, and program (0, 0) alone writes ``summed`` and ``normed``.
 
+Two K loops (the launcher picks one by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
+one keeps each row's products in a register tile and sums it after the loop (one multiply-add per
+weight value and row), the other sums every step (MX: per 32-value scale group, then scaled), which
+needs fewer registers at many rows or wide tiles.
+
 K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
 an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
 Unlike fp32 atomics into a zeroed buffer this needs no memset before and no rounding pass after,
@@ -152,6 +157,7 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
+    DEFER: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
@@ -173,22 +179,14 @@ def _gemv_kernel(
             r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, BLOCK_K, HAS_ADD, SW_ROUND)
             rstd = tl.where(rows == b, r, rstd)
     elem = _tile_elements(BLOCK_K, WFMT)
-    acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
-    for k_step in range(k_lo, k_hi, BLOCK_K):
-        k0 = tl.multiple_of(k_step, BLOCK_K)
-        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
-                         WFMT, ASM)  # fmt: skip
-        offs_k = k0 + elem
-        k_mask = offs_k < K
-        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        for b in tl.static_range(B):
-            r = tl.sum(tl.where(rows == b, rstd, 0.0), axis=0)
-            xb = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD,
-                            SW_ROUND)  # fmt: skip
-            dot = _row_dot(w, mult, xb, BLOCK_N, BLOCK_K, WFMT)
-            acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
+    if DEFER:
+        acc = _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                               stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
+                               WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+    else:
+        acc = _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                           stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
+                           WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
     mask = n_mask[:, None] & (rows < B)[None, :]
     if SPLIT_K > 1:
         part = part_ptr + rows[None, :] * N + offs_n[:, None]
@@ -211,6 +209,117 @@ def _gemv_kernel(
                 _write_rows(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw_ptr, summed_ptr + b * stride_sb,
                             normed_ptr + b * stride_nb, K, tl.sum(tl.where(rows == b, rstd, 0.0), axis=0), BLOCK_K,
                             HAS_ADD, WANT_NORMED, SW_ROUND)  # fmt: skip
+
+
+@triton.jit
+def _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, b: tl.constexpr, stride_xb, stride_ab, NORM: tl.constexpr,
+           HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """Row ``b``'s activations at ``offs_k`` as ``[1, BLOCK_K]`` fp32 (:func:`_input_row`)."""
+    r = _row_of(rstd, rows, b)
+    x = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD, SW_ROUND)
+    return x[None, :]
+
+
+@triton.jit
+def _row_of(v, rows, b: tl.constexpr):
+    """Element ``b`` of the per-row vector ``v``."""
+    return tl.sum(tl.where(rows == b, v, 0.0), axis=0)
+
+
+@triton.jit
+def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                 stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
+                 HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """The K loop that sums every row's products at every step (MX: per scale group, then
+    scaled): few registers whatever the rows, a cross-thread sum per row and step. Returns the
+    sums ``[BLOCK_N, B_PAD]``."""
+    acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                         WFMT, ASM)  # fmt: skip
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        for b in tl.static_range(B):
+            r = _row_of(rstd, rows, b)
+            xb = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD,
+                            SW_ROUND)  # fmt: skip
+            dot = _row_dot(w, mult, xb, BLOCK_N, BLOCK_K, WFMT)
+            acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                     stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
+                     HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """The K loop that keeps each row's products in a ``[BLOCK_N, BLOCK_K]`` accumulator and sums
+    it once after the loop: one multiply-add per weight value and row, no cross-thread sum in the
+    loop, ``B`` tiles of registers. One named accumulator per row: a ``[B, BLOCK_N, BLOCK_K]``
+    tensor updated row by row would move through shared memory. Returns ``[BLOCK_N, B_PAD]``."""
+    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                               WFMT, ASM)  # fmt: skip
+        if WFMT != WFMT_BF16:
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * mult[:, :, None], (BLOCK_N, BLOCK_K))
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a0 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab, NORM, HAS_ADD,
+                         SW_ROUND)  # fmt: skip
+        if B > 1:
+            a1 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 1, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 2:
+            a2 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 2, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 3:
+            a3 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 3, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 4:
+            a4 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 4, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 5:
+            a5 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 5, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 6:
+            a6 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 6, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 7:
+            a7 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+    acc = tl.where(rows[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+    if B > 1:
+        acc += tl.where(rows[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+    if B > 2:
+        acc += tl.where(rows[None, :] == 2, tl.sum(a2, axis=1)[:, None], 0.0)
+    if B > 3:
+        acc += tl.where(rows[None, :] == 3, tl.sum(a3, axis=1)[:, None], 0.0)
+    if B > 4:
+        acc += tl.where(rows[None, :] == 4, tl.sum(a4, axis=1)[:, None], 0.0)
+    if B > 5:
+        acc += tl.where(rows[None, :] == 5, tl.sum(a5, axis=1)[:, None], 0.0)
+    if B > 6:
+        acc += tl.where(rows[None, :] == 6, tl.sum(a6, axis=1)[:, None], 0.0)
+    if B > 7:
+        acc += tl.where(rows[None, :] == 7, tl.sum(a7, axis=1)[:, None], 0.0)
+    return acc
 
 
 @triton.jit
