@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from prepkit.kernels import compile_check as cc
+from prepkit.kernels.compile_check.sass import stream_loop
 from prepkit.kernels.decode.variants import DecodeVariant
 
 # gpt-oss's projection shapes of the decode step: (N, K).
@@ -31,6 +32,45 @@ def test_decode_candidates_are_each_ops_distinct_defaults() -> None:
         assert (
             c.origin.startswith(f"default {c.op} {c.fmt} ") and DecodeVariant.parse(c.origin.split()[-1]) == c.variant
         )
+
+
+def _sass(lines: list[str]) -> str:
+    out, addr = [], 0
+    for line in lines:
+        if line.endswith(":"):
+            out.append(line)
+        else:
+            out.append(f"        /*{addr:04x}*/                   {line} ;")
+            addr += 16
+    return "\n".join(out)
+
+
+def test_stream_loop_is_the_longest_loop_that_stores_nothing() -> None:
+    listing = _sass(
+        [
+            ".L_x_0:",  # a prologue row loop: 3 instructions
+            "LDG.E.U16 R2, desc[UR4][R4.64]",
+            "FFMA R6, R2, R2, R6",
+            "@P0 BRA `(.L_x_0)",
+            ".L_x_1:",  # the K loop: 5 instructions, no store
+            "LDG.E.128 R8, desc[UR4][R10.64]",
+            "FFMA R12, R8, R9, R12",
+            "FFMA R13, R8, R9, R13",
+            "IADD3 R10, R10, 0x100, RZ",
+            "@P1 BRA `(.L_x_1)",
+            ".L_x_2:",  # an epilogue row loop: longer, but it stores
+            "LDG.E.U16 R2, desc[UR4][R4.64]",
+            "FADD R3, R2, R2",
+            "F2FP.BF16.F32.PACK_AB R3, RZ, R3",
+            "FMUL R7, R3, R3",
+            "STG.E.U16 desc[UR4][R14.64], R3",
+            "@P2 BRA `(.L_x_2)",
+            "EXIT",
+        ]
+    )
+    assert stream_loop(listing) == 5
+    assert cc.k_loop(listing) is None  # no matrix instruction: the MoE rule finds nothing
+    assert stream_loop(_sass(["STG.E [R2.64], R3", "EXIT"])) is None
 
 
 @pytest.mark.slow
@@ -53,4 +93,5 @@ def test_decode_projections_compile(arch: str) -> None:
     for r in reports:
         assert r["status"] == "compiled" and r["kernel"] == "_gemv_kernel", r
         assert r["spill_bytes"] == 0, r
+        assert r["k_step_instructions"] and r["k_step_mma"] == 0, r
         assert r["ptx_target"] == arch.replace("sm", "sm_") + "a"
