@@ -205,3 +205,14 @@ def test_deferred_sums_only_where_the_registers_allow() -> None:
     assert gemv.defers(v, 1, "bf16") and gemv.defers(v, 2, "bf16") and not gemv.defers(v, 4, "bf16")
     # One row of MX weights sums scale groups instead; more rows share the scaled tile.
     assert not gemv.defers(v, 1, "mxfp4") and gemv.defers(v, 2, "mxfp4")
+
+
+@pytest.mark.parametrize("kernel", ["norm_linear", "linear_residual"])
+def test_odd_bf16_shapes_are_masked(device: str, kernel: str) -> None:
+    # K 77 and N 13 are tails of every block; bf16 weights take any shape.
+    problem = DecodeProblem(kernel, 13, 77, 3, "bf16", (("normed", 1),) if kernel == "norm_linear" else ())
+    impl = KERNELS[kernel]
+    inputs = impl.inputs(problem, device, seed=9)
+    want = impl.reference(inputs)
+    for v in (impl.default(problem), DecodeVariant(8, 16, 4, 2)):
+        assert relative_error(impl.launch(inputs, v), want) <= TOLERANCE, v.name()
