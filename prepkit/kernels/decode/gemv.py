@@ -32,9 +32,9 @@ _WFMT_IDS = {"bf16": WFMT_BF16.value, "mxfp8": WFMT_MXFP8.value, "mxfp4": WFMT_M
 # Per weight format: the narrowest K step a variant may take (mxfp4: 32 code bytes, what the
 # nibble widener handles) and the default one (256 weight bytes a row and step).
 MIN_BLOCK_K = {"bf16": 16, "mxfp8": 32, "mxfp4": 64}
+DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
 # The most accumulator registers a thread spends on deferred row sums (:func:`defers`).
 DEFERRED_VALUES = 32
-DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
 
 
 class StoredMx(Protocol):
