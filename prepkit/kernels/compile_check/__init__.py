@@ -1,4 +1,5 @@
-"""Compile the MX kernels (MoE layer, dense linear) for a GPU this machine lacks; read what the compiler made.
+"""Compile the kernels (MoE layer, dense linear, decode projections) for a GPU this machine lacks; read
+what the compiler made.
 
 The real launchers of :mod:`prepkit.kernels.mx` run on CPU tensors of the layer's real
 shapes (``torch.empty``: nothing is touched) while Triton's active driver is a stand-in whose
@@ -16,9 +17,9 @@ found by its back-edge branch in the ``nvdisasm`` listing (docs/sm12x.md explain
 Variants that :func:`~prepkit.kernels.variants.invalid_reason` rejects are reported as pruned with
 its reason and never reach the compiler.
 
-By concern: :mod:`.candidates` (what to compile), :mod:`.moe`, :mod:`.dense` and
-:mod:`.decode_attention` (compiling the MoE layer's kernels, the dense linear's and the decode
-step's attention), :mod:`._compiler` (the stand-in target),
+By concern: :mod:`.candidates` (what to compile), :mod:`.moe`, :mod:`.dense`, :mod:`.decode` and
+:mod:`.decode_attention` (compiling the MoE layer's kernels, the dense linear's, the decode
+projections' and the decode step's attention), :mod:`._compiler` (the stand-in target),
 :mod:`.sass` (reading PTX and SASS) and :mod:`.report` (the reports and the failure rule).
 ``prepkit tune --compile-only`` is the command that runs it.
 """
@@ -32,6 +33,7 @@ from prepkit.kernels.compile_check.candidates import (
     family,
     sample_candidates,
 )
+from prepkit.kernels.compile_check.decode import DecodeCandidate, compile_decode, decode_candidates
 from prepkit.kernels.compile_check.decode_attention import AttentionCandidate, attention_candidates, compile_attention
 from prepkit.kernels.compile_check.dense import DENSE_TOKENS, DenseCandidate, compile_dense, dense_candidates
 from prepkit.kernels.compile_check.moe import ProgressFn, check_arch, compile_variants
@@ -53,6 +55,7 @@ __all__ = [
     "AttentionCandidate",
     "Candidate",
     "CompileReport",
+    "DecodeCandidate",
     "DenseCandidate",
     "ProgressFn",
     "Stage",
@@ -63,8 +66,10 @@ __all__ = [
     "check_candidates",
     "check_failures",
     "compile_attention",
+    "compile_decode",
     "compile_dense",
     "compile_variants",
+    "decode_candidates",
     "default_candidates",
     "dense_candidates",
     "failed_defaults",

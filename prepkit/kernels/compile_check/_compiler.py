@@ -161,6 +161,9 @@ class TargetCompiler:
             usage, listing = self._tools.inspect(cubin)
             loop = sass.k_loop(listing)
             report = replace(report, registers=usage.get("REG"), spill_bytes=usage.get("LOCAL"))
+            if loop is None and base.stage == "decode":  # no matrix unit: the weight-streaming loop
+                steps = sass.stream_loop(listing)
+                loop = None if steps is None else (steps, 0)
             if loop is not None:
                 report = replace(report, k_step_instructions=loop[0], k_step_mma=loop[1])
                 if tactic is not None:

@@ -12,7 +12,7 @@ from prepkit.kernels.device import ARCH_DEVICES, lowers_natively
 from prepkit.kernels.tactic import GemmTactic
 
 Status = Literal["compiled", "pruned", "failed"]
-Stage = Literal["route", "gemm1", "gemm2", "dense", "attention"]
+Stage = Literal["route", "gemm1", "gemm2", "dense", "decode", "attention"]
 # What each policy's GEMMs must use where Triton lowers MX natively (on sm_120a / sm_121a, the
 # targets with a reference device: block-scaled mma.sync).
 NATIVE_MMA: dict[str, str] = {"mxfp8": "block_scale mxf8f6f4", "mxfp4": "block_scale mxf4nvf4"}

@@ -74,12 +74,27 @@ _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
 _SASS_BRANCH = re.compile(r"\bBRA(?:\.[A-Z]+)*\s+(?:[!A-Z0-9]+,\s*)?`\((\.L_x_\d+)\)")
 _SASS_MMA = re.compile(r"^(?:@!?U?P\w+\s+)?[A-Z]*MMA\b")
+_SASS_STORE = re.compile(r"^(?:@!?U?P\w+\s+)?(?:STG|RED|ATOM)\b")
 
 
 def k_loop(sass: str) -> tuple[int, int] | None:
     """(instructions, matrix instructions) in the body of the K loop of an ``nvdisasm -c``
     listing: of the loops closed by a backward branch, the innermost one holding matrix
     instructions. ``None`` when no loop holds one."""
+    loops = [(len(body), mma) for body in _loops(sass) if (mma := sum(1 for t in body if _SASS_MMA.match(t)))]
+    return min(loops) if loops else None
+
+
+def stream_loop(sass: str) -> int | None:
+    """Instructions in the body of the K loop of a kernel without matrix instructions (the decode
+    projections): the longest loop closed by a backward branch that stores nothing to global
+    memory (the row loops of a prologue or epilogue store, or are shorter). ``None`` without one."""
+    loops = [len(body) for body in _loops(sass) if not any(_SASS_STORE.match(t) for t in body)]
+    return max(loops) if loops else None
+
+
+def _loops(sass: str) -> list[list[str]]:
+    """The instruction texts of each loop closed by a backward branch in an ``nvdisasm -c`` listing."""
     addr_of: dict[str, int] = {}
     pending: list[str] = []
     instructions: list[tuple[int, str]] = []
@@ -99,8 +114,5 @@ def k_loop(sass: str) -> tuple[int, int] | None:
     for addr, text in instructions:
         b = _SASS_BRANCH.search(text)
         if b and b.group(1) in addr_of and addr_of[b.group(1)] < addr:
-            body = [t for a, t in instructions if addr_of[b.group(1)] <= a <= addr]
-            mma = sum(1 for t in body if _SASS_MMA.match(t))
-            if mma:
-                loops.append((len(body), mma))
-    return min(loops) if loops else None
+            loops.append([t for a, t in instructions if addr_of[b.group(1)] <= a <= addr])
+    return loops

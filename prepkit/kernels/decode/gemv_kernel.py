@@ -1,0 +1,349 @@
+"""The decode projection kernel: ``out[B, N] = f(x)[B, K] @ W^T (+ bias) (+ residual)`` for a few rows.
+
+At one token per row the weight is read once and each of its bytes feeds at most ``B`` (<= 8)
+multiply-adds, so the kernel is a weight stream: programs over blocks of output rows (and optional
+K splits), each loading ``[BLOCK_N, BLOCK_K]`` weight tiles with wide contiguous loads, decoding MX
+codes to fp32 in registers and reducing with elementwise products and sums (no matrix unit: the
+tiles are too thin for it, and the interpreter computes bf16 dots wrongly).
+
+``NORM``: ``f`` is the RMS-norm prologue of :func:`~prepkit.kernels.decode.gemv.norm_linear`:
+``summed = bf16(x + bf16(add))``, ``normed = bf16(rms_norm(summed) * norm_weight)``; every program
+computes the rows' inverse RMS over the whole row (a few KB read from L2) and then the normed values
+of its own K steps, and program (0, 0) alone writes ``summed`` and ``normed``.
+
+Two K loops (the launcher picks one by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
+one keeps each row's products in a register tile and sums it after the loop (one multiply-add per
+weight value and row), the other sums every step (MX: per 32-value scale group, then scaled), which
+needs fewer registers at many rows or wide tiles.
+
+K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
+an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
+Unlike fp32 atomics into a zeroed buffer this needs no memset before and no rounding pass after,
+and the sum's order is fixed, so repeated calls give the same bits.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from prepkit.kernels.mx._mx import _widen_e2m1
+
+# The weight formats (the kernel's WFMT constant).
+WFMT_BF16: tl.constexpr = tl.constexpr(0)
+WFMT_MXFP8: tl.constexpr = tl.constexpr(1)
+WFMT_MXFP4: tl.constexpr = tl.constexpr(2)
+# Bytes of one stored K panel row (prepkit.layouts.dense_mx), as a kernel constant.
+_PANEL_BYTES: tl.constexpr = tl.constexpr(128)
+
+
+@triton.jit
+def _bf16(x, SW_ROUND: tl.constexpr):
+    """fp32 -> bf16, nearest-even. ``SW_ROUND`` (the interpreter, whose cast truncates) rounds
+    with integer arithmetic first, so the cast that follows is exact."""
+    if SW_ROUND:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _tile_elements(BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
+    """For each position of a decoded ``BLOCK_K`` weight tile, the K offset (within the tile) of
+    the element it holds. mxfp4 positions ``2p + t`` hold nibble ``t`` of stored byte ``p``:
+    byte ``s`` of a 16-byte group is nibble-ordered byte ``8*jh + 2*q + jl`` (``s = 4q + 2jh + jl``,
+    the layout's fragment order), whose nibble ``t`` is element ``j + 16t`` of the 32-element group."""
+    i = tl.arange(0, BLOCK_K)
+    if WFMT == WFMT_MXFP4:
+        p = i // 2
+        s = p % 16
+        j = 8 * ((s // 2) % 2) + 2 * (s // 4) + s % 2
+        return (p // 16) * 32 + j + 16 * (i % 2)
+    return i
+
+
+@triton.jit
+def _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """The weight tile ``[BLOCK_N, BLOCK_K]`` at K offset ``k0`` in fp32 and, for MX, its scales
+    ``[BLOCK_N, BLOCK_K/32]`` as fp32 factors (applied to the group sums); rows past ``N`` and
+    groups past ``K`` read as zero."""
+    if WFMT == WFMT_BF16:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = n_mask[:, None] & (offs_k < K)[None, :]
+        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        mult = tl.full((BLOCK_N, 1), 1.0, tl.float32)  # unused: bf16 weights have no scales
+    else:
+        w, mult = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
+    return w, mult
+
+
+@triton.jit
+def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """:func:`_load_weight` of MX panels: codes decoded to fp32, scales as fp32 powers of two."""
+    G: tl.constexpr = BLOCK_K // 32
+    ELEMS_PER_BYTE: tl.constexpr = 2 if WFMT == WFMT_MXFP4 else 1
+    TILE_BYTES: tl.constexpr = BLOCK_K // ELEMS_PER_BYTE
+    kb = k0 // ELEMS_PER_BYTE + tl.arange(0, TILE_BYTES)
+    # Byte kb of row n sits in panel kb // 128 at n * 128 + kb % 128 (prepkit.layouts.dense_mx).
+    offs = (kb // _PANEL_BYTES) * stride_wp + kb % _PANEL_BYTES
+    mask = n_mask[:, None] & (kb < K // ELEMS_PER_BYTE)[None, :]
+    codes = tl.load(w_ptr + offs_n[:, None] * _PANEL_BYTES + offs[None, :], mask=mask, other=0)
+    if WFMT == WFMT_MXFP4:
+        codes = _widen_e2m1(codes, BLOCK_N, BLOCK_K, ASM)
+    w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    offs_g = k0 // 32 + tl.arange(0, G)
+    s_mask = n_mask[:, None] & (offs_g < K // 32)[None, :]
+    scale = tl.load(s_ptr + offs_g[None, :] * stride_sk + offs_n[:, None], mask=s_mask, other=127)
+    # E8M0 byte e is 2^(e - 127): the fp32 whose exponent field is e.
+    mult = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    return w, mult
+
+
+@triton.jit
+def _row_dot(w, mult, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
+    """``sum_k w[n, k] * x[k]`` of unscaled weight values ``w``: MX sums each 32-element group
+    first and applies its scale ``mult [BLOCK_N, BLOCK_K/32]`` once, not once per element."""
+    prod = w * xb[None, :]
+    if WFMT == WFMT_BF16:
+        dot = tl.sum(prod, axis=1)
+    else:
+        dot = tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 32)), axis=2) * mult, axis=1)
+    return dot
+
+
+@triton.jit
+def _input_row(x_row, add_row, nw, offs_k, k_mask, rstd, NORM: tl.constexpr, HAS_ADD: tl.constexpr,
+               SW_ROUND: tl.constexpr):  # fmt: skip
+    """One row's activations at ``offs_k`` in fp32: ``x`` itself, or with ``NORM`` the normed
+    values ``bf16(norm_weight * (bf16(x + bf16(add)) * rstd))`` (``nw``: the norm weight at
+    ``offs_k`` in fp32)."""
+    x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+    if NORM:
+        x = _summed(x, add_row, offs_k, k_mask, HAS_ADD, SW_ROUND).to(tl.float32)
+        x = _bf16(nw * (x * rstd), SW_ROUND)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _summed(x, add_row, offs_k, k_mask, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
+    """``x + add`` in bf16 (the residual stream's add), ``add`` rounded to bf16 first."""
+    if HAS_ADD:
+        a = _bf16(tl.load(add_row + offs_k, mask=k_mask, other=0.0).to(tl.float32), SW_ROUND)
+        x = _bf16(x.to(tl.float32) + a.to(tl.float32), SW_ROUND)
+    return x
+
+
+@triton.jit
+def _row_rstd(x_row, add_row, K, eps, BLOCK_K: tl.constexpr, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
+    """``1 / sqrt(mean(summed^2) + eps)`` of one row, in fp32."""
+    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _summed(tl.load(x_row + offs_k, mask=k_mask, other=0.0), add_row, offs_k, k_mask, HAS_ADD, SW_ROUND)
+        xf = x.to(tl.float32)
+        sq += xf * xf
+    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, summed_ptr, normed_ptr, part_ptr, count_ptr,
+    N, K, eps,
+    stride_xb, stride_ab, stride_rb, stride_ob, stride_sb, stride_nb, stride_wn, stride_wp, stride_sk,
+    B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
+    DEFER: tl.constexpr,
+):  # fmt: skip
+    """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
+    bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
+    panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
+    ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
+    counter per N tile, zero between calls, when ``SPLIT_K > 1``."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, B_PAD)
+    # Split boundaries on BLOCK_K multiples keep every scale group inside one split.
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    rstd = tl.zeros((B_PAD,), dtype=tl.float32)
+    if NORM:
+        for b in tl.static_range(B):
+            r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, BLOCK_K, HAS_ADD, SW_ROUND)
+            rstd = tl.where(rows == b, r, rstd)
+    elem = _tile_elements(BLOCK_K, WFMT)
+    if DEFER:
+        acc = _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                               stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
+                               WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+    else:
+        acc = _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                           stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
+                           WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+    mask = n_mask[:, None] & (rows < B)[None, :]
+    if SPLIT_K > 1:
+        part = part_ptr + rows[None, :] * N + offs_n[:, None]
+        tl.store(part + pid_k * (B * N), acc, mask=mask)
+        tl.debug_barrier()  # every thread's partials issued before the release below
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT_K):
+                acc += tl.load(part + s * (B * N), mask=mask, other=0.0, cache_modifier=".cg")
+            _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_n, n_mask, rows, mask, stride_rb, stride_ob, HAS_BIAS,
+                      HAS_RES, SW_ROUND)  # fmt: skip
+            tl.atomic_xchg(count_ptr + pid_n, 0)
+    else:
+        _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_n, n_mask, rows, mask, stride_rb, stride_ob, HAS_BIAS, HAS_RES,
+                  SW_ROUND)  # fmt: skip
+    if NORM:  # noqa: SIM102 (a compile-time branch: kernels without the norm keep no trace of it)
+        if (pid_n == 0) & (pid_k == 0):
+            for b in tl.static_range(B):
+                _write_rows(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw_ptr, summed_ptr + b * stride_sb,
+                            normed_ptr + b * stride_nb, K, tl.sum(tl.where(rows == b, rstd, 0.0), axis=0), BLOCK_K,
+                            HAS_ADD, WANT_NORMED, SW_ROUND)  # fmt: skip
+
+
+@triton.jit
+def _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, b: tl.constexpr, stride_xb, stride_ab, NORM: tl.constexpr,
+           HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """Row ``b``'s activations at ``offs_k`` as ``[1, BLOCK_K]`` fp32 (:func:`_input_row`)."""
+    r = _row_of(rstd, rows, b)
+    x = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD, SW_ROUND)
+    return x[None, :]
+
+
+@triton.jit
+def _row_of(v, rows, b: tl.constexpr):
+    """Element ``b`` of the per-row vector ``v``."""
+    return tl.sum(tl.where(rows == b, v, 0.0), axis=0)
+
+
+@triton.jit
+def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                 stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
+                 HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """The K loop that sums every row's products at every step (MX: per scale group, then
+    scaled): few registers whatever the rows, a cross-thread sum per row and step. Returns the
+    sums ``[BLOCK_N, B_PAD]``."""
+    acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                         WFMT, ASM)  # fmt: skip
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        for b in tl.static_range(B):
+            r = _row_of(rstd, rows, b)
+            xb = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD,
+                            SW_ROUND)  # fmt: skip
+            dot = _row_dot(w, mult, xb, BLOCK_N, BLOCK_K, WFMT)
+            acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                     stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
+                     HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """The K loop that keeps each row's products in a ``[BLOCK_N, BLOCK_K]`` accumulator and sums
+    it once after the loop: one multiply-add per weight value and row, no cross-thread sum in the
+    loop, ``B`` tiles of registers. One named accumulator per row: a ``[B, BLOCK_N, BLOCK_K]``
+    tensor updated row by row would move through shared memory. Returns ``[BLOCK_N, B_PAD]``."""
+    a0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                               WFMT, ASM)  # fmt: skip
+        if WFMT != WFMT_BF16:
+            w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * mult[:, :, None], (BLOCK_N, BLOCK_K))
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a0 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab, NORM, HAS_ADD,
+                         SW_ROUND)  # fmt: skip
+        if B > 1:
+            a1 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 1, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 2:
+            a2 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 2, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 3:
+            a3 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 3, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 4:
+            a4 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 4, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 5:
+            a5 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 5, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 6:
+            a6 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 6, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+        if B > 7:
+            a7 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb, stride_ab, NORM, HAS_ADD,
+                             SW_ROUND)  # fmt: skip
+    acc = tl.where(rows[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
+    if B > 1:
+        acc += tl.where(rows[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
+    if B > 2:
+        acc += tl.where(rows[None, :] == 2, tl.sum(a2, axis=1)[:, None], 0.0)
+    if B > 3:
+        acc += tl.where(rows[None, :] == 3, tl.sum(a3, axis=1)[:, None], 0.0)
+    if B > 4:
+        acc += tl.where(rows[None, :] == 4, tl.sum(a4, axis=1)[:, None], 0.0)
+    if B > 5:
+        acc += tl.where(rows[None, :] == 5, tl.sum(a5, axis=1)[:, None], 0.0)
+    if B > 6:
+        acc += tl.where(rows[None, :] == 6, tl.sum(a6, axis=1)[:, None], 0.0)
+    if B > 7:
+        acc += tl.where(rows[None, :] == 7, tl.sum(a7, axis=1)[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_n, n_mask, rows, mask, stride_rb, stride_ob,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """``bf16(acc + bias)``, then ``+ residual`` in bf16, stored to ``out``."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    y = _bf16(acc, SW_ROUND)
+    if HAS_RES:
+        res = tl.load(res_ptr + rows[None, :] * stride_rb + offs_n[:, None], mask=mask, other=0.0)
+        y = _bf16(res.to(tl.float32) + y.to(tl.float32), SW_ROUND)
+    tl.store(out_ptr + rows[None, :] * stride_ob + offs_n[:, None], y, mask=mask)
+
+
+@triton.jit
+def _write_rows(x_row, add_row, nw_ptr, summed_row, normed_row, K, rstd, BLOCK_K: tl.constexpr,
+                HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """Store one row's ``summed`` and (``WANT_NORMED``) ``normed`` values."""
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _summed(tl.load(x_row + offs_k, mask=k_mask, other=0.0), add_row, offs_k, k_mask, HAS_ADD, SW_ROUND)
+        tl.store(summed_row + offs_k, x, mask=k_mask)
+        if WANT_NORMED:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+            tl.store(normed_row + offs_k, _bf16(nw * (x.to(tl.float32) * rstd), SW_ROUND), mask=k_mask)

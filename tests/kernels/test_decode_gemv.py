@@ -1,0 +1,218 @@
+"""The decode projections (prepkit.kernels.decode.gemv) against their torch references on small
+random problems: every weight format, one and three rows, with and without the optional operands,
+K and N tails, and every candidate variant of a small problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prepkit.kernels.decode import gemv
+from prepkit.kernels.decode.gemv_registry import (
+    LINEAR_RESIDUAL,
+    NORM_LINEAR,
+    TOLERANCE,
+    linear_residual_reference,
+    norm_linear_reference,
+    problem_of,
+    project_reference,
+    random_weight,
+    relative_error,
+)
+from prepkit.kernels.decode.variants import KERNELS, DecodeProblem, DecodeVariant
+
+FORMATS = ("bf16", "mxfp8", "mxfp4")
+
+
+def _inputs(kernel: str, fmt: str, batch: int, n: int, k: int, device: str, seed: int, **flags: int) -> dict:
+    problem = DecodeProblem(kernel, n, k, batch, fmt, tuple(sorted(flags.items())))
+    return KERNELS[kernel].inputs(problem, device, seed)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(("add", "bias", "normed"), [(1, 1, 1), (0, 0, 0), (1, 0, 1)])
+def test_norm_linear_matches_the_reference(device: str, fmt: str, batch: int, add: int, bias: int, normed: int) -> None:
+    # N = 40 and K = 96 are tails of every row block and K step the default takes.
+    inputs = _inputs("norm_linear", fmt, batch, 40, 96, device, seed=batch, add=add, bias=bias, normed=normed)
+    summed, out, got_normed = gemv.norm_linear(**inputs)
+    want = norm_linear_reference(**inputs)
+    assert (inputs["add"] is None) == (not add) and (inputs["bias"] is None) == (not bias)
+    assert out.shape == (batch, 40) and out.dtype == torch.bfloat16
+    # The residual add is exact bf16 arithmetic: same bits.
+    assert torch.equal(summed, want[0])
+    assert relative_error(out, want[1]) <= TOLERANCE
+    if normed:
+        assert got_normed is not None and relative_error(got_normed, want[2]) <= TOLERANCE
+    else:
+        assert got_normed is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("bias", [0, 1])
+def test_linear_residual_matches_the_reference(device: str, fmt: str, batch: int, bias: int) -> None:
+    inputs = _inputs("linear_residual", fmt, batch, 40, 160, device, seed=10 + batch, bias=bias)
+    got = gemv.linear_residual(**inputs)
+    assert relative_error(got, linear_residual_reference(**inputs)) <= TOLERANCE
+    # The projection rounds to bf16 before the add (in bf16): the same bits as the plain
+    # projection of the same variant plus the residual.
+    proj = gemv.linear(inputs["x"], inputs["weight"], inputs["bias"])
+    assert torch.equal(got, inputs["residual"] + proj)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_matches_the_reference_and_the_weight_is_read(device: str, fmt: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    weight = random_weight(24, 64, fmt, g, device)
+    x = torch.randn((2, 64), generator=g).to(torch.bfloat16).to(device)
+    got = gemv.linear(x, weight, None)
+    assert relative_error(got, project_reference(x, weight, None)) <= TOLERANCE
+    # Another weight gives another result (the kernel does not ignore what it reads).
+    other = random_weight(24, 64, fmt, g, device)
+    assert relative_error(gemv.linear(x, other, None), project_reference(x, weight, None)) > 0.1
+
+
+@pytest.mark.parametrize("kernel", ["norm_linear", "linear_residual"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_candidate_of_a_small_problem_matches(device: str, kernel: str, fmt: str) -> None:
+    k = {"bf16": 256, "mxfp8": 512, "mxfp4": 1024}[fmt]  # room for K splits of every K step
+    problem = DecodeProblem(kernel, 24, k, 2, fmt, (("normed", 1),) if kernel == "norm_linear" else ())
+    impl = KERNELS[kernel]
+    inputs = impl.inputs(problem, device, seed=5)
+    want = impl.reference(inputs)
+    cands = impl.candidates(problem)
+    assert impl.default(problem) in cands
+    assert any(v.split_k > 1 for v in cands)
+    for v in cands:
+        assert gemv.variant_reason(v, fmt) is None
+        err = relative_error(impl.launch(inputs, v), want)
+        assert err <= impl.tolerance(problem), (v.name(), err)
+
+
+def test_split_k_counters_are_reset_for_the_next_call(device: str) -> None:
+    inputs = _inputs("linear_residual", "bf16", 2, 16, 256, device, seed=7)
+    v = DecodeVariant(8, 32, 4, 4)
+    first = gemv.linear_residual(**inputs, variant=v)
+    second = gemv.linear_residual(**inputs, variant=v)
+    # A fixed reduction order: the same bits call after call.
+    assert torch.equal(first, second)
+    assert relative_error(first, linear_residual_reference(**inputs)) <= TOLERANCE
+
+
+def test_registered_under_their_names() -> None:
+    assert KERNELS["norm_linear"] is NORM_LINEAR and KERNELS["linear_residual"] is LINEAR_RESIDUAL
+    w = torch.zeros((40, 96), dtype=torch.bfloat16)
+    problem = problem_of("norm_linear", w, 3, normed=1, add=0)
+    assert (problem.rows, problem.cols, problem.batch, problem.fmt) == (40, 96, 3, "bf16")
+    assert problem.key() == "norm_linear-r40-c96-b3-bf16-add0-normed1"
+
+
+def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
+    # qkv, o, router and lm_head of gpt-oss at one row: enough programs for two per H100 SM, or
+    # the K splits that come closest (at most 8, each of two K steps or more).
+    for n, k in ((5120, 2880), (2880, 4096), (128, 2880), (201088, 2880)):
+        for fmt in FORMATS:
+            v = gemv.default_variant(n, k, 1, fmt)
+            assert gemv.variant_reason(v, fmt) is None
+            assert v.block_k * (2 if fmt == "bf16" else 1) // (2 if fmt == "mxfp4" else 1) == 256
+            programs = -(-n // v.block_n) * v.split_k
+            steps = -(-k // v.block_k)
+            assert steps >= 2 * v.split_k
+            assert programs >= gemv.TARGET_PROGRAMS // 2 or v.split_k == 8 or steps < 4 * v.split_k, (n, k, fmt, v)
+            assert (v.split_k > 1) == (n == 128)  # only the router splits
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(hidden=a["hidden"][:, :64]), "K 96 is not hidden's width 64"),
+        (lambda a: a.update(hidden=torch.zeros((9, 96), dtype=torch.bfloat16)), "9 rows"),
+        (lambda a: a.update(hidden=a["hidden"].float()), "hidden: "),
+        (lambda a: a.update(add=a["add"][:, :10]), "add: shape"),
+        (lambda a: a.update(add=a["add"].half()), "add: dtype"),
+        (lambda a: a.update(bias=a["bias"][:5]), "bias: shape"),
+        (lambda a: a.update(norm_weight=a["norm_weight"][:5]), "norm_weight: shape"),
+        (lambda a: a.update(weight=a["weight"].float()), "weight: "),
+        (lambda a: a.update(weight=a["weight"].t()), "weight: "),
+    ],
+)
+def test_norm_linear_names_what_does_not_fit(change: object, message: str) -> None:
+    inputs = _inputs("norm_linear", "bf16", 1, 40, 96, "cpu", seed=0)
+    change(inputs)  # type: ignore[operator]
+    with pytest.raises(ValueError, match=message):
+        gemv.norm_linear(**inputs)
+
+
+def test_bad_variants_and_residuals_are_refused() -> None:
+    inputs = _inputs("linear_residual", "mxfp4", 1, 40, 96, "cpu", seed=0)
+    with pytest.raises(ValueError, match="block_k 32 is below 64"):
+        gemv.linear_residual(**inputs, variant=DecodeVariant(8, 32, 4))
+    with pytest.raises(ValueError, match="block_n 24 is not a power of two"):
+        gemv.linear_residual(**inputs, variant=DecodeVariant(24, 64, 4))
+    with pytest.raises(ValueError, match="residual: shape"):
+        gemv.linear_residual(inputs["x"], inputs["weight"], None, inputs["residual"][:, :8])
+    # Any object with blocks, scales and fmt is a stored weight, and it is checked.
+    w = inputs["weight"]
+    with pytest.raises(ValueError, match="weight_blocks"):
+        gemv.linear(inputs["x"], _Stored(w.blocks[:, :, :64], w.scales, "mxfp4"), None)
+    with pytest.raises(ValueError, match="mxfp6"):
+        gemv.linear(inputs["x"], _Stored(w.blocks, w.scales, "mxfp6"), None)
+
+
+class _Stored:
+    def __init__(self, blocks: torch.Tensor, scales: torch.Tensor, fmt: str) -> None:
+        self.blocks, self.scales, self.fmt = blocks, scales, fmt
+
+
+def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> None:
+    if device != "cpu":
+        pytest.skip("the CPU smoke run of the benchmark; on a GPU it measures")
+    from benchmarks.bench_decode_ops import main
+
+    out = tmp_path / "rows.json"
+    argv = ["--shapes", "o,router", "--formats", "mxfp4", "--batches", "3", "--sweep-limit", "2", "--out", str(out)]
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["op"], r["batch"], r["weights"]) for r in rows] == [
+        ("o", "linear_residual", 3, "mxfp4"),
+        ("router", "norm_linear", 3, "mxfp4"),
+    ]
+    for r in rows:
+        assert r["rel_err"] <= TOLERANCE and r["best_rel_err"] <= TOLERANCE
+        assert r["us"] > 0 and r["torch_us"] > 0 and DecodeVariant.parse(r["best_variant"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_both_k_loops_match_the_reference(device: str, fmt: str, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The launcher picks the K loop (sums every step, or once after the loop) by registers; both
+    # must give the op's result for every row count up to eight.
+    inputs = _inputs("norm_linear", fmt, batch, 24, 256, device, seed=20 + batch, normed=1)
+    want = norm_linear_reference(**inputs)
+    for deferred in (False, True):
+        monkeypatch.setattr(gemv, "defers", lambda *_, d=deferred: d)
+        got = gemv.norm_linear(**inputs, variant=DecodeVariant(8, 64 if fmt == "mxfp4" else 32, 4, 2))
+        assert torch.equal(got[0], want[0])
+        assert relative_error(got, want) <= TOLERANCE, deferred
+
+
+def test_deferred_sums_only_where_the_registers_allow() -> None:
+    v = DecodeVariant(16, 128, 4)
+    assert gemv.defers(v, 1, "bf16") and gemv.defers(v, 2, "bf16") and not gemv.defers(v, 4, "bf16")
+    # One row of MX weights sums scale groups instead; more rows share the scaled tile.
+    assert not gemv.defers(v, 1, "mxfp4") and gemv.defers(v, 2, "mxfp4")
+
+
+@pytest.mark.parametrize("kernel", ["norm_linear", "linear_residual"])
+def test_odd_bf16_shapes_are_masked(device: str, kernel: str) -> None:
+    # K 77 and N 13 are tails of every block; bf16 weights take any shape.
+    problem = DecodeProblem(kernel, 13, 77, 3, "bf16", (("normed", 1),) if kernel == "norm_linear" else ())
+    impl = KERNELS[kernel]
+    inputs = impl.inputs(problem, device, seed=9)
+    want = impl.reference(inputs)
+    for v in (impl.default(problem), DecodeVariant(8, 16, 4, 2)):
+        assert relative_error(impl.launch(inputs, v), want) <= TOLERANCE, v.name()
