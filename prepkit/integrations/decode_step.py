@@ -179,6 +179,13 @@ class Pieces:
 
         return cls(comp(embed), comp(attention), comp(attention_unreduced), comp(mlp_in), comp(head))
 
+    @classmethod
+    def kernels(cls) -> Pieces:
+        """For ops that are kernels of their own (:mod:`prepkit.integrations.kernel_ops`): only the
+        embedding and the rotary angles compile (one graph); the layers and the head run their
+        launches as they are."""
+        return cls(torch.compile(embed, fullgraph=True, dynamic=False), attention, attention_unreduced, mlp_in, head)
+
 
 @dataclass
 class Layer:
@@ -238,10 +245,14 @@ class DecodeStep:
     reduce: Hook | None = None
     gather: Hook | None = None
     compiled: bool = False
+    kernels: bool = False  # the ops are kernels: only the embedding compiles (Pieces.kernels)
     pieces: Pieces = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pieces = Pieces.compiled() if self.compiled else Pieces.plain()
+        if self.kernels:
+            self.pieces = Pieces.kernels()
+        else:
+            self.pieces = Pieces.compiled() if self.compiled else Pieces.plain()
 
     def __call__(
         self,
@@ -265,14 +276,16 @@ class DecodeStep:
         return logits if self.gather is None else self.gather(logits)
 
 
-def moe_call(mlp: Any) -> MoeCall:
+def moe_call(mlp: Any, out_dtype: torch.dtype | None = None) -> MoeCall:
     """The MoE call of a decoder layer's ``mlp``: prepkit's kernel on the step's router logits, or
-    (transformers' own block) the module, whose router computes the same logits again."""
+    (transformers' own block) the module, whose router computes the same logits again.
+    ``out_dtype=torch.float32`` keeps prepkit's accumulator as it is: the next op casts it while it
+    adds it (one launch fewer), with the same bf16 rounding."""
     layer = getattr(mlp, "moe_layer", None)
     if layer is not None:
         from prepkit.runtime.moe import moe
 
-        return functools.partial(moe, layer)
+        return functools.partial(moe, layer, out_dtype=out_dtype)
 
     def module(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         return mlp(x[:, None])[0][:, 0]
@@ -285,10 +298,12 @@ def step_of_model(
     *,
     ops: Ops = TORCH_OPS,
     compiled: bool = False,
+    kernels: bool = False,
     reduce: Hook | None = None,
     gather: Hook | None = None,
 ) -> DecodeStep:
-    """The decode step of a transformers gpt-oss ``model`` (its q/k/v fused on the way)."""
+    """The decode step of a transformers gpt-oss ``model`` (its q/k/v fused on the way);
+    ``kernels``: ``ops`` are launches of their own (see :class:`DecodeStep`)."""
     config, base = model.config, model.model
     eps = float(base.norm.variance_epsilon)
     windows = {"full_attention": None, "sliding_attention": config.sliding_window}
@@ -296,7 +311,7 @@ def step_of_model(
         Layer(
             LayerWeights.of(layer),
             LayerShape(eps, float(layer.self_attn.scaling), windows[config.layer_types[index]]),
-            moe_call(layer.mlp),
+            moe_call(layer.mlp, torch.float32 if kernels else None),
         )
         for index, layer in enumerate(base.layers)
     ]
@@ -304,4 +319,5 @@ def step_of_model(
     return DecodeStep(
         layers, base.embed_tokens.weight.detach(), rotary.inv_freq, float(rotary.attention_scaling),
         base.norm.weight.detach(), weight_of(model.lm_head), eps, ops, reduce, gather, compiled,
+        kernels,
     )  # fmt: skip

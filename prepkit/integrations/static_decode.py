@@ -73,7 +73,10 @@ class PrepkitDecoder:
     holds a near tie a token then goes to another expert: its tokens can part from ``generate``'s
     where the default step's do not. ``projections="reduction"`` writes the compiled step's bf16
     projections as fp32 multiply-and-sum reductions instead of library GEMMs (a few percent
-    faster on an H100; the eager step keeps the GEMMs). ``ops`` replaces the step's layer ops
+    faster on an H100; the eager step keeps the GEMMs). ``kernels=True`` (prepkit's MoE blocks
+    only) runs the layer ops as prepkit's decode kernels (:mod:`~prepkit.integrations.kernel_ops`:
+    one launch each, their variants from the tactics DBs), the MoE's output kept in fp32 for the
+    next op to add, and compiles only the embedding and the sampler. ``ops`` replaces the step's layer ops
     (:class:`~prepkit.integrations.decode_ops.Ops`; default: the torch ones); ``reduce`` and
     ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``).
     """
@@ -86,6 +89,7 @@ class PrepkitDecoder:
         batch_size: int = 1,
         cuda_graph: bool = True,
         compile: bool = False,
+        kernels: bool = False,
         projections: str = "linear",
         eos_ids: Sequence[int] | None = None,
         pad_id: int | None = None,
@@ -133,20 +137,27 @@ class PrepkitDecoder:
         # Every decode step runs decode_step's functions (eagerly, or compiled: the work between
         # matrix products fuses); the prompt runs the model's modules (one shape per length).
         prepkit_moe = all(hasattr(layer.mlp, "moe_layer") for layer in self.layers)
-        if compile and not prepkit_moe:
-            raise ValueError("compile=True needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
-        self.compiled = compile
+        if (compile or kernels) and not prepkit_moe:
+            mode = "compile=True" if compile else "kernels=True"
+            raise ValueError(f"{mode} needs prepkit's MoE blocks (from_prepared or use_prepkit_moe)")
+        if compile and kernels:
+            raise ValueError("choose compile=True or kernels=True, not both")
+        self.compiled, self.kernels = compile, kernels
         # The sampler's elementwise work (temperature, filters, the hash noise) fuses when compiled.
-        self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile else sample
+        self._sample = torch.compile(sample, fullgraph=True, dynamic=False) if compile or kernels else sample
         # Reductions pay off only fused: eagerly they would materialize [B, N, K] fp32 products.
         compiled_ops = decode_ops.torch_ops(projections)  # checks the name in any mode
+        if kernels and ops is None:
+            from prepkit.integrations.kernel_ops import kernel_ops, tuned_chooser
+
+            ops = kernel_ops(tuned_chooser(self.device))
         step_ops = ops if ops is not None else compiled_ops if compile else decode_ops.TORCH_OPS
-        if self.compiled:
+        if self.compiled or self.kernels:
             # One compiled graph per piece, batch size, cache length and layer form: allow a few.
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         self.decode_step = decode_step.step_of_model(
-            model, ops=step_ops, compiled=compile, reduce=reduce, gather=gather
+            model, ops=step_ops, compiled=compile, kernels=kernels, reduce=reduce, gather=gather
         )
 
     @property
@@ -282,7 +293,7 @@ class PrepkitDecoder:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._step()
-            if self.compiled:
+            if self.compiled or self.kernels:
                 state = [t.clone() for t in (self.position, self.next_ids, self.finished)]
                 self._step()
                 for live, saved in zip((self.position, self.next_ids, self.finished), state, strict=True):

@@ -1,0 +1,117 @@
+"""The decode step with prepkit's decode kernels as its ops (``PrepkitDecoder(kernels=True)``)
+against the eager step of torch ops, on tiny synthetic models (the interpreter on the CPU), and
+its launches per layer on a GPU."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
+pytest.importorskip("triton")
+
+from prepkit.generation.sampling import SamplingParams  # noqa: E402
+from prepkit.integrations.static_decode import PrepkitDecoder  # noqa: E402
+from prepkit.integrations.transformers import from_prepared  # noqa: E402
+from prepkit.synth import write_synthetic_checkpoint  # noqa: E402
+
+from .test_decode_rows import _left_padded  # noqa: E402
+from .test_transformers import TINY, _prepare  # noqa: E402
+
+LENGTHS = (7, 3, 10)
+NEW = 5
+# Relative to the largest logit: the kernels sum in another order than torch's GEMMs and keep the
+# MoE output in fp32 until it is added; measured near 1e-3 at these dims.
+TOL = 2e-2
+
+
+def _model(tmp: Path, dense: str, layers: int = TINY["num_layers"], device: str = "cpu") -> torch.nn.Module:
+    src = write_synthetic_checkpoint(tmp / f"model{layers}", seed=37, **{**TINY, "num_layers": layers})
+    extra = ("--dense", dense) if dense != "bf16" else ()
+    prepared = _prepare(src, tmp / f"{dense}{layers}", "--layout", "triton-moe", *extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tuned tactic for tiny dims; the defaults serve
+        model = from_prepared(prepared, device=device)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> torch.nn.Module:
+    return _model(tmp_path_factory.mktemp("kops"), request.param)
+
+
+def _logits_per_step(decoder: PrepkitDecoder, ids: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    step = decoder._step
+
+    def recording() -> None:
+        step()
+        assert decoder.logits is not None
+        seen.append(decoder.logits.clone())
+
+    decoder._step = recording  # type: ignore[method-assign]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        decoder.generate(ids, NEW, attention_mask=mask)
+    return seen
+
+
+def test_kernel_ops_give_the_torch_steps_logits_and_tokens(model: torch.nn.Module) -> None:
+    ids, mask = _left_padded(LENGTHS, pad_id=0)
+    length, batch = ids.shape[1] + NEW, len(LENGTHS)
+    ref = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True)
+    fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, kernels=True)
+    want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
+    assert len(got) == len(want) == NEW - 1
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+        assert err < TOL, f"step {i}: {err:.3g}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+
+
+def test_kernel_ops_sample_with_the_same_seed_alike(model: torch.nn.Module) -> None:
+    ids, mask = _left_padded(LENGTHS, pad_id=0)
+    sampled = SamplingParams(greedy=False, temperature=0.8, top_k=8)
+    length, batch = ids.shape[1] + NEW, len(LENGTHS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a = PrepkitDecoder(model, length, batch_size=batch, kernels=True).generate(
+            ids, NEW, attention_mask=mask, sampling=sampled, seed=3
+        )
+        b = PrepkitDecoder(model, length, batch_size=batch, kernels=True).generate(
+            ids, NEW, attention_mask=mask, sampling=sampled, seed=3
+        )
+    assert torch.equal(a, b)
+    assert a.shape == (batch, ids.shape[1] + NEW)
+
+
+def test_kernels_and_compile_are_one_choice(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        PrepkitDecoder(model, 16, compile=True, kernels=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_layer_is_at_most_eight_launches(tmp_path: Path) -> None:
+    from prepkit.generation.kernel_count import count_kernels, per_layer
+
+    counts = {}
+    for layers in (2, 4):
+        model = _model(tmp_path, "bf16", layers, device="cuda")
+        decoder = PrepkitDecoder(model, 32, kernels=True)
+        decoder.generate(torch.tensor([[3, 17, 42]]), 4)
+        graph = decoder.graph
+        assert graph is not None
+        counted = count_kernels(graph.replay, torch.device("cuda"))
+        assert counted is not None
+        counts[layers] = counted.kernels + counted.memory_ops
+    slope = per_layer(counts)
+    assert slope is not None and slope <= 8, counts
