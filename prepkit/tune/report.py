@@ -47,7 +47,14 @@ def summary(report: TuneReport) -> dict[str, Any]:
                 "ranges": len(r.winners),
                 "notes": r.notes,
                 "points": [
-                    {"m": c.m, "default_us": c.default_us, "tuned_us": c.winner_us, "speedup": c.speedup, "why": c.why}
+                    {
+                        "m": c.m,
+                        "default_us": c.default_us,
+                        "tuned_us": c.winner_us,
+                        "speedup": c.speedup,
+                        "why": c.why,
+                        "retimed": c.retimed,
+                    }
                     for c in r.choices
                 ],
             }

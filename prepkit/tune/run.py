@@ -231,6 +231,7 @@ def _sweep_into(
             "refine": None if opts.thorough else [config.refine_seeds, config.refine_rounds],
             "anchors": list(config.anchors),
             "min_gain": config.min_gain,
+            "retime": {"margin": config.retime.margin, "rounds": config.retime.rounds},
             "check_m": list(opts.check_m),
             "check_workers": len(checkers),
             "dense": [t.label for t in dense],
