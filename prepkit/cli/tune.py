@@ -279,8 +279,9 @@ def _print(summary: dict[str, Any]) -> None:
         console.result(
             Text.assemble(
                 (p.get("name") or p["problem"], "bold"),
-                f": {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
-                f"{p['ranges']} ranges, {p['elapsed_s']} s" + (f", geomean {gm:.3f}x vs default" if gm else ""),
+                f": {p['timed']} timed, {p['retimed']} retimings, {p['reused']} reused, "
+                f"{p['blocklisted']} blocklisted, {p['ranges']} ranges, {p['elapsed_s']} s"
+                + (f", geomean {gm:.3f}x vs default" if gm else ""),
                 ("" if p["complete"] else " (partial: budget reached; rerun to resume)", "yellow"),
             )
         )

@@ -221,6 +221,7 @@ class SweepResult:
     n_reused: int
     notes: list[str] = field(default_factory=list)
     coverage: Coverage | None = None
+    n_retimed: int = 0  # timings of close calls in rounds, besides the n_timed pairs
     label: str = ""  # what people call the problem ("dense mxfp4 qkv 5120x2880"); empty: its describe()
 
     def geomean_speedup(self) -> float | None:

@@ -41,6 +41,7 @@ def summary(report: TuneReport) -> dict[str, Any]:
                 "complete": r.complete,
                 "elapsed_s": round(r.elapsed_s, 1),
                 "timed": r.n_timed,
+                "retimed": r.n_retimed,
                 "reused": r.n_reused,
                 "blocklisted": len(r.blocked),
                 "geomean_speedup": r.geomean_speedup(),

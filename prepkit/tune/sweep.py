@@ -175,5 +175,6 @@ def sweep(
         problem=problem, points=points, choices=choices, winners=winners,
         measurements=list(st.measurements.values()), correctness=list(st.checks.values()),
         blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
+        n_retimed=st.n_retimed,
         n_reused=n_reused, notes=notes, coverage=coverage, label=label or "",
     )  # fmt: skip

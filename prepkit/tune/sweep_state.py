@@ -93,6 +93,7 @@ class SweepRun:
         self.failed: dict[str, str] = {}
         self.new_blocked: list[tuple[str, str]] = []
         self.n_timed = 0
+        self.n_retimed = 0  # timings of close calls in rounds (not in n_timed: no new pair)
         self.retimed: set[int] = set()  # token points whose close calls were timed again in rounds
         self.incomplete = False
         self.done = 0
@@ -245,7 +246,7 @@ class SweepRun:
         with self.lock:
             for meas in out.measurements:
                 self.record(meas)
-            self.n_timed += rounds * len(got)
+            self.n_retimed += rounds * len(got)
             self.retimed.add(m)
         return out
 
