@@ -168,7 +168,8 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
         path = opts.db_path or user_db_path()
         with store.open_db(path) as tdb:
             first = workers[0].backend
-            if isinstance(first, SubprocessBackend):
+            # Check workers serve the GEMM problems; the decode problems are checked on `first`.
+            if isinstance(first, SubprocessBackend) and (problems or dense):
                 check_m = opts.check_m if opts.thorough else None
                 for w in workers:  # with no check workers the timing workers check
                     if isinstance(w.backend, SubprocessBackend):

@@ -14,7 +14,7 @@ from prepkit.kernels.decode.variants import KERNELS, DecodeProblem, DecodeVarian
 from prepkit.tactics.decode_lookup import decode_kernel_version, decode_variant
 from prepkit.tactics.keys import Environment
 from prepkit.tactics.store import env_record, open_db
-from prepkit.tune import CandidateError, CheckResult, Timing
+from prepkit.tune import CandidateError, CheckResult, SubprocessBackend, Timing
 from prepkit.tune.decode_bench import LocalDecodeBackend, load_kernels
 from prepkit.tune.decode_problems import SITE_KERNELS, decode_formats, decode_problems
 from prepkit.tune.decode_sweep import decode_winner_row, sweep_decode
@@ -203,12 +203,20 @@ def test_problems_follow_the_model_dims() -> None:
     assert decode_formats(["mxfp8", "mxfp4"], from_shards=False) == ["bf16", "mxfp8", "mxfp4"]
 
 
-class StandInGpu:
-    """The GPU worker as a decode run sees it: every variant but ``WRONG`` passes, and a variant
-    takes longer the fewer output rows a program covers (no drift, so nothing is retimed)."""
+class StandInGpu(SubprocessBackend):
+    """The GPU worker as a decode run sees it, with no process behind it: every variant but
+    ``WRONG`` passes, and a variant takes longer the fewer output rows a program covers (no drift,
+    so nothing is retimed)."""
 
     def __init__(self) -> None:
+        super().__init__(None)
         self.checked: list[tuple[str, str]] = []
+
+    def request(self, req: Any, timeout: float) -> dict[str, Any]:
+        raise AssertionError(f"no worker process in this test: {req}")
+
+    def bandwidth_gbps(self) -> float:
+        return 3000.0
 
     def check_decode(self, problem: DecodeProblem, variant: str) -> CheckResult:
         self.checked.append((problem.key(), variant))
@@ -223,9 +231,6 @@ class StandInGpu:
         raise AssertionError("no MoE or dense problem is tuned here")
 
     time = check
-
-    def close(self) -> None:
-        pass
 
 
 def test_tune_decode_stores_a_winner_per_problem_the_lookup_serves(
@@ -278,8 +283,6 @@ def test_the_worker_process_checks_and_times_decode_variants() -> None:
     """The GPU worker's decode ops, run on the CPU with the stand-in kernel registered in it."""
     import os
     import sys
-
-    from prepkit.tune import SubprocessBackend
 
     script = (
         "import sys; from prepkit.kernels.decode.variants import register; "
