@@ -16,8 +16,8 @@ Procedure (docs/tuning.md says why):
 3. every token point: the survivors and that point's default are timed in the same run;
 4. per point, the candidates within ``retime.margin`` of the best are timed again in
    ``retime.rounds`` rounds, the order rotated each round (:mod:`prepkit.tune.retime`), and
-   their medians over the rounds replace the one-shot timings (a point whose close calls were
-   all read back from the DB is left as it was);
+   their medians over the rounds replace the one-shot timings (a point with a close call read
+   back from the DB is left as it was: a rerun never times a stored pair again);
 5. per point the default is kept unless a candidate is faster by more than ``min_gain`` *and* its
    p90 is below the default's p10 (beyond noise); equal adjacent winners merge into one
    ``[m_lo, m_hi]`` range (ceil semantics); the last range extends upward only when the sweep

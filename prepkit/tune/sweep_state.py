@@ -211,15 +211,15 @@ class SweepRun:
 
     def close_at(self, m: int) -> list[str]:
         """The candidates at ``m`` that may win (checked, timed in full, never failed) within the
-        retime margin of the best; none where every one of them was read back from the DB (an
-        earlier run timed them, and retimed them if it got that far)."""
+        retime margin of the best; none where one of them was read back from the DB: a rerun never
+        times again a pair an earlier run stored (that run retimed it if it got that far)."""
         ok = {
             t: median_us(x)
             for (mm, t), x in self.measurements.items()
             if mm == m and measured_ok(x) and not x.screen and self.passed(t) and t not in self.failed
         }
         close = close_calls(ok, self.cfg.retime.margin)
-        if len(close) < 2 or all(self.measurements[(m, t)].reused for t in close):
+        if len(close) < 2 or any(self.measurements[(m, t)].reused for t in close):
             return []
         return close
 

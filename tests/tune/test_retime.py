@@ -18,7 +18,7 @@ def tac(bm: int) -> str:
     return canon({"block_m": bm, "block_n": 64, "num_stages": 3, "split_k": 1})
 
 
-DEFAULT, A, B = tac(16), tac(32), tac(64)
+DEFAULT, A, B, C = tac(16), tac(32), tac(64), tac(128)
 # B is truly the fastest, by 2 %; the default is far behind.
 TRUE_US = {DEFAULT: 150.0, A: 100.0, B: 98.0}
 
@@ -106,7 +106,7 @@ def test_one_shot_timing_picks_the_wrong_variant_and_rounds_fix_it() -> None:
 
 def test_retimed_timings_are_stored_and_a_rerun_retimes_nothing(tmp_path) -> None:
     """The rounds' timings replace the one-shot rows in the DB; a rerun that reads them back times
-    nothing again and keeps the choice."""
+    nothing again and keeps the choice, and one with a new close call times only that."""
     path = tmp_path / "t.db"
     with open_db(path) as tdb:
         env_hash = tdb.put_env(env_record(H100, package_version="0.1.0"))
@@ -124,3 +124,16 @@ def test_retimed_timings_are_stored_and_a_rerun_retimes_nothing(tmp_path) -> Non
         )  # fmt: skip
     assert [c for c in again.calls if c[0] == "time"] == []
     assert second.choices[0].winner == B
+
+    # A new variant close to the stored ones is timed once: the stored pairs are not timed again.
+    TRUE_US[C] = 97.0
+    try:
+        third_backend = FunctionBackend(DriftingClock())
+        third = sweep(
+            PROB, [A, B, C], lambda m: DEFAULT, [third_backend], config=cfg, previous_measurements=measured,
+            previous_checks=checks, blocked=blocked,
+        )  # fmt: skip
+    finally:
+        del TRUE_US[C]
+    assert [(t, m) for kind, t, m in third_backend.calls if kind == "time"] == [(C, 1)]
+    assert third.choices[0].retimed == 0 and third.n_retimed == 0
