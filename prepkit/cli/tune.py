@@ -34,6 +34,15 @@ class MeasureFlags:
     thorough: bool
 
 
+@dataclass(frozen=True)
+class ProblemFlags:
+    """Which problems a run takes up, as the command line gave them."""
+
+    dense_formats: str | None
+    moe: bool
+    decode: bool
+
+
 def _grouped(cls: type, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Pass the options named by ``cls``' fields to the command as one ``cls`` called ``name``."""
     names = [f.name for f in dataclasses.fields(cls)]
@@ -173,6 +182,7 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @quiet_option
 @click.pass_context
 @_grouped(MeasureFlags, "measure")
+@_grouped(ProblemFlags, "which")
 def tune_command(
     ctx: click.Context,
     arch: str,
@@ -180,9 +190,7 @@ def tune_command(
     shards: Path | None,
     tp: int | None,
     activations: ActivationPolicy,
-    dense_formats: str | None,
-    moe: bool,
-    decode: bool,
+    which: ProblemFlags,
     tokens: str | None,
     measure: MeasureFlags,
     compile_only: bool,
@@ -246,6 +254,7 @@ def tune_command(
 
     if model and shards:
         raise click.UsageError("--model and --shards are exclusive")
+    dense_formats, moe = which.dense_formats, which.moe
     dense_old = ctx.meta.get(_DENSE_OLD)
     if dense_old is not None:
         if dense_formats is not None:
@@ -256,7 +265,7 @@ def tune_command(
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tokens") from None
     if compile_only:
-        if decode:
+        if which.decode:
             raise click.UsageError("--decode cannot be used with --compile-only (it measures nothing)")
         _refuse_gpu_options(ctx)
         job = CompileJob(arch, model, shards, tp, activations, points, 1 if sample is None else sample)
@@ -271,7 +280,7 @@ def tune_command(
         arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=m.db_path,
         budget_minutes=m.budget_minutes, gpus=_parse_gpus(m.gpus), max_candidates=m.max_candidates,
         check_workers=m.check_workers, keep=m.keep, thorough=m.thorough, dense_formats=dense_formats, moe=moe,
-        decode=decode,
+        decode=which.decode,
     )  # fmt: skip
     with console.progress(enabled=not quiet, unit="count", eta=m.thorough) as on_progress:
         result = tune.run_tune(opts, on_progress=on_progress)

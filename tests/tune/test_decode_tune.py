@@ -304,3 +304,12 @@ def test_the_worker_process_checks_and_times_decode_variants() -> None:
             backend.check_decode(other, FASTEST.name())
     finally:
         backend.close()
+
+
+def test_decode_is_refused_with_compile_only() -> None:
+    from click.testing import CliRunner
+
+    from prepkit.cli import cli
+
+    out = CliRunner().invoke(cli, ["tune", "--arch", "sm90", "--compile-only", "--decode"])
+    assert out.exit_code == 2 and "--decode cannot be used with --compile-only" in out.output
