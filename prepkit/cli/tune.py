@@ -34,6 +34,15 @@ class MeasureFlags:
     thorough: bool
 
 
+@dataclass(frozen=True)
+class ProblemFlags:
+    """Which problems a run takes up, as the command line gave them."""
+
+    dense_formats: str | None
+    moe: bool
+    decode: bool
+
+
 def _grouped(cls: type, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Pass the options named by ``cls``' fields to the command as one ``cls`` called ``name``."""
     names = [f.name for f in dataclasses.fields(cls)]
@@ -110,6 +119,12 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     show_default=True,
     help="Tune the MoE layer's two GEMMs (--no-moe: only the --dense-formats problems).",
 )
+@click.option(
+    "--decode",
+    is_flag=True,
+    help="Also tune the decode kernels (q/k/v, o, router and lm_head projections, decode attention) at the "
+    "model's decode shapes, batch 1 to 8, after the rest, with a budget of their own.",
+)
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
 @db_option("Tactics DB to fill (default: $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db).")
 @click.option(
@@ -167,6 +182,7 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
 @quiet_option
 @click.pass_context
 @_grouped(MeasureFlags, "measure")
+@_grouped(ProblemFlags, "which")
 def tune_command(
     ctx: click.Context,
     arch: str,
@@ -174,8 +190,7 @@ def tune_command(
     shards: Path | None,
     tp: int | None,
     activations: ActivationPolicy,
-    dense_formats: str | None,
-    moe: bool,
+    which: ProblemFlags,
     tokens: str | None,
     measure: MeasureFlags,
     compile_only: bool,
@@ -197,6 +212,10 @@ def tune_command(
     --dense-formats also tunes the dense MX linears (fused qkv, o and lm_head of the model, per weight
     format), each under a problem key of its own: the runtime's dense lookup finds them and a MoE
     lookup never does. They run after the MoE layer, with a budget of their own.
+
+    --decode also tunes the decode kernels registered in prepkit.kernels.decode, one winner per
+    kernel and problem (shape, weight format, batch; attention: heads and cache slots in use),
+    which the decode step looks up; a kernel not registered is named and left out.
 
     --compile-only needs no GPU and writes no DB: it compiles, through Triton's own compiler, the
     kernels a launch on the reference device of --arch (sm90: H100, sm120: RTX PRO 6000, sm121:
@@ -226,6 +245,7 @@ def tune_command(
         prepkit tune --arch sm121 --shards shards/ --tokens 1-8,16,32 --gpus 0,1
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --thorough --db thorough.db
         prepkit tune --arch sm90 --model gpt-oss-120b --tp 1 --dense-formats mxfp4 --no-moe --db dense.db
+        prepkit tune --arch sm90 --model gpt-oss-120b --decode --no-moe --dense-formats none
         prepkit tune --arch sm121 --model gpt-oss-120b --tp 1 --compile-only --activations mxfp8
         prepkit tune --arch sm120 --compile-only --activations mxfp8 --dense-formats all --no-moe
     """
@@ -234,6 +254,7 @@ def tune_command(
 
     if model and shards:
         raise click.UsageError("--model and --shards are exclusive")
+    dense_formats, moe = which.dense_formats, which.moe
     dense_old = ctx.meta.get(_DENSE_OLD)
     if dense_old is not None:
         if dense_formats is not None:
@@ -244,6 +265,8 @@ def tune_command(
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tokens") from None
     if compile_only:
+        if which.decode:
+            raise click.UsageError("--decode cannot be used with --compile-only (it measures nothing)")
         _refuse_gpu_options(ctx)
         job = CompileJob(arch, model, shards, tp, activations, points, 1 if sample is None else sample)
         _compile_only(job, dense_formats, moe, as_json, quiet)
@@ -257,6 +280,7 @@ def tune_command(
         arch=arch, model=model, shards=shards, tp=tp, activations=activations, points=points, db_path=m.db_path,
         budget_minutes=m.budget_minutes, gpus=_parse_gpus(m.gpus), max_candidates=m.max_candidates,
         check_workers=m.check_workers, keep=m.keep, thorough=m.thorough, dense_formats=dense_formats, moe=moe,
+        decode=which.decode,
     )  # fmt: skip
     with console.progress(enabled=not quiet, unit="count", eta=m.thorough) as on_progress:
         result = tune.run_tune(opts, on_progress=on_progress)
@@ -279,13 +303,18 @@ def _print(summary: dict[str, Any]) -> None:
         console.result(
             Text.assemble(
                 (p.get("name") or p["problem"], "bold"),
-                f": {p['timed']} timed, {p['reused']} reused, {p['blocklisted']} blocklisted, "
-                f"{p['ranges']} ranges, {p['elapsed_s']} s" + (f", geomean {gm:.3f}x vs default" if gm else ""),
+                f": {p['timed']} timed, {p['retimed']} retimings, {p['reused']} reused, "
+                f"{p['blocklisted']} blocklisted, {p['ranges']} ranges, {p['elapsed_s']} s"
+                + (f", geomean {gm:.3f}x vs default" if gm else ""),
                 ("" if p["complete"] else " (partial: budget reached; rerun to resume)", "yellow"),
             )
         )
         if "coverage" in p:
             console.result(tune_report.coverage_line(p["coverage"]))
+    for d in summary.get("decode", []):
+        console.result(tune_report.decode_line(d))
+    for note in summary.get("decode_notes", []):
+        console.warn(note)
     if summary["layer"]:
         t = Table(title=f"whole layer on {summary['device']}: default vs tuned (median us)")
         for col in ("tokens", "default", "tuned", "speedup"):

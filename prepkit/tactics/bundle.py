@@ -6,7 +6,7 @@ that never choose a winner). The runtime lookup, ``prepkit tactics show`` and th
 tuner's seeds need only the winners and what they point at, and ``prepkit tactics plot`` needs
 the default's and the winner's timing per token count. :func:`write_bundle` keeps exactly that:
 
-- env, kernel, problem, tuning_run, winner and blocklist rows: all of them;
+- env, kernel, problem, tuning_run, winner, decode_winner and blocklist rows: all of them;
 - measurement rows: only status ``ok`` rows of the default or of a tactic that wins a range of
   the same environment and problem, without their raw samples (median, p10, p90 stay);
 - correctness rows: none (the blocklist already holds every tactic that failed);

@@ -176,6 +176,21 @@ _V1 = (
     ),
 )
 
+# The decode kernels' winners (prepkit.kernels.decode): one variant per (device, kernel, problem),
+# no token ranges (a decode problem fixes its batch). ``problem_key`` is DecodeProblem.key(),
+# ``variant`` DecodeVariant.name(); ``kernel_version`` the kernel's, so rows of an older kernel never
+# serve a newer one; ``retimed`` the rounds the close calls were timed again in (0: none).
+DECODE_WINNER = Table(
+    "decode_winner",
+    _cols(
+        "env_hash TEXT, kernel TEXT, problem_key TEXT, variant TEXT, kernel_version TEXT, median_us REAL, "
+        "default_variant TEXT, default_median_us REAL, retimed INTEGER, run_id TEXT, timed_at TEXT"
+    ),
+    pk=("env_hash", "kernel", "problem_key"),
+    not_null=("variant", "kernel_version", "median_us", "run_id", "timed_at"),
+    foreign_keys=(("env_hash", "env", "env_hash"), ("run_id", "tuning_run", "run_id")),
+)
+
 # Every schema step, oldest first. Append only.
 STEPS: tuple[Step, ...] = (
     CreateTables("create_v1", _V1),
@@ -183,6 +198,8 @@ STEPS: tuple[Step, ...] = (
     AddColumn("winner", "search", "TEXT"),
     # How a timing was taken: NULL a full measurement, 'screen' a thorough search's quick one.
     AddColumn("measurement", "kind", "TEXT"),
+    # The decode kernels' winners, in a table of their own.
+    CreateTables("create_decode_winner", (DECODE_WINNER,)),
 )
 
 # PRAGMA user_version written after the newest step; readers refuse newer files.
@@ -190,7 +207,8 @@ SCHEMA_VERSION = len(STEPS)
 # Oldest schema whose winner/env/tactic/blocklist tables the readers understand.
 MIN_READABLE_SCHEMA = 1
 
-TABLES: tuple[str, ...] = tuple(t.name for t in _V1)
+# Every table of every step, in creation order (a merge copies them in this order: referenced rows first).
+TABLES: tuple[str, ...] = tuple(t.name for step in STEPS if isinstance(step, CreateTables) for t in step.tables)
 
 # The searches ``prepkit tune`` runs: the pruned sweep, and ``--thorough`` (every valid variant).
 SEARCHES: tuple[str, ...] = ("pruned", "thorough")
@@ -214,11 +232,13 @@ TIMESTAMP_COLUMNS: dict[str, tuple[str, ...]] = {
     "measurement": ("measured_at",),
     "correctness": ("checked_at",),
     "blocklist": ("first_seen",),
+    "decode_winner": ("timed_at",),
 }
 # Columns holding timings or ratios of timings: finite and never negative.
 TIMING_COLUMNS: dict[str, tuple[str, ...]] = {
     "measurement": ("median_us", "p10_us", "p90_us", "mean_us"),
     "winner": ("median_us", "default_median_us", "speedup_vs_default"),
+    "decode_winner": ("median_us", "default_median_us"),
 }
 # A reference that is not a declared foreign key (SQLite cannot declare a nullable one usefully).
 EXTRA_REFERENCES: dict[str, tuple[tuple[str, str, str], ...]] = {
@@ -227,7 +247,7 @@ EXTRA_REFERENCES: dict[str, tuple[tuple[str, str, str], ...]] = {
 
 
 def table(name: str) -> Table:
-    """The table ``name`` as the first step creates it."""
+    """The table ``name`` as the step that creates it creates it."""
     for step in STEPS:
         if isinstance(step, CreateTables):
             for t in step.tables:

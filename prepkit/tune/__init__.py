@@ -3,6 +3,9 @@
 - :mod:`~prepkit.tune.run`: one run start to end (:func:`run_tune`), what ``prepkit tune`` calls;
 - :mod:`~prepkit.tune.sweep`: the sweep of one GEMM problem and of a whole layer;
 - :mod:`~prepkit.tune.candidates`: token points, defaults, the pruned variant space;
+- :mod:`~prepkit.tune.decode_sweep`: the decode kernels' sweep (``--decode``), its problems in
+  :mod:`~prepkit.tune.decode_problems`, its worker side in :mod:`~prepkit.tune.decode_bench`;
+- :mod:`~prepkit.tune.retime`: close calls timed again in rotated rounds;
 - :mod:`~prepkit.tune.backend`: where candidates are measured (GPU worker processes, stand-ins);
 - :mod:`~prepkit.tune.worker`: the GPU worker process itself (started through :mod:`~prepkit.tune.worker_cli`);
 - :mod:`~prepkit.tune.records`: what a sweep produces; :mod:`~prepkit.tune.report`: what people see.

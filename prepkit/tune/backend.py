@@ -22,6 +22,7 @@ from prepkit.tactics.keys import Environment, ProblemKey
 from prepkit.tune.records import CandidateError, CheckResult, Screen, Timing
 
 if TYPE_CHECKING:
+    from prepkit.kernels.decode.variants import DecodeProblem
     from prepkit.kernels.device import DeviceInfo
 
 
@@ -196,6 +197,16 @@ class SubprocessBackend:
         r = self.request({"op": "time", "problem": _pk(problem), "pair": list(pair), "m": m}, self.time_timeout_s)
         return Timing.from_samples(r["samples_us"])
 
+    def check_decode(self, problem: DecodeProblem, variant: str) -> CheckResult:
+        """Check a decode kernel's variant (:class:`~prepkit.tune.decode_bench.DecodeBench`)."""
+        req = {"op": "decode_check", "problem": decode_problem_json(problem), "variant": variant}
+        r = self.request(req, self.check_timeout_s)
+        return CheckResult(**{**r, "m_values": tuple(r.get("m_values", ()))})
+
+    def time_decode(self, problem: DecodeProblem, variant: str) -> Timing:
+        req = {"op": "decode_time", "problem": decode_problem_json(problem), "variant": variant}
+        return Timing.from_samples(self.request(req, self.time_timeout_s)["samples_us"])
+
     def bandwidth_gbps(self) -> float:
         return float(self.request({"op": "bandwidth"}, 120.0)["gbps"])
 
@@ -214,6 +225,17 @@ class SubprocessBackend:
 
 def _pk(problem: ProblemKey) -> dict[str, Any]:
     return dict(problem.__dict__)
+
+
+def decode_problem_json(problem: DecodeProblem) -> dict[str, Any]:
+    """A decode problem as the worker protocol sends it (:func:`decode_problem_from_json` reads it)."""
+    return {**problem.__dict__, "extra": [list(kv) for kv in problem.extra]}
+
+
+def decode_problem_from_json(d: Mapping[str, Any]) -> DecodeProblem:
+    from prepkit.kernels.decode.variants import DecodeProblem
+
+    return DecodeProblem(**{**d, "extra": tuple((str(k), int(v)) for k, v in d.get("extra", ()))})
 
 
 @dataclass

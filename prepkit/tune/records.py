@@ -150,7 +150,7 @@ class Correctness:
 class Batch:
     """What one step of the sweep produced; the caller stores it in one transaction."""
 
-    phase: str  # 'check' | 'anchor' | 'point'
+    phase: str  # 'check' | 'anchor' | 'point' | 'retime'
     m: int | None = None
     measurements: list[Measurement] = field(default_factory=list)
     correctness: list[Correctness] = field(default_factory=list)
@@ -167,6 +167,7 @@ class PointChoice:
     runner_up: str | None = None
     runner_up_gap: float | None = None
     why: str = ""
+    retimed: int = 0  # rounds the close calls were timed again in before this choice (0: none)
 
     @property
     def speedup(self) -> float | None:
@@ -220,6 +221,7 @@ class SweepResult:
     n_reused: int
     notes: list[str] = field(default_factory=list)
     coverage: Coverage | None = None
+    n_retimed: int = 0  # timings of close calls in rounds, besides the n_timed pairs
     label: str = ""  # what people call the problem ("dense mxfp4 qkv 5120x2880"); empty: its describe()
 
     def geomean_speedup(self) -> float | None:
@@ -242,7 +244,7 @@ class SweepResult:
             "coverage": self.coverage.record() if self.coverage else None,
             "points": [
                 {"m": c.m, "default": c.default, "default_us": c.default_us, "winner": c.winner,
-                 "winner_us": c.winner_us, "why": c.why}
+                 "winner_us": c.winner_us, "why": c.why, "retimed": c.retimed}
                 for c in self.choices
             ],
         }  # fmt: skip

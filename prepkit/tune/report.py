@@ -41,20 +41,41 @@ def summary(report: TuneReport) -> dict[str, Any]:
                 "complete": r.complete,
                 "elapsed_s": round(r.elapsed_s, 1),
                 "timed": r.n_timed,
+                "retimed": r.n_retimed,
                 "reused": r.n_reused,
                 "blocklisted": len(r.blocked),
                 "geomean_speedup": r.geomean_speedup(),
                 "ranges": len(r.winners),
                 "notes": r.notes,
                 "points": [
-                    {"m": c.m, "default_us": c.default_us, "tuned_us": c.winner_us, "speedup": c.speedup, "why": c.why}
+                    {
+                        "m": c.m,
+                        "default_us": c.default_us,
+                        "tuned_us": c.winner_us,
+                        "speedup": c.speedup,
+                        "why": c.why,
+                        "retimed": c.retimed,
+                    }
                     for c in r.choices
                 ],
             }
             for r in layer.results
         ],
         "layer": [asdict(p) | {"speedup": p.speedup} for p in layer.layer_points],
+        **({"decode": [r.record() for r in report.decode]} if report.decode else {}),
+        **({"decode_notes": list(report.decode_notes)} if report.decode_notes else {}),
     }
+
+
+def decode_line(d: dict[str, Any]) -> str:
+    """``decode o linear_residual bf16 2880x4096 b1: n64-k128-w4-s1-p1 3.1 us, 1.21x vs default
+    (retimed in 3 rounds)`` (a :meth:`~prepkit.tune.decode_sweep.DecodeResult.record`)."""
+    if d["winner"] is None:
+        return f"{d['name']}: no variant passed ({d['failed']} failed)"
+    gain = f", {d['speedup']:.2f}x vs default" if d.get("speedup") else ""
+    rounds = f" (retimed in {d['retimed']} rounds)" if d.get("retimed") else ""
+    partial = "" if d["complete"] else " (partial: budget reached, not stored)"
+    return f"{d['name']}: {d['winner']} {d['winner_us']:.1f} us{gain}{rounds}, {d['failed']} failed{partial}"
 
 
 def coverage_line(cov: dict[str, Any]) -> str:

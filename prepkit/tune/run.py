@@ -26,6 +26,8 @@ from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
 from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
 from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space, neighbourhood, rule_space
+from prepkit.tune.decode_problems import DecodeTarget, decode_targets
+from prepkit.tune.decode_sweep import DecodeResult, decode_winner_row, tune_decode
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
 from prepkit.tune.gpu_bench import BUILD_LOCK_ENV, CHECK_M, NICE_ENV, SINGLE_CHECK_M, kernel_timing_scope
 from prepkit.tune.layer_sweep import tune_layer
@@ -59,6 +61,7 @@ class TuneOptions:
     # the source's own (a model: every format; a shard set: the format its manifest records).
     dense_formats: str | None = None
     moe: bool = True  # False: the dense problems only
+    decode: bool = False  # also the decode kernels (prepkit.tune.decode_problems), after the rest
     cmdline: Sequence[str] = field(default_factory=lambda: ["prepkit", *sys.argv[1:]])
 
     @property
@@ -82,6 +85,8 @@ class TuneReport:
     db_path: Path
     status: str  # 'complete' | 'partial'
     search: str = "pruned"  # or 'thorough'
+    decode: list[DecodeResult] = field(default_factory=list)
+    decode_notes: list[str] = field(default_factory=list)  # decode kernels left out, and why
 
 
 def tune_problems(
@@ -154,14 +159,17 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
             model=opts.model, shards=opts.shards, choice=opts.dense_formats, kernel_version=str(KERNEL_VERSION),
             activations=opts.activations,
         )  # fmt: skip
-        if not problems and not dense:
+        decode = decode_targets(model=opts.model, shards=opts.shards) if opts.decode else []
+        if not problems and not dense and not decode:
             raise RecipeError(
-                "nothing to tune: --no-moe and no dense problem", hint="pass --dense-formats, or drop --no-moe"
+                "nothing to tune: --no-moe and no dense problem",
+                hint="pass --dense-formats or --decode, or drop --no-moe",
             )
         path = opts.db_path or user_db_path()
         with store.open_db(path) as tdb:
             first = workers[0].backend
-            if isinstance(first, SubprocessBackend):
+            # Check workers serve the GEMM problems; the decode problems are checked on `first`.
+            if isinstance(first, SubprocessBackend) and (problems or dense):
                 check_m = opts.check_m if opts.thorough else None
                 for w in workers:  # with no check workers the timing workers check
                     if isinstance(w.backend, SubprocessBackend):
@@ -176,12 +184,12 @@ def run_tune(opts: TuneOptions, *, on_progress: ProgressFn | None = None) -> Tun
                     SubprocessBackend(gpus[i % len(gpus)], argv=first.argv, env=check_env, check_m=check_m)
                     for i in range(n)
                 ]
-            layer, status = _sweep_into(tdb, workers, checkers, problems, dense, opts, on_progress)
+            layer, decoded, status = _sweep_into(tdb, workers, checkers, problems, dense, decode, opts, on_progress)
     finally:
         for b in [w.backend for w in workers] + checkers:
             b.close()
         lock_dir.cleanup()
-    return TuneReport(layer, workers[0].env, path, status, opts.search)
+    return TuneReport(layer, workers[0].env, path, status, opts.search, decoded[0], decoded[1])
 
 
 def check_worker_count(opts: TuneOptions, env: Environment, problem: ProblemKey, gpus: int = 1) -> int:
@@ -200,9 +208,10 @@ def _sweep_into(
     checkers: list[Backend],
     problems: list[ProblemKey],
     dense: list[DenseTarget],
+    decode: list[DecodeTarget],
     opts: TuneOptions,
     on_progress: ProgressFn | None,
-) -> tuple[LayerReport, str]:
+) -> tuple[LayerReport, tuple[list[DecodeResult], list[str]], str]:
     env, info = workers[0].env, workers[0].device
     backends = [w.backend for w in workers]
     bw = backends[0].bandwidth_gbps() if hasattr(backends[0], "bandwidth_gbps") else None
@@ -231,10 +240,12 @@ def _sweep_into(
             "refine": None if opts.thorough else [config.refine_seeds, config.refine_rounds],
             "anchors": list(config.anchors),
             "min_gain": config.min_gain,
+            "retime": {"margin": config.retime.margin, "rounds": config.retime.rounds},
             "check_m": list(opts.check_m),
             "check_workers": len(checkers),
             "dense": [t.label for t in dense],
             "dense_anchors": list(dense_config.anchors),
+            "decode": [t.label for t in decode],
         },
         token_points=opts.points,
         cmdline=shlex.join(opts.cmdline),
@@ -248,6 +259,7 @@ def _sweep_into(
 
     status = "aborted"
     report: LayerReport | None = None
+    decoded: tuple[list[DecodeResult], list[str]] = ([], [])
     sweep_args: dict[str, Any] = dict(
         candidates_for=lambda p: search_candidates(opts, p, info, past[p]),
         default_for=lambda p: kernel_defaults(p, info),
@@ -272,10 +284,38 @@ def _sweep_into(
             report = LayerReport(
                 report.results + linears.results, report.layer_points, report.elapsed_s + linears.elapsed_s
             )
-        status = "complete" if all(r.complete for r in report.results) else "partial"
+        if decode:  # last, with a budget of its own, on the first GPU
+            decoded = _decode_into(tdb, env_hash, run_id, backends[0], decode, budget_s, on_progress)
+        done = all(r.complete for r in report.results) and all(r.complete for r in decoded[0])
+        status = "complete" if done else "partial"
     finally:
-        tdb.finish_run(run_id, status, notes=run_notes(report, opts.search) if report is not None else None)
-    return report, status
+        notes = run_notes(report, opts.search, decoded[0]) if report is not None else None
+        tdb.finish_run(run_id, status, notes=notes)
+    return report, decoded, status
+
+
+def _decode_into(
+    tdb: store.TacticsDB,
+    env_hash: str,
+    run_id: str,
+    backend: Any,
+    targets: list[DecodeTarget],
+    budget_s: float,
+    on_progress: ProgressFn | None,
+) -> tuple[list[DecodeResult], list[str]]:
+    """Sweep the decode problems whose kernel is registered, storing each winner as it comes."""
+    from prepkit.tune.decode_bench import load_kernels
+
+    kernels = load_kernels()
+
+    def store_winner(res: DecodeResult) -> None:
+        row = decode_winner_row(res, kernels[res.problem.kernel])
+        if row is not None:
+            tdb.put_decode_winner(env_hash, run_id, row)
+
+    if not (hasattr(backend, "check_decode") and hasattr(backend, "time_decode")):
+        raise DeviceError(f"the tuning backend {type(backend).__name__} cannot measure decode kernels")
+    return tune_decode(targets, kernels, backend, budget_s=budget_s, on_result=store_winner, on_progress=on_progress)
 
 
 def search_candidates(opts: TuneOptions, problem: ProblemKey, device: DeviceInfo, past: Sequence[str]) -> list[str]:
@@ -316,15 +356,17 @@ def past_winners(tdb: store.TacticsDB, gpu_name: str, problems: list[ProblemKey]
     return found
 
 
-def run_notes(report: LayerReport, search: str) -> str:
+def run_notes(report: LayerReport, search: str, decode: Sequence[DecodeResult] = ()) -> str:
     """What the run keeps in ``tuning_run.notes``: the whole-layer comparison (default pair vs
     tuned pair), the search, and each GEMM's sweep record (:meth:`SweepResult.record`: duration,
-    coverage, the choice per token point), which a later comparison of searches reads."""
+    coverage, the choice per token point), which a later comparison of searches reads; and each
+    decode problem's (:meth:`DecodeResult.record`), where the run tuned them."""
     return json.dumps(
         {
             "layer_us": [[p.m, p.default_us, p.tuned_us] for p in report.layer_points],
             "layer_geomean_speedup": report.layer_geomean(),
             "search": search,
             "sweeps": [r.record() for r in report.results],
+            **({"decode": [r.record() for r in decode]} if decode else {}),
         }
     )

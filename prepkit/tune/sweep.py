@@ -14,7 +14,11 @@ Procedure (docs/tuning.md says why):
    ``refine_seeds`` are checked and timed at that anchor, for up to ``refine_rounds`` rounds
    while those best few change (:func:`prepkit.tune.candidates.neighbourhood`);
 3. every token point: the survivors and that point's default are timed in the same run;
-4. per point the default is kept unless a candidate is faster by more than ``min_gain`` *and* its
+4. per point, the candidates within ``retime.margin`` of the best are timed again in
+   ``retime.rounds`` rounds, the order rotated each round (:mod:`prepkit.tune.retime`), and
+   their medians over the rounds replace the one-shot timings (a point with a close call read
+   back from the DB is left as it was: a rerun never times a stored pair again);
+5. per point the default is kept unless a candidate is faster by more than ``min_gain`` *and* its
    p90 is below the default's p10 (beyond noise); equal adjacent winners merge into one
    ``[m_lo, m_hi]`` range (ceil semantics); the last range extends upward only when the sweep
    reached the top of the series.
@@ -144,6 +148,8 @@ def sweep(
             point_label, st.done = f"{st.label}: every point", 0
             st.estimate = sum(not st.fully_timed(m, t) and t not in st.failed for m in points for t in for_point(m))
         st.time_points(pool, points, for_point, "point", point_label)
+        # 4. close calls at each point, timed again in rotated rounds before any choice
+        st.retime_points(pool, points)
     finally:
         pool.shutdown()
 
@@ -152,6 +158,7 @@ def sweep(
         choose(
             m, defaults[m], {t: x for (mm, t), x in st.measurements.items() if mm == m},
             passed=passed_set, failed=set(st.failed), min_gain=cfg.min_gain, disjoint=cfg.disjoint,
+            retimed=cfg.retime.rounds if m in st.retimed else 0,
         )
         for m in points
     ]  # fmt: skip
@@ -168,5 +175,6 @@ def sweep(
         problem=problem, points=points, choices=choices, winners=winners,
         measurements=list(st.measurements.values()), correctness=list(st.checks.values()),
         blocked=st.new_blocked, complete=complete, elapsed_s=clock() - start, n_timed=st.n_timed,
+        n_retimed=st.n_retimed,
         n_reused=n_reused, notes=notes, coverage=coverage, label=label or "",
     )  # fmt: skip

@@ -13,6 +13,32 @@ ProgressFn = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True)
+class RetimeConfig:
+    """Close calls: where a sweep picks a winner, the candidates within ``margin`` of the best
+    median are timed again in ``rounds`` rounds, the order rotated each round, and compared by
+    their median over the rounds. One-shot timings drift 4-13 % within a sweep at large token
+    counts (docs/tuning.md), more than the gap between the best few variants."""
+
+    margin: float = 0.05
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.margin >= 0.0:
+            raise ValueError(f"retime margin must be a fraction >= 0, got {self.margin}")
+        if self.rounds < 1:
+            raise ValueError(f"retime rounds must be at least 1, got {self.rounds}")
+
+    @property
+    def enabled(self) -> bool:
+        """One round would only repeat the one-shot timing."""
+        return self.rounds > 1
+
+
+# The one setting every sweep (MoE, dense and decode) retimes its close calls with.
+RETIME = RetimeConfig()
+
+
+@dataclass(frozen=True)
 class SweepConfig:
     points: tuple[int, ...] = TOKEN_POINTS
     # Where the kernel's tile regimes change for gpt-oss (rows per expert = M*top_k/E).
@@ -28,6 +54,7 @@ class SweepConfig:
     # few, timed at that anchor, for a few rounds while those best few change (docs/tuning.md).
     refine_seeds: int = 3
     refine_rounds: int = 2
+    retime: RetimeConfig = RETIME  # close calls at each point, timed again in rotated rounds
 
     def __post_init__(self) -> None:
         if self.search not in SEARCHES:

@@ -25,6 +25,7 @@ from prepkit.tune.records import (
     Screen,
     Timing,
 )
+from prepkit.tune.retime import close_calls, retime
 from prepkit.tune.sweep_config import PreviousRecords, ProgressFn, SweepConfig
 from prepkit.tune.winners import measured_ok, median_us, timed_at_every
 
@@ -92,6 +93,8 @@ class SweepRun:
         self.failed: dict[str, str] = {}
         self.new_blocked: list[tuple[str, str]] = []
         self.n_timed = 0
+        self.n_retimed = 0  # timings of close calls in rounds (not in n_timed: no new pair)
+        self.retimed: set[int] = set()  # token points whose close calls were timed again in rounds
         self.incomplete = False
         self.done = 0
         self.estimate = 0  # progress total, refined as the phases learn how much is left
@@ -205,6 +208,61 @@ class SweepRun:
             if batch.measurements:
                 self.emit(batch)
                 self.new_blocked += batch.blocked
+
+    def close_at(self, m: int) -> list[str]:
+        """The candidates at ``m`` that may win (checked, timed in full, never failed) within the
+        retime margin of the best; none where one of them was read back from the DB: a rerun never
+        times again a pair an earlier run stored (that run retimed it if it got that far)."""
+        ok = {
+            t: median_us(x)
+            for (mm, t), x in self.measurements.items()
+            if mm == m and measured_ok(x) and not x.screen and self.passed(t) and t not in self.failed
+        }
+        close = close_calls(ok, self.cfg.retime.margin)
+        if len(close) < 2 or any(self.measurements[(m, t)].reused for t in close):
+            return []
+        return close
+
+    def retime_job(self, b: Backend, m: int, tactics: Sequence[str]) -> Batch:
+        """Time the close calls ``tactics`` at ``m`` again in rotated rounds; their timings become
+        the medians over the rounds. A timing that fails now leaves the one-shot timings standing."""
+        out = Batch("retime", m)
+        if self.over_budget():
+            return out
+
+        def one(t: str) -> Timing:
+            timing = b.time(self.problem, t, m)
+            if not (timing.median_us > 0 and math.isfinite(timing.median_us)):
+                raise CandidateError("launch_error", f"implausible time {timing.median_us} us")
+            return timing
+
+        rounds = self.cfg.retime.rounds
+        try:
+            got = retime(tactics, one, rounds)
+        except CandidateError:
+            return out
+        for t, timing in got.items():
+            out.measurements.append(Measurement(m, t, OK, timing, is_default=self.defaults[m] == t))
+        with self.lock:
+            for meas in out.measurements:
+                self.record(meas)
+            self.n_retimed += rounds * len(got)
+            self.retimed.add(m)
+        return out
+
+    def retime_points(self, pool: Pool, ms: Sequence[int]) -> None:
+        """Retime the close calls of every point in ``ms`` (:meth:`close_at`), a point per job."""
+        if not self.cfg.retime.enabled:
+            return
+        jobs = {m: close for m in ms if (close := self.close_at(m))}
+        self.estimate += sum(self.cfg.retime.rounds * len(c) for c in jobs.values())
+        futs = [pool.submit(functools.partial(self.retime_job, m=m, tactics=c)) for m, c in jobs.items()]
+        for fut in _completed(futs):
+            batch = fut.result()
+            if batch.measurements:
+                self.done += self.cfg.retime.rounds * len(batch.measurements)
+                self.progress(self.label, self.done, max(self.estimate, self.done))
+                self.emit(batch)
 
     def fully_timed(self, m: int, t: str) -> bool:
         had = self.measurements.get((m, t))

@@ -28,6 +28,7 @@ def choose(
     failed: set[str],
     min_gain: float = 0.03,
     disjoint: bool = True,
+    retimed: int = 0,
 ) -> PointChoice:
     """The tactic for token point ``m``: the default unless beaten beyond noise.
 
@@ -36,7 +37,7 @@ def choose(
     """
     ok = {t: x for t, x in timed.items() if measured_ok(x) and not x.screen and t in passed and t not in failed}
     if not ok:
-        return PointChoice(m, None, default, None, None, why="nothing measured")
+        return PointChoice(m, None, default, None, None, why="nothing measured", retimed=retimed)
     ranked = sorted(ok, key=lambda t: (median_us(ok[t]), t))
     best = ranked[0]
     dm = ok.get(default)
@@ -44,7 +45,7 @@ def choose(
     assert bt is not None
     if dm is None and default in passed and default not in failed:
         # A run cut short before it timed the default has nothing to compare with: no choice yet.
-        return PointChoice(m, None, default, None, None, why="default not timed yet")
+        return PointChoice(m, None, default, None, None, why="default not timed yet", retimed=retimed)
     if dm is None:
         winner, why = best, "default unavailable"
     elif best == default:
@@ -65,7 +66,7 @@ def choose(
     gap = median_us(ok[ru]) / wt.median_us - 1.0 if ru else None
     return PointChoice(
         m, winner, default, wt.median_us, dm.timing.median_us if dm and dm.timing else None,
-        runner_up=ru, runner_up_gap=gap, why=why,
+        runner_up=ru, runner_up_gap=gap, why=why, retimed=retimed,
     )  # fmt: skip
 
 

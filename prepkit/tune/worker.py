@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from prepkit.tactics.keys import DENSE_ROLE, canonical_json
@@ -20,12 +21,11 @@ from prepkit.tune.gpu_bench import NICE_ENV, GpuBench
 from prepkit.tune.records import OUT_OF_MEMORY, Screen
 
 if TYPE_CHECKING:
+    from prepkit.tune.decode_bench import DecodeBench
     from prepkit.tune.dense_bench import DenseBench
 
 
 def _describe() -> dict[str, Any]:
-    from dataclasses import asdict
-
     from prepkit.kernels.device import DeviceInfo
     from prepkit.tactics.keys import Environment
 
@@ -103,6 +103,25 @@ def worker_main(seed: int) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     benches: dict[str, GpuBench | DenseBench] = {}
+    decode: dict[str, DecodeBench] = {}
+
+    def decode_bench(pk: Mapping[str, Any]) -> DecodeBench:
+        from prepkit.tune.backend import decode_problem_from_json
+        from prepkit.tune.decode_bench import DecodeBench, load_kernels
+
+        key = canonical_json(dict(pk))
+        if key not in decode:
+            decode.clear()  # one problem's inputs on the GPU at a time
+            benches.clear()
+            problem = decode_problem_from_json(pk)
+            kernel = load_kernels().get(problem.kernel)
+            if kernel is None:
+                raise ValueError(f"no decode kernel {problem.kernel!r} is registered")
+            import torch
+
+            dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            decode[key] = DecodeBench(kernel, problem, dev, seed)
+        return decode[key]
 
     def bench(pk: Mapping[str, Any]) -> GpuBench | DenseBench:
         key = canonical_json(dict(pk))
@@ -133,6 +152,11 @@ def worker_main(seed: int) -> int:
             elif op == "time":
                 screen = Screen(**req["screen"]) if req.get("screen") is not None else None
                 result = bench(req["problem"]).time(req.get("tactic"), int(req["m"]), req.get("pair"), screen)
+            elif op == "decode_check":
+                check = decode_bench(req["problem"]).check(req["variant"])
+                result = {**asdict(check), "m_values": list(check.m_values)}
+            elif op == "decode_time":
+                result = {"samples_us": list(decode_bench(req["problem"]).time(req["variant"]).samples_us)}
             else:
                 raise ValueError(f"unknown op {op!r}")
             reply: dict[str, Any] = {"ok": True, "result": result}
@@ -144,7 +168,7 @@ def worker_main(seed: int) -> int:
         proto.flush()
         if not reply["ok"] and reply.get("fatal"):
             return 3
-        if op in ("check", "time"):
+        if op in ("check", "time", "decode_check", "decode_time"):
             trim_kernel_caches(_gemm_kernels())
     return 0
 

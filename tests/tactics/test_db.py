@@ -38,7 +38,7 @@ PROBS = gpt_oss_problems(kernel="moe_mxfp4", kernel_version="1", weight_layout="
 G1, G2 = PROBS["gemm1"], PROBS["gemm2"]
 GPT_OSS_120B_TP1 = rank_layer(ModelDims(36, 128, 2880, 2880, 4))
 # Every schema step this prepkit applies, in order: a new file records each once.
-STEP_NAMES = ["create_v1", "add_winner_search", "add_measurement_kind"]
+STEP_NAMES = ["create_v1", "add_winner_search", "add_measurement_kind", "create_decode_winner"]
 
 
 def tac(bm: int, **kw: int) -> str:

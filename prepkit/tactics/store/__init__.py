@@ -25,11 +25,12 @@ from prepkit.tactics.store.exchange import checked_copy
 from prepkit.tactics.store.merge import MergeSummary
 from prepkit.tactics.store.migrate import make_migrations
 from prepkit.tactics.store.recorder import BatchRecord, ResultRecord, RowRecord, RunRecorder, WinnerRecord
-from prepkit.tactics.store.writes import WinnerRow, env_record
+from prepkit.tactics.store.writes import DecodeWinnerRow, WinnerRow, env_record
 
 __all__ = [
     "BUSY_TIMEOUT_S",
     "BatchRecord",
+    "DecodeWinnerRow",
     "MergeSummary",
     "ResultRecord",
     "RowRecord",

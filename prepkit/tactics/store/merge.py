@@ -43,11 +43,12 @@ class Merging(Reads):
         try:
             with self.write() as db:
                 for t in TABLES:
-                    if t == "winner":
+                    if t in ("winner", "decode_winner"):
                         continue
                     cols = ", ".join(columns(t))
                     db.conn.execute(f"INSERT OR IGNORE INTO main.{t} ({cols}) SELECT {cols} FROM src.{t}")
                 new_ranges, replaced = self._merge_winners()
+                self._merge_decode_winners()
         finally:
             self.conn.execute("DETACH DATABASE src")
         after = self.counts()
@@ -77,6 +78,18 @@ class Merging(Reads):
                 added += put
             replaced += gone
         return added, replaced
+
+    def _merge_decode_winners(self) -> None:
+        """A decode winner of the source replaces this DB's of the same (env, kernel, problem) when
+        it was timed later."""
+        cols = columns("decode_winner")
+        keys = ("env_hash", "kernel", "problem_key")
+        updates = ", ".join(f"{c} = excluded.{c}" for c in cols if c not in keys)
+        self.conn.execute(
+            f"INSERT INTO main.decode_winner ({', '.join(cols)}) SELECT {', '.join(cols)} FROM src.decode_winner "
+            f"WHERE true ON CONFLICT ({', '.join(keys)}) DO UPDATE SET {updates} "
+            "WHERE excluded.timed_at > main.decode_winner.timed_at"
+        )
 
     def _newest_run(self, db: str, env_hash: str, problem_hash: str) -> dt.datetime | None:
         """When the newest run behind ``db``'s ranges of (env, problem) finished (else started);

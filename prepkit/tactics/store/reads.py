@@ -109,6 +109,19 @@ class Reads(StoreBase):
             )
         )
 
+    def decode_winners(self) -> list[dict[str, Any]]:
+        """Every decode winner with its GPU and Triton, by GPU, kernel and problem."""
+        return [
+            dict(r)
+            for r in self.db.query(
+                """
+                SELECT d.*, e.gpu_name, e.arch, e.cc_major, e.cc_minor, e.triton_version, e.package_version
+                FROM decode_winner d JOIN env e ON e.env_hash = d.env_hash
+                ORDER BY e.gpu_name, d.kernel, d.problem_key
+                """
+            )
+        ]
+
     def curves(self, env_hash: str, problem_hash: str) -> list[dict[str, Any]]:
         """Per measured token count: the default's median and the median of the tactic the winner
         ranges assign to it (the lookup's own rule, ``extends_up`` included)."""

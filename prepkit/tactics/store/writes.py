@@ -29,6 +29,20 @@ class WinnerRow:
     runner_up_gap: float | None = None
 
 
+@dataclass(frozen=True)
+class DecodeWinnerRow:
+    """The winner of one decode problem (:data:`prepkit.tactics.schema.DECODE_WINNER`)."""
+
+    kernel: str
+    problem_key: str
+    variant: str
+    kernel_version: str
+    median_us: float
+    default_variant: str | None = None
+    default_median_us: float | None = None
+    retimed: int = 0
+
+
 def env_record(device: Environment, *, package_version: str, mem_bw_gbps: float | None = None) -> dict[str, Any]:
     """The ``env`` row of a device; the hash covers identity fields, not measured ones."""
     from prepkit.tactics.keys import digest, triton_minor
@@ -188,6 +202,13 @@ class Writes(StoreBase):
                 ]
             )  # fmt: skip
         return len(winners)
+
+    def put_decode_winner(self, env_hash: str, run_id: str, row: DecodeWinnerRow) -> None:
+        """Store the winner of one decode problem on one environment, replacing an earlier one."""
+        with self.write() as db:
+            db.table("decode_winner").insert(
+                {**row.__dict__, "env_hash": env_hash, "run_id": run_id, "timed_at": now()}, replace=True
+            )
 
     def vacuum_into(self, dest: str | os.PathLike[str]) -> None:
         """Write a compact single-file copy (rollback journal, not WAL): for shipping read-only."""
