@@ -34,10 +34,10 @@ from prepkit.kernels.decode.attention import rope_cache_attend  # noqa: E402
 from prepkit.kernels.decode.attention_variants import (  # noqa: E402
     INPUT_NAMES,
     ROPE_CACHE_ATTEND,
-    attention_problem,
     decode_step_attend,
     random_inputs,
 )
+from prepkit.kernels.decode.problems import attention_problem  # noqa: E402
 from prepkit.kernels.decode.variants import DecodeVariant  # noqa: E402
 
 # Enough bytes of slots in use over the copies of the caches that a graph of calls reads memory:

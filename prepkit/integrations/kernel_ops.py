@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from prepkit.integrations.decode_ops import Ops, Weight
+from prepkit.kernels.decode.problems import projection_problem, step_attention_problem
 from prepkit.kernels.decode.variants import DecodeKernel, DecodeProblem, DecodeVariant
 
 Chooser = Callable[[DecodeKernel, DecodeProblem], DecodeVariant]
@@ -56,6 +57,10 @@ class KernelOps:
             found = self.chosen[key] = self._choose(kernel, problem)
         return found
 
+    def _projection(self, kernel: str, weight: Weight, x: torch.Tensor) -> DecodeProblem:
+        rows, cols = self._gemv.weight_shape(weight)
+        return projection_problem(kernel, rows, cols, x.shape[0], self._gemv.weight_format(weight))
+
     def norm_linear(
         self,
         hidden: torch.Tensor,
@@ -66,12 +71,7 @@ class KernelOps:
         bias: torch.Tensor | None,
         want_normed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        reg = self._registry
-        problem = reg.problem_of(
-            "norm_linear", weight, hidden.shape[0], add=int(add is not None), bias=int(bias is not None),
-            normed=int(want_normed),
-        )  # fmt: skip
-        variant = self._variant(reg.NORM_LINEAR, problem)
+        variant = self._variant(self._registry.NORM_LINEAR, self._projection("norm_linear", weight, hidden))
         return self._gemv.norm_linear(hidden, add, norm_weight, eps, weight, bias, want_normed, variant=variant)
 
     def rope_cache_attend(
@@ -89,9 +89,7 @@ class KernelOps:
     ) -> torch.Tensor:
         batch, kv_heads, length, head_dim = keys.shape
         # One variant per cache length: the slots in use change every step inside one graph.
-        problem = self._attention_variants.attention_problem(
-            batch, sinks.shape[0], kv_heads, head_dim, length, window, length
-        )
+        problem = step_attention_problem(batch, sinks.shape[0], kv_heads, head_dim, length, window)
         variant = self._variant(self._attention_variants.ROPE_CACHE_ATTEND, problem)
         return self._attention.rope_cache_attend(
             qkv, cos, sin, keys, values, position, pad, window, sinks, scaling, variant=variant
@@ -100,9 +98,7 @@ class KernelOps:
     def linear_residual(
         self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, residual: torch.Tensor
     ) -> torch.Tensor:
-        reg = self._registry
-        problem = reg.problem_of("linear_residual", weight, x.shape[0], bias=int(bias is not None))
-        variant = self._variant(reg.LINEAR_RESIDUAL, problem)
+        variant = self._variant(self._registry.LINEAR_RESIDUAL, self._projection("linear_residual", weight, x))
         return self._gemv.linear_residual(x, weight, bias, residual, variant=variant)
 
     def ops(self) -> Ops:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from prepkit.errors import RecipeError
+from prepkit.kernels.decode.problems import DECODE_CONTEXTS, attention_problem, projection_problem
 from prepkit.kernels.decode.variants import DecodeProblem
 
 # The registered kernel (prepkit.kernels.decode.variants.KERNELS) that serves each site.
@@ -36,10 +37,6 @@ SITE_KERNELS: dict[str, str] = {
 }
 # Rows per decode step: one sequence, and a few served together.
 DECODE_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
-# Cache slots attention reads: a sliding-window layer's 128, and a few full-attention contexts.
-DECODE_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 16384)
-# The dtype the KV cache is kept in (the attention problem's format).
-CACHE_FORMAT = "bf16"
 
 
 @dataclass(frozen=True)
@@ -96,13 +93,12 @@ def decode_problems(
         kernel = SITE_KERNELS[site]
         for fmt in fmts:
             for b in batches:
-                p = DecodeProblem(kernel, rows, cols, b, fmt)
+                p = projection_problem(kernel, rows, cols, b, fmt)
                 out.append(DecodeTarget(site, p, f"decode {site} {kernel} {fmt} {rows}x{cols} b{b}"))
     kernel = SITE_KERNELS["attention"]
-    extra = (("head_dim", head_dim), ("kv_heads", kv))
     for ctx in contexts:
         for b in batches:
-            p = DecodeProblem(kernel, heads, ctx, b, CACHE_FORMAT, extra)
+            p = attention_problem(b, heads, kv, head_dim, ctx, None, ctx)
             out.append(DecodeTarget("attention", p, f"decode attention {kernel} {heads}x{ctx} slots b{b}"))
     return out
 

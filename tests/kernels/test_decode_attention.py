@@ -19,11 +19,11 @@ from prepkit.kernels.decode.attention import (
 from prepkit.kernels.decode.attention_variants import (
     INPUT_NAMES,
     ROPE_CACHE_ATTEND,
-    attention_problem,
     decode_step_attend,
     random_inputs,
     reference_attend,
 )
+from prepkit.kernels.decode.problems import attention_problem
 from prepkit.kernels.decode.variants import KERNELS, DecodeVariant
 
 HQ, HKV, D, L = 4, 2, 16, 40

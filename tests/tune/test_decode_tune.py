@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from prepkit.kernels.decode.problems import step_attention_problem
 from prepkit.kernels.decode.variants import KERNELS, DecodeProblem, DecodeVariant
 from prepkit.tactics.decode_lookup import decode_kernel_version, decode_variant
 from prepkit.tactics.keys import Environment
@@ -197,7 +198,14 @@ def test_problems_follow_the_model_dims() -> None:
     assert {t.problem.kernel for t in targets} == set(SITE_KERNELS.values())
     assert len(targets) == (3 * 2 + 1) * 2 + 2 * 2
     attn = next(t.problem for t in targets if t.site == "attention")
-    assert dict(attn.extra) == {"head_dim": 64, "kv_heads": 8}
+    assert dict(attn.extra) == {"head_dim": 64, "kv_heads": 8, "window": 0, "cache_len": 128}
+    # The step looks up exactly what the tuner records.
+    assert step_attention_problem(1, 64, 8, 64, cache_len=3000, window=None) == next(
+        t.problem for t in targets if t.site == "attention" and t.problem.cols == 4096 and t.problem.batch == 1
+    )
+    assert step_attention_problem(4, 64, 8, 64, cache_len=3000, window=128) == next(
+        t.problem for t in targets if t.site == "attention" and t.problem.cols == 128 and t.problem.batch == 4
+    )
     assert decode_formats(["mxfp4"], from_shards=True) == ["mxfp4"]
     assert decode_formats([], from_shards=True) == ["bf16"]
     assert decode_formats(["mxfp8", "mxfp4"], from_shards=False) == ["bf16", "mxfp8", "mxfp4"]

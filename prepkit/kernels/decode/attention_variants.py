@@ -27,24 +27,6 @@ from prepkit.kernels.decode.variants import DecodeProblem, DecodeVariant, regist
 INPUT_NAMES = ("qkv", "cos", "sin", "keys", "values", "position", "pad", "window", "sinks", "scaling")
 
 
-def attention_problem(
-    batch: int,
-    query_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    slots: int,
-    window: int | None = None,
-    cache_len: int | None = None,
-) -> DecodeProblem:
-    """The problem of ``batch`` rows attending over ``slots`` cache slots (of ``cache_len``,
-    ``slots`` when None)."""
-    cache_len = slots if cache_len is None else cache_len
-    if not 1 <= slots <= cache_len:
-        raise ValueError(f"attention problem: {slots} slots in use, expected 1..{cache_len} (the cache's length)")
-    extra = (("head_dim", head_dim), ("kv_heads", kv_heads), ("window", window or 0), ("cache_len", cache_len))
-    return DecodeProblem(KERNEL_NAME, query_heads, slots, batch, "bf16", extra)
-
-
 def problem_dims(problem: DecodeProblem) -> dict[str, int]:
     """The named facts of an attention ``problem`` (its ``extra``), checked present."""
     facts = dict(problem.extra)
