@@ -161,8 +161,11 @@ def test_default_variant_is_valid_and_splits_long_caches() -> None:
         v = default_variant(batch, 8, 64, slots)
         assert variant_reason(v, 64) is None
         assert batch * 8 * v.split_k <= 128 or v.split_k == 1
-    assert default_variant(1, 8, 64, 8192).split_k == 16
-    assert default_variant(1, 8, 64, 40).split_k == 1
+    # The H100 sweep's picks: eight splits of 128-slot blocks at batch 1, four at batch 4, none over a window.
+    assert (default_variant(1, 8, 64, 4096).split_k, default_variant(1, 8, 64, 4096).block_n) == (8, 128)
+    assert default_variant(4, 8, 64, 4096).split_k == 4
+    assert default_variant(1, 8, 64, 128).split_k == 1
+    assert default_variant(1, 8, 64, 40).split_k == 1 and default_variant(1, 8, 64, 40).block_n == 64
 
 
 @pytest.mark.parametrize(
