@@ -13,7 +13,7 @@ import click
 F = Callable[..., Any]
 
 ACTIVATION_CHOICES = ("bf16", "mxfp8", "mxfp4")
-STEP_CHOICES = ("modules", "compiled")
+STEP_CHOICES = ("modules", "compiled", "kernels")
 
 
 def prepared_argument(f: F) -> F:
@@ -26,8 +26,9 @@ def run_options(f: F) -> F:
         "--step",
         type=click.Choice(STEP_CHOICES),
         default=None,
-        help="Decode step: transformers' modules in a CUDA graph, or the compiled step (fused, about twice as "
-        "fast per layer).  [default: compiled on a GPU, modules on the CPU]",
+        help="Decode step: transformers' modules' operations in a CUDA graph, the compiled step (fused, about "
+        "twice as fast per layer), or prepkit's decode kernels (one launch per op, attention over the slots in "
+        "use).  [default: compiled on a GPU, modules on the CPU]",
     )(f)
     f = click.option(
         "--device",

@@ -1,6 +1,12 @@
-"""How the decode step (:mod:`prepkit.integrations.decode_step`) runs: ``"modules"``, eagerly,
-the model's modules' operations one for one (replayed in a CUDA graph on a GPU), or
-``"compiled"``, through ``torch.compile``; and which one a device gets by default."""
+"""How the decode step (:mod:`prepkit.integrations.decode_step`) runs, and which one a device gets
+by default:
+
+- ``"modules"``: eagerly, the model's modules' operations one for one (replayed in a CUDA graph
+  on a GPU);
+- ``"compiled"``: through ``torch.compile`` (the work between matrix products fused);
+- ``"kernels"``: prepkit's decode kernels, one launch per op (norm and q/k/v; rotary, cache write
+  and attention over the slots in use; output projection and residual; norm and router).
+"""
 
 from __future__ import annotations
 
@@ -8,19 +14,22 @@ from typing import Any, Literal, get_args
 
 import torch
 
-DecodeStep = Literal["modules", "compiled"]
+DecodeStep = Literal["modules", "compiled", "kernels"]
 DECODE_STEPS: tuple[DecodeStep, ...] = get_args(DecodeStep)
 
 
 def default_step(device: torch.device) -> DecodeStep:
     """The compiled step on a GPU, where it passes the accuracy rule (docs/decode.md) and runs
-    about twice as fast; the modules on the CPU, where compiling costs more than it saves."""
+    about twice as fast as the modules; the modules on the CPU, where compiling costs more than it
+    saves."""
     return "compiled" if device.type == "cuda" else "modules"
 
 
-def build_decoder(model: Any, max_len: int, batch: int, step: DecodeStep) -> Any:
+def build_decoder(model: Any, max_len: int, batch: int, step: DecodeStep, **hooks: Any) -> Any:
     """A :class:`~prepkit.integrations.static_decode.PrepkitDecoder` for ``batch`` rows of
-    ``max_len`` tokens running ``step``."""
+    ``max_len`` tokens running ``step``; ``hooks``: the decoder's ``reduce``/``gather``."""
     from prepkit.integrations.static_decode import PrepkitDecoder
 
-    return PrepkitDecoder(model, max_len, batch_size=batch, compile=step == "compiled")
+    return PrepkitDecoder(
+        model, max_len, batch_size=batch, compile=step == "compiled", kernels=step == "kernels", **hooks
+    )
