@@ -1,0 +1,93 @@
+"""The process group of a launch: NCCL between GPUs, gloo between CPU processes, and a gloo side
+group with a short timeout for the checks before loading, so that a rank that fails or never
+answers ends the others' wait in seconds, not at NCCL's default of minutes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from prepkit.distributed.launch_env import LaunchEnv
+from prepkit.errors import LaunchError
+
+# Each check's exchange gives up after this long; with the rest of a failing start it keeps
+# the exit on every rank under a minute.
+CHECK_TIMEOUT_S = 40.0
+
+
+@dataclass
+class RankGroup:
+    """This process's rank, its device, and the groups it talks through."""
+
+    env: LaunchEnv
+    device: torch.device
+    backend: str  # of the default group: "nccl" or "gloo"
+    side: Any  # gloo ProcessGroup for the checks (CHECK_TIMEOUT_S)
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+
+def device_for(env: LaunchEnv, requested: str | torch.device) -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` when CUDA is asked for, else the CPU.
+
+    Raises:
+        LaunchError: one GPU index named for all ranks (``cuda:N``), which would put them on one GPU.
+    """
+    asked = torch.device(requested)
+    if asked.type == "cpu":
+        return asked
+    if asked.type != "cuda":
+        raise LaunchError(f"device: {str(asked)!r}: ranks run on cuda (one GPU each) or on the cpu")
+    if asked.index is not None:
+        raise LaunchError(
+            f"device: {str(asked)!r} names one GPU for all {env.world_size} ranks; each rank takes cuda:LOCAL_RANK",
+            hint="pass --device cuda, and choose the GPUs with CUDA_VISIBLE_DEVICES",
+        )
+    return torch.device("cuda", env.local_rank)
+
+
+def init_group(env: LaunchEnv, device: torch.device) -> RankGroup:
+    """Join the launch's process group (or take the one already joined) and make the side group.
+
+    Raises:
+        LaunchError: the group's world or rank differs from the environment's, or the GPU
+            ``LOCAL_RANK`` names does not exist on this host.
+    """
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index is None or device.index >= count:
+            raise LaunchError(
+                f"rank {env.rank}: LOCAL_RANK={env.local_rank} names cuda:{device.index}, this host has {count} GPU(s)",
+                hint="start at most one process per GPU on each host (--nproc-per-node)",
+            )
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+    if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
+        raise LaunchError(
+            f"the process group is rank {dist.get_rank()} of {dist.get_world_size()}, the environment says "
+            f"rank {env.rank} of {env.world_size}"
+        )
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
+    return RankGroup(env, device, dist.get_backend(), side)
+
+
+def leave_group() -> None:
+    """Leave the process group, when this process joined one (NCCL warns at exit otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
