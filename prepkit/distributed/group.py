@@ -91,3 +91,22 @@ def leave_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def from_rank0(group: RankGroup, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank: what each rank must see alike (the prompt read from
+    stdin, a drawn seed), over the side group.
+
+    Raises:
+        LaunchError: a rank did not answer within :data:`CHECK_TIMEOUT_S`.
+    """
+    import torch.distributed as dist
+
+    box = [value]
+    try:
+        dist.broadcast_object_list(box, src=0, group=group.side)
+    except (RuntimeError, ValueError) as err:
+        raise LaunchError(
+            f"rank {group.rank}: rank 0 did not send its input within {CHECK_TIMEOUT_S:.0f} s ({err})"
+        ) from err
+    return box[0]

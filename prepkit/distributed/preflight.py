@@ -139,8 +139,9 @@ def preflight(group: RankGroup, folder: Path) -> None:
     problems = find_problems(reports, group.world_size)
     if problems:
         raise LaunchError(
-            "; ".join(problems),
-            hint="run with as many processes as the set has ranks (tp x ep), one GPU each, on one prepared set",
+            f"the launch does not fit the prepared set (seen by rank {group.rank}): " + "; ".join(problems),
+            hint="run as many processes as the set has ranks (tp x ep), one GPU each, all on one prepared set; "
+            f"check the set with: prepkit verify {folder}",
         )
 
 

@@ -4,6 +4,7 @@ this rank's device, and find the group again later (``from_prepared`` runs its c
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -26,9 +27,10 @@ def start(requested_device: str | torch.device) -> RankGroup | None:
     return _current
 
 
-def rank_group(device: torch.device) -> RankGroup:
+def rank_group(device: torch.device, split: str = "the shard set is split") -> RankGroup:
     """The group this process joined, through :func:`start` or by its own
-    ``torch.distributed.init_process_group`` (then adopted here, on ``device``).
+    ``torch.distributed.init_process_group`` (then adopted here, on ``device``). ``split`` says
+    how the set is split, for the error.
 
     Raises:
         LayoutError: torch.distributed is not initialised: a split set needs one process per rank.
@@ -40,7 +42,8 @@ def rank_group(device: torch.device) -> RankGroup:
 
     if not (dist.is_available() and dist.is_initialized()):
         raise LayoutError(
-            "a split shard set (tp x ep > 1) runs one process per rank, and torch.distributed is not initialised",
+            f"parallel: {split}, which runs one process per rank, and torch.distributed is not initialised "
+            "(one process runs a tp=1 ep=1 set)",
             hint="start with: torchrun --nproc-per-node N -m prepkit generate FOLDER (or prepkit generate --nproc N), "
             "or call torch.distributed.init_process_group before from_prepared",
         )
@@ -63,3 +66,18 @@ def leave() -> None:
 
     leave_group()
     forget()
+
+
+def start_ranks(requested_device: str | torch.device, folder: Path) -> RankGroup | None:
+    """:func:`start`, then the checks before loading (:func:`~prepkit.distributed.preflight.preflight`)
+    over a launch; None for a single process.
+
+    Raises:
+        LaunchError: on every rank, when the launch does not fit ``folder``'s set.
+    """
+    group = start(requested_device)
+    if group is not None:
+        from prepkit.distributed.preflight import preflight
+
+        preflight(group, folder)
+    return group

@@ -153,7 +153,8 @@ def join_ranks(
     from prepkit.distributed.preflight import preflight
     from prepkit.distributed.session import rank_group
 
-    group = rank_group(device)
+    parallel = manifest.parallel
+    group = rank_group(device, f"the shard set is split tp={parallel.tp_size} ep={parallel.ep_size}")
     preflight(group, root)
     if rank is not None and rank != group.rank:
         raise LaunchError(f"rank: {rank} was asked for, this process is rank {group.rank} of {group.world_size}")
