@@ -7,8 +7,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import pytest
-
 from prepkit.distributed.preflight import RankReport, find_problems
 from tests.distributed.conftest import START_FAILS_WITHIN_S, prepkit, run_launch
 from tests.distributed.test_rank_forward import SPAWN, worker
