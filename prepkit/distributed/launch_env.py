@@ -64,3 +64,12 @@ def _int_of(env: Mapping[str, str], name: str) -> int:
         raise LaunchError(
             f"{name}={raw!r} is not a whole number", hint="start with torchrun, or with --nproc"
         ) from None
+
+
+def one_host(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every rank of the launch runs on this host (``LOCAL_WORLD_SIZE`` equals
+    ``WORLD_SIZE``): symmetric memory reaches peers over NVLink on one host only. False when the
+    launcher does not say."""
+    env = os.environ if environ is None else environ
+    local, world = env.get(LOCAL_WORLD_SIZE), env.get(WORLD_SIZE)
+    return local is not None and local == world

@@ -132,9 +132,10 @@ def from_prepared(
         model.generation_config = generation_config
     if split is not None:
         from prepkit.distributed.collectives import Collectives
+        from prepkit.distributed.launch_env import one_host
         from prepkit.distributed.model_hooks import attach_collectives
 
-        attach_collectives(model, Collectives(target))
+        attach_collectives(model, Collectives(target, symmetric=one_host()))
         return model.eval()  # transformers' loop: the graph-captured step is one process's
     return enable_fast_generate(model.eval())
 

@@ -8,7 +8,7 @@ import torch
 
 from prepkit.distributed.dense_split import DenseSplit
 from prepkit.distributed.group import device_for
-from prepkit.distributed.launch_env import LaunchEnv
+from prepkit.distributed.launch_env import LaunchEnv, one_host
 from prepkit.distributed.spawn import exit_code_of, rank_environ, without_nproc
 from prepkit.errors import LaunchError, LayoutError
 
@@ -21,6 +21,9 @@ def test_the_environment_of_a_launch() -> None:
     assert env is not None and not env.is_main
     assert LaunchEnv.from_environ({}) is None
     assert LaunchEnv.from_environ({**TORCHRUN, "WORLD_SIZE": "1", "RANK": "0"}) is None  # one process
+    # symmetric memory only where every rank is on this host
+    assert one_host({**TORCHRUN, "LOCAL_WORLD_SIZE": "2"}) and not one_host({**TORCHRUN, "LOCAL_WORLD_SIZE": "1"})
+    assert not one_host(TORCHRUN)
     with pytest.raises(LaunchError, match="RANK=2 is outside the world of WORLD_SIZE=2"):
         LaunchEnv.from_environ({**TORCHRUN, "RANK": "2"})
     with pytest.raises(LaunchError, match="MASTER_PORT='x' is not a whole number"):
