@@ -24,8 +24,9 @@ class RankGroup:
 
     env: LaunchEnv
     device: torch.device
-    backend: str  # of the default group: "nccl" or "gloo"
+    backend: str  # of the default group
     side: Any  # gloo ProcessGroup for the checks (CHECK_TIMEOUT_S)
+    problem: str | None = None  # what this rank found wrong while joining, for the checks to tell every rank
 
     @property
     def rank(self) -> int:
@@ -57,32 +58,31 @@ def device_for(env: LaunchEnv, requested: str | torch.device) -> torch.device:
 
 def init_group(env: LaunchEnv, device: torch.device) -> RankGroup:
     """Join the launch's process group (or take the one already joined) and make the side group.
+    A rank whose GPU does not exist still joins (CPU tensors go over gloo, CUDA ones over NCCL,
+    whose communicators start at first use), so that the checks can end every rank.
 
     Raises:
-        LaunchError: the group's world or rank differs from the environment's, or the GPU
-            ``LOCAL_RANK`` names does not exist on this host.
+        LaunchError: the group's world or rank differs from the environment's.
     """
     import torch.distributed as dist
 
+    problem = None
     if device.type == "cuda":
         count = torch.cuda.device_count()
         if device.index is None or device.index >= count:
-            raise LaunchError(
-                f"rank {env.rank}: LOCAL_RANK={env.local_rank} names cuda:{device.index}, this host has {count} GPU(s)",
-                hint="start at most one process per GPU on each host (--nproc-per-node)",
-            )
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+            problem = f"LOCAL_RANK={env.local_rank} names cuda:{device.index}, this host has {count} GPU(s)"
+        else:
+            torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, **kwargs)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size)
     if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
         raise LaunchError(
             f"the process group is rank {dist.get_rank()} of {dist.get_world_size()}, the environment says "
             f"rank {env.rank} of {env.world_size}"
         )
     side = dist.new_group(backend="gloo", timeout=timedelta(seconds=CHECK_TIMEOUT_S))
-    return RankGroup(env, device, dist.get_backend(), side)
+    return RankGroup(env, device, dist.get_backend(), side, problem)
 
 
 def leave_group() -> None:

@@ -82,9 +82,9 @@ def local_report(group: RankGroup, folder: Path) -> RankReport:
         rank=group.rank,
         host=socket.gethostname(),
         device=str(group.device),
-        device_id=device_id(group.device),
+        device_id=None if group.problem else device_id(group.device),
         fingerprint=fingerprint,
-        problem=problem,
+        problem=group.problem or problem,
     )
 
 
