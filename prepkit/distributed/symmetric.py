@@ -1,7 +1,9 @@
 """torch's symmetric-memory one-shot all-reduce: each rank reads every peer's buffer over NVLink
 and sums, in one kernel; at the decode step's sizes (a few KB) it beats NCCL's ring. The buffer
 is allocated and rendezvoused once; the op only copies into it, so it can be captured in a CUDA
-graph. NVLink multicast is left off: the one-shot op does not use it."""
+graph. NVLink multicast is left off: the one-shot op does not use it. The kernel adds the
+ranks' buffers in rank order on every rank, so all ranks get the same bits (each rank picks its
+next token from its own copy of the logits)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A split set run as two processes (gloo, the Triton interpreter) computes what one process
 computes from the unsplit set: every rank's logits of a padded batch, and transformers' own
-greedy loop's tokens."""
+greedy loop's tokens; TP 2 x EP 2 over four processes too."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from prepkit.kernels.reference import relative_error
+from prepkit.synth import write_synthetic_checkpoint
 from tests.distributed.conftest import run_launch
+from tests.integrations.test_transformers import TINY, _prepare
 
 # fp32 between modules (the worker's dtype): the ranks' partial sums then round almost as one
 # process's sums do; measured 3e-7 relative at these dims.
@@ -48,3 +50,23 @@ def test_two_ranks_give_one_process_logits_and_tokens(
         assert got["logits"].shape == one_process["logits"].shape  # the whole vocabulary on every rank
         assert relative_error(got["logits"], one_process["logits"]) < LOGITS_TOL
         assert torch.equal(got["tokens"], one_process["tokens"])
+
+
+@pytest.mark.slow
+def test_tp2_by_ep2_over_four_ranks_gives_one_process_logits(tmp_path: Path) -> None:
+    # four kv heads, so that attention divides among the 4 ranks
+    src = write_synthetic_checkpoint(tmp_path / "model", seed=5, num_key_value_heads=4, **TINY)
+    one = _prepare(src, tmp_path / "tp1", "--layout", "triton-moe")
+    grid = _prepare(src, tmp_path / "tp2ep2", "--layout", "triton-moe", "--tp", "2", "--ep", "2")
+    (tmp_path / "one").mkdir()
+    assert run_launch(worker(str(one), tmp_path / "one")).returncode == 0
+    (tmp_path / "out").mkdir()
+    launch = run_launch(
+        [sys.executable, "-c", SPAWN.replace("spawn(2", "spawn(4"), *worker(str(grid), tmp_path / "out")]
+    )
+    assert launch.returncode == 0, launch.stderr[-3000:]
+    want = torch.load(tmp_path / "one" / "rank0.pt")
+    for rank in range(4):
+        got = torch.load(tmp_path / "out" / f"rank{rank}.pt")
+        assert relative_error(got["logits"], want["logits"]) < LOGITS_TOL
+        assert torch.equal(got["tokens"], want["tokens"])
