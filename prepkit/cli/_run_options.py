@@ -84,3 +84,11 @@ def as_ranks(nproc: int) -> int | None:
         sys.stdin = open(os.devnull)  # noqa: SIM115  (rank 0 reads the prompt and sends it)
         warnings.simplefilter("ignore")  # rank 0 gives the same warnings
     return None
+
+
+def other_rank() -> bool:
+    """Whether this process is a rank other than 0 of a launch (it shows no progress)."""
+    from prepkit.distributed.launch_env import LaunchEnv
+
+    env = LaunchEnv.from_environ()
+    return env is not None and not env.is_main

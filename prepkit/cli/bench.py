@@ -9,7 +9,7 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
-from prepkit.cli._run_options import as_ranks, prepared_argument, run_options
+from prepkit.cli._run_options import as_ranks, other_rank, prepared_argument, run_options
 
 
 def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -118,7 +118,7 @@ def bench(
         repetitions=repetitions, sampled=sampled, activations=activations, device=device, layers=layers,
         step=step,  # type: ignore[arg-type]
     )  # fmt: skip
-    with console.progress(enabled=not quiet, transient=True, unit="count") as on_progress:
+    with console.progress(enabled=not (quiet or other_rank()), transient=True, unit="count") as on_progress:
         report = run_bench(request, on_progress)
     if out is not None:
         out.write_text(console.json_text(report))

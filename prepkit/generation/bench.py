@@ -245,6 +245,9 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as llama-bench prints it: one table row a test, then the floor."""
     m = report["model"]
     name = f"{m['recipe']} {m['layers']}L dense {m['dense']}"
+    ranks = report.get("ranks") or {}
+    if ranks.get("tp", 1) * ranks.get("ep", 1) > 1:  # the figures are one rank's of a split set
+        name += f" tp{ranks['tp']} ep{ranks['ep']} ({ranks['all_reduce']})"
     lines = [
         "| model | device | act | step | test | batch | t/s | % floor |",
         "|---|---|---|---|---|---:|---:|---:|",

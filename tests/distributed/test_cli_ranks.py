@@ -40,3 +40,16 @@ def test_a_rank_needs_its_experts_and_its_share_of_the_rest(tp1: Path, tp2: Path
     assert max(weight_bytes(two, 0), weight_bytes(two, 1)) < weight_bytes(one)
     config = one.model.config
     assert cache_bytes(config, 2, 64, ranks=2) * 2 == cache_bytes(config, 2, 64)
+
+
+def test_the_bench_table_names_the_split() -> None:
+    from prepkit.generation.bench import markdown
+
+    report = {
+        "model": {"recipe": "gpt-oss-120b", "layers": 36, "dense": "bf16"},
+        "device": "GPU", "activations": "bf16", "step": "modules", "copy_bandwidth_gb_s": None,
+        "tests": [{"test": "tg32", "batch": 1, "tok_s": {"median": 10.0, "stdev": 0.5}}],
+    }  # fmt: skip
+    assert "| gpt-oss-120b 36L dense bf16 | GPU |" in markdown(report)
+    report["ranks"] = {"tp": 2, "ep": 1, "all_reduce": "symmetric"}
+    assert "| gpt-oss-120b 36L dense bf16 tp2 ep1 (symmetric) | GPU |" in markdown(report)
