@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton picks interpreter or compiler when the kernel module is imported: decide before that
+    # (for the tests run in this process after these, too).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("triton")
 pytest.importorskip("transformers", reason="needs transformers (pip install 'prepkit-gpt-oss[test]')")
