@@ -38,6 +38,14 @@ class LayoutError(PrepkitError):
     exit_meaning = "bad input: layout or TP/EP split"
 
 
+class LaunchError(PrepkitError):
+    """A multi-process run whose processes do not fit the prepared set or each other: the world
+    size, a rank's shards, the prepared set each rank opened, a GPU two ranks share."""
+
+    exit_code = 3
+    exit_meaning = "bad input: a multi-process launch that does not fit the prepared set"
+
+
 class OutputError(PrepkitError):
     """The output folder cannot be used (foreign content, no space, not writable)."""
 

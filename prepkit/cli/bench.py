@@ -9,7 +9,7 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
-from prepkit.cli._run_options import prepared_argument, run_options
+from prepkit.cli._run_options import as_ranks, other_rank, prepared_argument, run_options
 
 
 def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -88,6 +88,7 @@ def bench(
     activations: str,
     device: str,
     step: str | None,
+    nproc: int,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -107,6 +108,9 @@ def bench(
         prepkit bench prepared/gpt-oss-120b-triton-moe-tp1
         prepkit bench FOLDER --pp 512,2048 --tg 32,128 --batch 1,4,16 --out bench.json
     """
+    code = as_ranks(nproc)
+    if code is not None:
+        click.get_current_context().exit(code)
     from prepkit.generation.bench import BenchRequest, markdown, run_bench
 
     request = BenchRequest(
@@ -114,7 +118,7 @@ def bench(
         repetitions=repetitions, sampled=sampled, activations=activations, device=device, layers=layers,
         step=step,  # type: ignore[arg-type]
     )  # fmt: skip
-    with console.progress(enabled=not quiet, transient=True, unit="count") as on_progress:
+    with console.progress(enabled=not (quiet or other_rank()), transient=True, unit="count") as on_progress:
         report = run_bench(request, on_progress)
     if out is not None:
         out.write_text(console.json_text(report))

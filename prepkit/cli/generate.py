@@ -10,7 +10,7 @@ import click
 from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
-from prepkit.cli._run_options import prepared_argument, run_options
+from prepkit.cli._run_options import as_ranks, prepared_argument, run_options
 
 
 @cli.command()
@@ -45,6 +45,7 @@ def generate(
     activations: str,
     device: str,
     step: str | None,
+    nproc: int,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -62,6 +63,9 @@ def generate(
         prepkit generate FOLDER -p "Once upon a time" -n 64 --temperature 0.7 --seed 1
         echo '[{"role": "user", "content": "Hi"}]' | prepkit generate FOLDER --chat --json
     """
+    code = as_ranks(nproc)
+    if code is not None:
+        click.get_current_context().exit(code)
     from prepkit.generation.run import GenerateRequest, generate_text
 
     stdin_text = None if prompts else _read_stdin()

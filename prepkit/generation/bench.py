@@ -21,9 +21,12 @@ from typing import Any
 
 import torch
 
+from prepkit.distributed.decoder import build_rank_decoder, rank_step
+from prepkit.distributed.model_hooks import collectives_of
+from prepkit.distributed.session import start_ranks
 from prepkit.generation import floor, loading
 from prepkit.generation.sampling import SamplingParams
-from prepkit.generation.steps import DecodeStep, build_decoder, default_step
+from prepkit.generation.steps import DecodeStep, default_step
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -67,19 +70,21 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
     """
     progress = on_progress or (lambda label, done, total: None)
     loading.check_dependencies()
-    manifest = loading.open_prepared(request.folder)
-    device = loading.resolve_device(request.device)
+    group = start_ranks(request.device, request.folder)
+    manifest = loading.open_prepared(request.folder, group.world_size if group else 1)
+    device = group.device if group is not None else loading.resolve_device(request.device)
     # Decoding runs on caches sized for its own lengths (attention reads the whole cache), as
     # llama-bench's tg runs at an empty context; prefill gets a cache of its own.
     tg_len = 2 + max(request.gen_lengths, default=1)
     pp_len = 1 + max(request.prompt_lengths, default=1)
-    loading.check_fits(manifest, device, max(request.batches, default=1), max(tg_len, pp_len))
-    step = request.step or default_step(device)
+    rank = group.rank if group is not None else 0
+    loading.check_fits(manifest, device, max(request.batches, default=1), max(tg_len, pp_len), rank=rank)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
+    step = rank_step(request.step, default_step(device), model)
     if request.layers is not None:
         keep_layers(model, request.layers)
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
@@ -96,8 +101,8 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         2 if request.sampled else 1
     )
     started = time.perf_counter()
-    decoders = {batch: build_decoder(model, tg_len, batch, step) for batch in request.batches}
-    first = build_decoder(model, pp_len, 1, "modules") if request.prompt_lengths else None
+    decoders = {batch: build_rank_decoder(model, tg_len, batch, step) for batch in request.batches}
+    first = build_rank_decoder(model, pp_len, 1, "modules") if request.prompt_lengths else None
     warm_s = _warm_up(decoders, first, prompt, sampling if request.sampled else None, request.prompt_lengths)
 
     for length in request.prompt_lengths:
@@ -143,6 +148,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
             "dense": manifest.dense_format,
         },
         "device": loading.device_name(device),
+        "ranks": _ranks_of(manifest, model),
         "activations": request.activations,
         "step": step,
         "sampling": sampling.describe(),
@@ -160,6 +166,13 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         "tactics_dbs": env["tactics_dbs"],
         "mx_native": env["mx_native"] if request.activations != "bf16" else None,
     }
+
+
+def _ranks_of(manifest: Any, model: Any) -> dict[str, Any]:
+    """The split the figures were measured on: tp x ep and how the ranks sum their outputs."""
+    comm = collectives_of(model)
+    parallel = manifest.parallel
+    return {"tp": parallel.tp_size, "ep": parallel.ep_size, "all_reduce": comm.transport if comm else None}
 
 
 def keep_layers(model: Any, count: int) -> None:
@@ -232,6 +245,9 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as llama-bench prints it: one table row a test, then the floor."""
     m = report["model"]
     name = f"{m['recipe']} {m['layers']}L dense {m['dense']}"
+    ranks = report.get("ranks") or {}
+    if ranks.get("tp", 1) * ranks.get("ep", 1) > 1:  # the figures are one rank's of a split set
+        name += f" tp{ranks['tp']} ep{ranks['ep']} ({ranks['all_reduce']})"
     lines = [
         "| model | device | act | step | test | batch | t/s | % floor |",
         "|---|---|---|---|---|---:|---:|---:|",

@@ -24,11 +24,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 HEADROOM_BYTES = 2 << 30
 
 
-def open_prepared(folder: Path) -> Manifest:
-    """The manifest of a prepared folder the runtime can run (triton-moe, one rank).
+def open_prepared(folder: Path, world_size: int = 1) -> Manifest:
+    """The manifest of a prepared folder the runtime can run (triton-moe) on ``world_size``
+    processes: one rank, or a split set of that many ranks (torchrun, ``--nproc``).
 
     Raises:
-        LayoutError: no folder, no manifest, another layout, or a split set; each with the fix.
+        LayoutError: no folder, no manifest, another layout, or a split set of another size;
+            each with the fix.
     """
     if not folder.is_dir():
         raise LayoutError(f"{folder} is not a folder", hint=PREPARE_HINT)
@@ -41,10 +43,17 @@ def open_prepared(folder: Path) -> Manifest:
             hint=PREPARE_HINT,
         )
     parallel = manifest.parallel
-    if parallel.world_size != 1:
+    if parallel.world_size != world_size and world_size == 1:
         raise LayoutError(
             f"{folder} is split tp={parallel.tp_size} ep={parallel.ep_size}; one GPU runs a tp=1 ep=1 set",
-            hint=PREPARE_HINT,
+            hint=f"run it on {parallel.world_size} GPUs: --nproc {parallel.world_size} (or torchrun "
+            f"--nproc-per-node {parallel.world_size} -m prepkit ...), or {PREPARE_HINT}",
+        )
+    if parallel.world_size != world_size:
+        raise LayoutError(
+            f"{folder} is split tp={parallel.tp_size} ep={parallel.ep_size} = {parallel.world_size} ranks; "
+            f"the launch has {world_size}",
+            hint=f"run it with --nproc {parallel.world_size}",
         )
     return manifest
 
@@ -98,20 +107,28 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def cache_bytes(config: dict[str, Any], batch: int, max_len: int, dtype_bytes: int = 2) -> int:
-    """Bytes of the decoder's static KV cache for ``batch`` rows of ``max_len`` tokens."""
+def cache_bytes(config: dict[str, Any], batch: int, max_len: int, dtype_bytes: int = 2, *, ranks: int = 1) -> int:
+    """Bytes of the decoder's static KV cache for ``batch`` rows of ``max_len`` tokens on one of
+    ``ranks`` ranks (each holds its share of the kv heads)."""
     layers = int(config["num_hidden_layers"])
-    kv_heads = int(config["num_key_value_heads"])
+    kv_heads = int(config["num_key_value_heads"]) // max(1, ranks)
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     return 2 * layers * batch * kv_heads * max_len * head_dim * dtype_bytes
 
 
-def weight_bytes(manifest: Manifest) -> int:
-    """Bytes the rank's files put on the device (bf16 tensors load as stored)."""
-    return sum(record.bytes for rel, record in manifest.files.items() if rel.endswith(".safetensors"))
+def weight_bytes(manifest: Manifest, rank: int = 0) -> int:
+    """Bytes the rank's files put on the device (bf16 tensors load as stored): of a split set,
+    the rank's experts and its share of the shared non-expert files."""
+    files = manifest.files
+    ranks = manifest.parallel.world_size
+    if ranks == 1:
+        return sum(record.bytes for rel, record in files.items() if rel.endswith(".safetensors"))
+    shared = sum(files[rel].bytes for rel in manifest.shared_files if rel in files)
+    own = sum(record.bytes for rel, record in files.items() if rel.startswith(f"rank{rank}/experts-"))
+    return own + shared // ranks
 
 
-def check_fits(manifest: Manifest, device: torch.device, batch: int, max_len: int) -> dict[str, int]:
+def check_fits(manifest: Manifest, device: torch.device, batch: int, max_len: int, rank: int = 0) -> dict[str, int]:
     """The bytes a run needs on ``device`` (weights, cache, headroom), checked against its free
     memory before anything loads.
 
@@ -119,8 +136,8 @@ def check_fits(manifest: Manifest, device: torch.device, batch: int, max_len: in
         DeviceError: the batch's cache does not fit beside the weights; names batch and length.
     """
     need = {
-        "weights": weight_bytes(manifest),
-        "cache": cache_bytes(manifest.model.config, batch, max_len),
+        "weights": weight_bytes(manifest, rank),
+        "cache": cache_bytes(manifest.model.config, batch, max_len, ranks=manifest.parallel.world_size),
         "headroom": HEADROOM_BYTES,
     }
     if device.type != "cuda":
@@ -170,12 +187,15 @@ class LoadedModel:
     load_s: float
 
 
-def load_model(folder: Path, manifest: Manifest, device: torch.device, activations: str) -> LoadedModel:
-    """transformers' gpt-oss from the prepared folder (:func:`~prepkit.integrations.transformers.from_prepared`)."""
+def load_model(
+    folder: Path, manifest: Manifest, device: torch.device, activations: str, rank: int | None = None
+) -> LoadedModel:
+    """transformers' gpt-oss from the prepared folder (:func:`~prepkit.integrations.transformers.from_prepared`):
+    of a split set, this process's ``rank``."""
     from prepkit.integrations.gpt_oss_loader import from_prepared
 
     started = time.perf_counter()
-    model = from_prepared(folder, device=device, activations=activations)  # type: ignore[arg-type]
+    model = from_prepared(folder, device=device, activations=activations, rank=rank)  # type: ignore[arg-type]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return LoadedModel(model, manifest, device, time.perf_counter() - started)

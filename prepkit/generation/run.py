@@ -11,9 +11,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prepkit.distributed.decoder import build_rank_decoder, rank_step
+from prepkit.distributed.group import from_rank0
+from prepkit.distributed.session import start_ranks
 from prepkit.generation import loading
 from prepkit.generation.sampling import SamplingParams, new_seed
-from prepkit.generation.steps import DecodeStep, build_decoder, default_step
+from prepkit.generation.steps import DecodeStep, default_step
 from prepkit.generation.text import TextStream, encode_prompts, left_pad
 from prepkit.integrations.decode_loop import ids_of
 from prepkit.integrations.gpt_oss_loader import read_generation_config
@@ -72,7 +75,12 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
         PrepkitError: bad input of any kind, before the weights load (see :mod:`loading`).
     """
     loading.check_dependencies()
-    manifest = loading.open_prepared(request.folder)
+    group = start_ranks(request.device, request.folder)
+    manifest = loading.open_prepared(request.folder, group.world_size if group else 1)
+    stdin_text, seed = request.stdin_text, request.seed
+    if group is not None:  # every rank decodes rank 0's prompt with rank 0's seed
+        seed = new_seed() if seed is None else seed
+        stdin_text, seed = from_rank0(group, (stdin_text, seed))
     tokenizer = loading.load_tokenizer(request.folder, chat=request.chat)
     generation_config = read_generation_config(request.folder)
     sampling = SamplingParams.create(
@@ -82,19 +90,19 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
         top_p=request.top_p,
         defaults=generation_config,
     )
-    rows = encode_prompts(tokenizer, request.prompts, chat=request.chat, stdin_text=request.stdin_text)
+    rows = encode_prompts(tokenizer, request.prompts, chat=request.chat, stdin_text=stdin_text)
     width = max(len(r) for r in rows)
     max_len = loading.check_context(manifest, width, request.max_new_tokens, request.max_len)
-    device = loading.resolve_device(request.device)
-    loading.check_fits(manifest, device, len(rows), max_len)
-    seed = new_seed() if request.seed is None else request.seed
-    step = request.step or default_step(device)
+    device = group.device if group is not None else loading.resolve_device(request.device)
+    loading.check_fits(manifest, device, len(rows), max_len, rank=group.rank if group else 0)
+    seed = new_seed() if seed is None else seed
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
+    step = rank_step(request.step, default_step(device), model)
     pad_id = _pad_id(model, tokenizer)
     input_ids, mask = left_pad(rows, pad_id)
-    decoder = build_decoder(model, max_len, len(rows), step)
+    decoder = build_rank_decoder(model, max_len, len(rows), step)
     end_ids = _end_ids(model)
     stream = TextStream(
         tokenizer,

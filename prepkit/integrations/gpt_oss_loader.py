@@ -20,7 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from prepkit.errors import RecipeError, VerifyError
+from prepkit.errors import LaunchError, LayoutError, RecipeError, VerifyError
 from prepkit.fsutil import sha256_file
 from prepkit.integrations.dense_swap import MxParts, add_part, mx_part_of, swap_in_mx_linears
 from prepkit.integrations.fast_generate import enable_fast_generate
@@ -42,6 +42,8 @@ from prepkit.runtime.moe import load_moe_layers
 if TYPE_CHECKING:
     from transformers import GptOssConfig, GptOssForCausalLM
 
+    from prepkit.distributed.dense_split import DenseSplit
+
 CONFIG_FIELD = "manifest.json model.config"  # where the errors say a config field lives
 
 
@@ -51,7 +53,7 @@ def from_prepared(
     device: str | torch.device = "cuda",
     activations: ActivationPolicy = "bf16",
     dtype: torch.dtype = torch.bfloat16,
-    rank: int = 0,
+    rank: int | None = None,
     check_hashes: bool = False,
 ) -> GptOssForCausalLM:
     """A ready (``eval()``) transformers ``GptOssForCausalLM`` on ``device`` whose MoE blocks
@@ -68,11 +70,23 @@ def from_prepared(
     manifest before reading it (what ``prepkit verify`` does); by default files are checked for
     presence, size and readable headers, and every tensor for its shape.
 
+    A split set (``prepare --tp N --ep M``, N x M > 1) loads one rank per process, with
+    torch.distributed initialised over N x M processes (torchrun, ``--nproc``): ``rank`` is this
+    process's (the default), ``device`` its GPU. Before any weight loads, every rank checks the
+    launch against the set together (:mod:`prepkit.distributed.preflight`). Each rank then loads
+    its prepared experts, its share of the attention heads and of the head's vocabulary rows, and
+    sums / gathers its partial outputs over the ranks (:mod:`prepkit.distributed.model_hooks`), so
+    that ``model(input_ids)`` and ``model.generate`` give the whole model's output on every rank.
+    Its ``generate`` is transformers' own loop.
+
     Raises:
         DependencyError: triton is missing (the ``gpu`` extra).
         RecipeError: transformers outside the supported range, ``rank`` not an int, or a manifest
             config field that is missing or invalid (named).
-        LayoutError: not the kernel's layout, a split shard set (tp or ep > 1), or no ``rank``.
+        LayoutError: not the kernel's layout, a split shard set without torch.distributed, heads or
+            vocabulary that do not divide among the ranks, a split set of MX dense weights, or no ``rank``.
+        LaunchError: the launch does not fit the split set (on every rank, see
+            :func:`prepkit.distributed.preflight.preflight`), or ``rank`` is not this process's.
         DeviceError: ``device`` is not a device this machine has (CUDA without a GPU), or is the
             CPU without the Triton interpreter.
         VerifyError: a missing, truncated or unreadable file, a tensor whose shape differs, or a
@@ -84,12 +98,17 @@ def from_prepared(
     check_policy(activations)
     dtype = check_dtype(dtype)
     target = parse_device(device)
-    rank = check_rank(rank)
+    asked_rank = None if rank is None else check_rank(rank)
     require_kernel_device(target)
     root = Path(prepared_dir)
     manifest = Manifest.read(root)
     config = gpt_oss_config(manifest)
-    check_manifest_against_config(manifest, config, rank=rank)
+    split: DenseSplit | None = None
+    if manifest.parallel.world_size > 1:
+        rank, split = join_ranks(root, manifest, config, target, asked_rank)
+    else:
+        rank = 0 if asked_rank is None else asked_rank
+    check_manifest_against_config(manifest, config, rank=rank, allow_split=split is not None)
     non_expert = manifest.rank_shared_files(rank)
     for rel in [*non_expert, *(experts_file(rank, i) for i in range(config.num_hidden_layers))]:
         check_file(root, manifest, rel, check_hashes=check_hashes)
@@ -98,17 +117,54 @@ def from_prepared(
         check_file(root, manifest, GENERATION_CONFIG, check_hashes=check_hashes)
     generation_config = read_generation_config(root)
 
-    model = meta_skeleton(config, dtype)
+    model = meta_skeleton(config if split is None else split.local_config(config), dtype)
+    if split is not None:
+        # the head holds this rank's vocabulary rows; the embedding stays whole
+        model.lm_head = nn.Linear(config.hidden_size, split.local_vocab, bias=False, device="meta", dtype=dtype)
     mx_parts: MxParts = {}
     for rel in non_expert:
-        stream_tensors(model, root, rel, target, dtype, mx_parts)
+        stream_tensors(model, root, rel, target, dtype, mx_parts, split=split)
     load_mx_dense(model, manifest, mx_parts, activations)
     model.model.rotary_emb = _rotary_on(model, target)
     load_experts(model, root, manifest, rank, target, activations)
     check_nothing_on_meta(model)
     if generation_config is not None:
         model.generation_config = generation_config
+    if split is not None:
+        from prepkit.distributed.collectives import Collectives
+        from prepkit.distributed.launch_env import one_host
+        from prepkit.distributed.model_hooks import attach_collectives
+
+        attach_collectives(model, Collectives(target, symmetric=one_host()))
+        return model.eval()  # transformers' loop: the graph-captured step is one process's
     return enable_fast_generate(model.eval())
+
+
+def join_ranks(
+    root: Path, manifest: Manifest, config: GptOssConfig, device: torch.device, rank: int | None
+) -> tuple[int, DenseSplit]:
+    """This process's rank of a split set and its share of the dense weights, after every rank
+    passed the checks before loading.
+
+    Raises:
+        LayoutError: no torch.distributed, MX dense weights, or heads / vocabulary that do not divide.
+        LaunchError: the launch does not fit the set (every rank), or ``rank`` is not this process's.
+    """
+    from prepkit.distributed.dense_split import DenseSplit
+    from prepkit.distributed.preflight import preflight
+    from prepkit.distributed.session import rank_group
+
+    parallel = manifest.parallel
+    group = rank_group(device, f"the shard set is split tp={parallel.tp_size} ep={parallel.ep_size}")
+    preflight(group, root)
+    if rank is not None and rank != group.rank:
+        raise LaunchError(f"rank: {rank} was asked for, this process is rank {group.rank} of {group.world_size}")
+    if manifest.dense_format != DEFAULT_DENSE_FORMAT:
+        raise LayoutError(
+            f"{root} holds {manifest.dense_format} dense weights; a split set loads bf16 dense weights only",
+            hint="prepare it without --dense (the default, bf16)",
+        )
+    return group.rank, DenseSplit.of(config, group.world_size, group.rank)
 
 
 def check_dtype(dtype: Any) -> torch.dtype:
@@ -210,10 +266,14 @@ def stream_tensors(
     device: torch.device,
     dtype: torch.dtype,
     mx_parts: MxParts | None = None,
+    *,
+    split: DenseSplit | None = None,
 ) -> int:
     """Put every tensor of ``root/rel`` into the meta parameter of the same name, on ``device``
     (floating tensors in ``dtype``), one tensor at a time; returns the bytes loaded. The blocks
-    and scales of MX dense weights go to ``mx_parts`` instead, as they are (``--dense``)."""
+    and scales of MX dense weights go to ``mx_parts`` instead, as they are (``--dense``). With
+    ``split``, each tensor is this rank's slice of it, read from the file's memory map alone:
+    the whole tensor is never read."""
     loaded = 0
     try:
         with safe_open(str(root / rel), framework="pt", device="cpu") as f:
@@ -230,7 +290,16 @@ def stream_tensors(
                     raise VerifyError(f"{rel}: tensor {name} has no place in {type(model).__name__}")
                 if param.device.type != "meta":
                     raise VerifyError(f"{rel}: tensor {name} is stored twice")
-                tensor = f.get_tensor(name)
+                placement, lo, hi = split.placement(name) if split is not None else ("whole", 0, 0)
+                if placement == "none":
+                    module._parameters[attr] = None  # another rank adds it, once
+                    continue
+                if placement == "rows":
+                    tensor = f.get_slice(name)[lo:hi]
+                elif placement == "cols":
+                    tensor = f.get_slice(name)[:, lo:hi]
+                else:
+                    tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise VerifyError(
                         f"{rel}: {name} is {list(tensor.shape)}, the model config gives {list(param.shape)}"

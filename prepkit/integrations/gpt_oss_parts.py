@@ -91,11 +91,13 @@ class _Field:
     manifest_value: Any
 
 
-def check_manifest_against_config(manifest: Manifest, config: Any, *, rank: int = 0) -> None:
-    """Raise when the prepared shard set cannot serve the model with this config.
+def check_manifest_against_config(manifest: Manifest, config: Any, *, rank: int = 0, allow_split: bool = False) -> None:
+    """Raise when the prepared shard set cannot serve the model with this config. A set split
+    over ranks serves it only with ``allow_split`` (one process per rank, :mod:`prepkit.distributed`).
 
     Raises:
-        LayoutError: not the bundled kernel's layout (id and version), split over ranks, or no ``rank``.
+        LayoutError: not the bundled kernel's layout (id and version), split over ranks without
+            ``allow_split``, or no ``rank``.
         RecipeError: a dim differs; the message names the field and both values.
     """
     layout = manifest.layout
@@ -105,7 +107,7 @@ def check_manifest_against_config(manifest: Manifest, config: Any, *, rank: int 
             hint="prepare it with: prepkit prepare --layout triton-moe",
         )
     parallel = manifest.parallel
-    if parallel.world_size != 1:
+    if parallel.world_size != 1 and not allow_split:
         # transformers runs the model in one process; ranks' partial outputs would need an all-reduce.
         raise LayoutError(
             f"parallel: the shard set is split tp={parallel.tp_size} ep={parallel.ep_size}, "
