@@ -311,7 +311,8 @@ def step_of_model(
         Layer(
             LayerWeights.of(layer),
             LayerShape(eps, float(layer.self_attn.scaling), windows[config.layer_types[index]]),
-            moe_call(layer.mlp, torch.float32 if kernels else None),
+            # fp32 for the next op to add; summed over ranks in bf16 (the low-latency sum's dtype).
+            moe_call(layer.mlp, torch.float32 if kernels and reduce is None else None),
         )
         for index, layer in enumerate(base.layers)
     ]

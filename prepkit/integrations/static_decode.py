@@ -129,7 +129,7 @@ class PrepkitDecoder:
         self._fill = self.pad_id if self.pad_id is not None else (eos[0] if eos else 0)
         self.fill_id = torch.tensor(self._fill, **long)
         # With keep_logits each step also leaves its logits here (accuracy checks read them).
-        vocab = model.lm_head.out_features
+        vocab = config.vocab_size  # the whole vocabulary: a split head's logits come back gathered
         self.logits = torch.zeros(batch_size, vocab, device=self.device) if keep_logits else None
         self.sampling = GREEDY
         self.graphs: dict[SamplingParams, torch.cuda.CUDAGraph] = {}

@@ -15,6 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 
+from prepkit.distributed.decoder import build_rank_decoder  # noqa: E402
 from prepkit.distributed.session import leave, start  # noqa: E402
 from prepkit.errors import PrepkitError  # noqa: E402
 from prepkit.integrations.gpt_oss_loader import from_prepared  # noqa: E402
@@ -40,12 +41,16 @@ def main(folders: list[Path], out_dir: Path) -> int:
                 tokens = type(model).generate(
                     model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
                 )
+            # prepkit's decode step, summing the ranks' shares itself (reduce and gather hooks)
+            decoder = build_rank_decoder(model, ids.shape[1] + NEW_TOKENS, len(PROMPT), "modules")
+            step_tokens = decoder.generate(ids, NEW_TOKENS, attention_mask=mask)
     except PrepkitError as err:
         print(f"Error: {err}", file=sys.stderr)
         return err.exit_code
     finally:
         leave()
-    torch.save({"logits": logits.float(), "tokens": tokens}, out_dir / f"rank{rank}.pt")
+    saved = {"logits": logits.float(), "tokens": tokens, "step_tokens": step_tokens}
+    torch.save(saved, out_dir / f"rank{rank}.pt")
     return 0
 
 

@@ -1,6 +1,6 @@
 """A split set run as two processes (gloo, the Triton interpreter) computes what one process
-computes from the unsplit set: every rank's logits of a padded batch, and transformers' own
-greedy loop's tokens; TP 2 x EP 2 over four processes too."""
+computes from the unsplit set: every rank's logits of a padded batch, transformers' own greedy
+loop's tokens and prepkit's decode step's; TP 2 x EP 2 over four processes too."""
 
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def test_two_ranks_give_one_process_logits_and_tokens(
         assert got["logits"].shape == one_process["logits"].shape  # the whole vocabulary on every rank
         assert relative_error(got["logits"], one_process["logits"]) < LOGITS_TOL
         assert torch.equal(got["tokens"], one_process["tokens"])
+        assert torch.equal(got["step_tokens"], one_process["step_tokens"])  # the decode step's reduce/gather
 
 
 @pytest.mark.slow
