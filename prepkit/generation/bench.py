@@ -25,8 +25,10 @@ from prepkit.distributed.decoder import build_rank_decoder, rank_step
 from prepkit.distributed.model_hooks import collectives_of
 from prepkit.distributed.session import start_ranks
 from prepkit.generation import floor, loading
+from prepkit.generation.kernel_count import count_kernels
 from prepkit.generation.sampling import SamplingParams
 from prepkit.generation.steps import DecodeStep, default_step
+from prepkit.scale_stats import folded_upcast
 
 ProgressFn = Callable[[str, int, int], None]
 
@@ -104,6 +106,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
     decoders = {batch: build_rank_decoder(model, tg_len, batch, step) for batch in request.batches}
     first = build_rank_decoder(model, pp_len, 1, "modules") if request.prompt_lengths else None
     warm_s = _warm_up(decoders, first, prompt, sampling if request.sampled else None, request.prompt_lengths)
+    launches = _step_launches(decoders, device)
 
     for length in request.prompt_lengths:
         assert first is not None
@@ -162,6 +165,8 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         "measure_s": measured_s,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "tactics": _tactics_used(model, request.prompt_lengths),
+        "step_launches": launches,
+        "folded_upcast": folded_upcast(model),
         "versions": env["versions"],
         "tactics_dbs": env["tactics_dbs"],
         "mx_native": env["mx_native"] if request.activations != "bf16" else None,
@@ -215,6 +220,17 @@ def _warm_up(
     return time.perf_counter() - began
 
 
+def _step_launches(decoders: dict[int, Any], device: torch.device) -> dict[str, int] | None:
+    """Kernels and memory operations one captured step launches at the smallest batch (after the
+    warm-up captured it), counted by the profiler; None off CUDA."""
+    decoder = decoders[min(decoders)] if decoders else None
+    graph = getattr(decoder, "graph", None)
+    if graph is None:
+        return None
+    counted = count_kernels(graph.replay, device)
+    return None if counted is None else {"kernels": counted.kernels, "memory_ops": counted.memory_ops}
+
+
 def _row(test: str, batch: int, rates: list[float], floor_tps: float | None) -> dict[str, Any]:
     row: dict[str, Any] = {"test": test, "batch": batch, "tok_s": spread(rates)}
     if floor_tps:
@@ -264,5 +280,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"floor: {sum(report['bytes_per_token'].values()) / 1e9:.3f} GB per token at "
             f"{report['copy_bandwidth_gb_s']:.0f} GB/s copy bandwidth = {report['floor_tok_s']:.1f} tok/s (batch 1)"
+        )
+    launches = report.get("step_launches")
+    if launches:
+        lines.append(
+            f"one decode step: {launches['kernels']} kernels and {launches['memory_ops']} memory operations "
+            f"over {m['layers']} layers (fit two layer counts for the per-layer share)"
         )
     return "\n".join(lines)
