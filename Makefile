@@ -65,8 +65,9 @@ tactics-bundle: $(STAMP)
 # No GPU: compile gpt-oss-120b TP1's kernels for each SM12x target and activation policy, the
 # defaults plus COMPILE_SAMPLE variants of each variant family, then the dense MX linear's defaults
 # in each of COMPILE_DENSE's weight formats that pairs with the policy (mxfp4 activations: mxfp4
-# weights only), with the venv's Triton and the ptxas/cuobjdump/nvdisasm its wheel ships. Every
-# run goes; any failed default fails the target (MX policies must reach the native MMA).
+# weights only), with the venv's Triton and the ptxas/cuobjdump/nvdisasm its wheel ships; then the
+# decode step's kernels (projections, attention) once per target. Every run goes; any failed default
+# fails the target (MX policies must reach the native MMA).
 COMPILE_ARCHES ?= sm120 sm121
 COMPILE_ACTIVATIONS ?= bf16 mxfp8 mxfp4
 COMPILE_SAMPLE ?= 1
@@ -77,7 +78,10 @@ compile-check: $(STAMP)
 		echo "== prepkit tune --arch $$arch --activations $$act --compile-only --sample $(COMPILE_SAMPLE) --dense-formats $(COMPILE_DENSE)"; \
 		$(BIN)/prepkit tune --arch $$arch --model gpt-oss-120b --tp 1 --activations $$act \
 			--compile-only --sample $(COMPILE_SAMPLE) --dense-formats $(COMPILE_DENSE) || rc=1; \
-	done; done; exit $$rc
+	done; \
+	echo "== prepkit tune --arch $$arch --compile-only --decode --no-moe --dense-formats none"; \
+	$(BIN)/prepkit tune --arch $$arch --model gpt-oss-120b --compile-only --decode --no-moe --dense-formats none || rc=1; \
+	done; exit $$rc
 
 bench-prepare: $(STAMP)
 	$(BIN)/python benchmarks/bench_prepare.py

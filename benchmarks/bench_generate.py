@@ -11,7 +11,7 @@
   model (greedy and sampled), and with a text streamer against without (tok/s, medians).
 - ``accuracy``: the accuracy rule (:mod:`prepkit.generation.accuracy`) on a 2-layer checkpoint,
   teacher-forced over ``--accuracy-steps`` positions: transformers' bf16, the modules' step, the
-  compiled step, and the MX dense sets against their dequantized weights.
+  compiled step, the kernels step, and the MX dense sets against their dequantized weights.
 
 The checkpoints are ``prepkit synth``'s random weights at real dims (128 experts, H = I = 2880,
 top-4, 64/8 heads, the 201,088-token vocabulary) with a word-level tokenizer. Writes one JSON per
@@ -189,20 +189,22 @@ def accuracy_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         accuracy.compare("transformers bf16 eager", accuracy.by_position(bf16_logits, 0), references["bf16"])
     ]
     del bf16_logits
-    paths = [("modules step (graph)", "bf16", False), ("compiled step (graph)", "bf16", True)]
-    paths += [(f"compiled step, --dense {fmt}", fmt, True) for fmt in args.accuracy_dense]
-    for name, fmt, compile in paths:
+    paths = [("modules step (graph)", "bf16", "modules"), ("compiled step (graph)", "bf16", "compiled")]
+    paths += [("kernels step (graph)", "bf16", "kernels")]
+    steps = ("compiled", "kernels")
+    paths += [(f"{step} step, --dense {fmt}", fmt, step) for fmt in args.accuracy_dense for step in steps]
+    for name, fmt, step in paths:
         log(f"accuracy: {name}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = from_prepared(folders[fmt], device="cuda")
-        decoder = PrepkitDecoder(model, length, compile=compile, keep_logits=True)
+        decoder = PrepkitDecoder(model, length, compile=step == "compiled", kernels=step == "kernels", keep_logits=True)
         rows.append(accuracy.compare(name, accuracy.decoder_logits(decoder, tokens, prompt), references[fmt]))
         del decoder, model
         gc.collect()
         torch.cuda.empty_cache()
     yardstick = rows[0]
-    overhead = host_overhead(folders["bf16"])
+    overhead = host_overhead(folders["bf16"]) if args.host_overhead else None
     return {
         "layers": 2,
         "positions": rows[0].positions,
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default="bench,generate,accuracy")
     parser.add_argument("--repetitions", type=int, default=5)
     parser.add_argument("--accuracy-steps", type=int, default=256)
+    parser.add_argument("--no-host-overhead", dest="host_overhead", action="store_false")
     args = parser.parse_args(argv)
     args.accuracy_dense = [f for f in args.accuracy_dense.split(",") if f]
     parts = set(args.parts.split(","))

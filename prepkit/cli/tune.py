@@ -123,7 +123,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     "--decode",
     is_flag=True,
     help="Also tune the decode kernels (q/k/v, o, router and lm_head projections, decode attention) at the "
-    "model's decode shapes, batch 1 to 8, after the rest, with a budget of their own.",
+    "model's decode shapes, batch 1 to 8, after the rest, with a budget of their own; with --compile-only, "
+    "compile their defaults for --arch.",
 )
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
 @db_option("Tactics DB to fill (default: $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db).")
@@ -265,11 +266,9 @@ def tune_command(
     except ValueError as err:
         raise click.BadParameter(str(err), param_hint="--tokens") from None
     if compile_only:
-        if which.decode:
-            raise click.UsageError("--decode cannot be used with --compile-only (it measures nothing)")
         _refuse_gpu_options(ctx)
         job = CompileJob(arch, model, shards, tp, activations, points, 1 if sample is None else sample)
-        _compile_only(job, dense_formats, moe, as_json, quiet)
+        _compile_only(job, dense_formats, moe, as_json, quiet, decode=which.decode)
         return
     if sample is not None:
         raise click.UsageError("--sample applies to --compile-only only")
@@ -359,7 +358,9 @@ class CompileJob:
     sample: int
 
 
-def _compile_only(job: CompileJob, dense_formats: str | None, moe: bool, as_json: bool, quiet: bool) -> None:
+def _compile_only(
+    job: CompileJob, dense_formats: str | None, moe: bool, as_json: bool, quiet: bool, decode: bool = False
+) -> None:
     from rich.text import Text
 
     from prepkit.errors import CompileCheckError
@@ -370,7 +371,7 @@ def _compile_only(job: CompileJob, dense_formats: str | None, moe: bool, as_json
     co.check_arch_name(job.arch)
     dense = co.plan_compile_dense(job.activations, model=job.model, shards=job.shards, choice=dense_formats)
     on_line = None if quiet else console.info
-    results: list[co.CompileOnlyResult | co.DenseCompileResult] = []
+    results: list[co.CompileOnlyResult | co.DenseCompileResult | co.DecodeCompileResult] = []
     if moe:
         from prepkit.layer import resolve_layer
 
@@ -381,6 +382,8 @@ def _compile_only(job: CompileJob, dense_formats: str | None, moe: bool, as_json
             )
         )
     results += co.run_compile_dense(job.arch, job.activations, dense, on_line=on_line)
+    if decode:
+        results.append(co.run_compile_decode(job.arch, model=job.model, shards=job.shards, on_line=on_line))
     if as_json:
         console.emit_json([r.to_dict() for res in results for r in res.reports])
     else:

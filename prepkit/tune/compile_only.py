@@ -229,3 +229,61 @@ def progress_line(done: int, total: int, r: CompileReport) -> str:
         r.mma,
     ]
     return head + ", ".join(f for f in facts if f)
+
+
+@dataclass(frozen=True)
+class DecodeCompileResult:
+    """The decode kernels' defaults (projections and attention) at a model's shapes, compiled (or not)."""
+
+    arch: str
+    source: str
+    reports: list[CompileReport]
+    failures: list[str]
+    elapsed_s: float
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> str:
+        return (
+            f"{self.arch} ({ARCH_DEVICES[self.arch].name}) decode kernels of {self.source}: "
+            f"defaults {_count(self.reports)}; {self.elapsed_s:.0f} s"
+        )
+
+
+def run_compile_decode(
+    arch: str, *, model: str | None, shards: Path | None, on_line: LineFn | None = None
+) -> DecodeCompileResult:
+    """Compile the decode step's kernels (the projections in every weight format at the source's
+    dense shapes and the router's, and attention at its heads) for ``arch``'s reference device.
+
+    Raises:
+        RecipeError: an unknown recipe, or a config without the dims.
+    """
+    from prepkit.dims import dense_shapes
+    from prepkit.kernels import compile_check as cc
+    from prepkit.kernels import require_triton
+    from prepkit.tune.dense import dense_source
+
+    check_arch_name(arch)
+    require_triton("tune --compile-only")
+    _, config, source = dense_source(model=model, shards=shards)
+    shapes = {s.name: (s.n, s.k) for s in dense_shapes(config)}
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if isinstance(experts, int):
+        shapes["router"] = (experts, int(config["hidden_size"]))
+    dims = (int(config["num_attention_heads"]), int(config["num_key_value_heads"]), int(config["head_dim"]))
+    projections = cc.decode_candidates(shapes)
+    attention = cc.attention_candidates(dims)
+    if on_line is not None:
+        on_line(
+            f"compiling {len(projections)} decode projection and {len(attention)} decode attention variants for "
+            f"{arch} ({ARCH_DEVICES[arch].name}), {source}"
+        )
+    start = time.perf_counter()
+    reports = cc.compile_decode(arch, projections) + cc.compile_attention(arch, attention)
+    if on_line is not None:
+        for i, r in enumerate(reports):
+            on_line(progress_line(i + 1, len(reports), r))
+    return DecodeCompileResult(arch, source, reports, cc.check_failures(reports), time.perf_counter() - start)

@@ -3,6 +3,7 @@ winner stored, and the run-time lookup serves it."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 from typing import Any
@@ -314,10 +315,17 @@ def test_the_worker_process_checks_and_times_decode_variants() -> None:
         backend.close()
 
 
-def test_decode_is_refused_with_compile_only() -> None:
+@pytest.mark.slow
+def test_compile_only_decode_compiles_every_decode_kernel_for_sm121() -> None:
     from click.testing import CliRunner
 
     from prepkit.cli import cli
 
-    out = CliRunner().invoke(cli, ["tune", "--arch", "sm90", "--compile-only", "--decode"])
-    assert out.exit_code == 2 and "--decode cannot be used with --compile-only" in out.output
+    argv = ["tune", "--arch", "sm121", "--compile-only", "--decode", "--no-moe", "--dense-formats", "none", "--json"]
+    out = CliRunner().invoke(cli, argv)
+    assert out.exit_code == 0, out.output
+    rows = json.loads(out.stdout)
+    assert {r["stage"] for r in rows} == {"decode", "attention"}
+    assert all(r["status"] == "compiled" for r in rows)
+    # the attention's two products run on the tensor cores there too
+    assert all("mma" in (r["mma"] or "") for r in rows if r["stage"] == "attention")
