@@ -216,3 +216,43 @@ def test_odd_bf16_shapes_are_masked(device: str, kernel: str) -> None:
     want = impl.reference(inputs)
     for v in (impl.default(problem), DecodeVariant(8, 16, 4, 2)):
         assert relative_error(impl.launch(inputs, v), want) <= TOLERANCE, v.name()
+
+
+class _RecordedLaunch:
+    """Stands in for a Triton kernel: records the keyword arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict[str, object]] = []
+
+    def __getitem__(self, grid: object) -> object:
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize(("capability", "on"), [((9, 0), True), ((12, 1), True), ((8, 9), False)])
+def test_launches_chain_on_sm90_and_newer(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], on: bool
+) -> None:
+    # Off the interpreter, a capability pinned as the compile check pins it: the launch turns
+    # programmatic dependent launch on (kernel constant and launch option together) from sm_90.
+    from prepkit.kernels.mx import _chain
+    from prepkit.kernels.mx._target import pinned_capability
+
+    kernel = _RecordedLaunch()
+    monkeypatch.setattr(gemv, "_gemv_kernel", kernel)
+    monkeypatch.setattr(_chain, "interpreting", lambda: False)
+    x = torch.zeros((2, 64), dtype=torch.bfloat16)
+    with pinned_capability(capability):
+        gemv.linear(x, torch.zeros((16, 64), dtype=torch.bfloat16), None)
+    assert [(kw["PDL"], kw["launch_pdl"]) for kw in kernel.kwargs] == [(on, on)]
+
+
+def test_the_interpreter_launches_without_chaining(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prepkit.kernels.mx._target import pinned_capability
+
+    kernel = _RecordedLaunch()
+    monkeypatch.setattr(gemv, "_gemv_kernel", kernel)
+    monkeypatch.setattr(gemv, "interpreting", lambda: True)
+    monkeypatch.setattr("prepkit.kernels.mx._chain.interpreting", lambda: True)
+    with pinned_capability((9, 0)):
+        gemv.linear(torch.zeros((1, 64), dtype=torch.bfloat16), torch.zeros((16, 64), dtype=torch.bfloat16), None)
+    assert [(kw["PDL"], kw["launch_pdl"]) for kw in kernel.kwargs] == [(False, False)]

@@ -22,6 +22,7 @@ import torch
 
 from prepkit.kernels.decode.gemv_kernel import WFMT_BF16, WFMT_MXFP4, WFMT_MXFP8, _gemv_kernel
 from prepkit.kernels.decode.variants import DecodeVariant
+from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._target import interpreting
 from prepkit.kernels.mx.dense import check_weights, split_counters
 
@@ -285,6 +286,6 @@ def _launch(
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from prepkit.kernels.mx._chain import _chain_enter
 from prepkit.kernels.mx._mx import _widen_e2m1
 
 # The weight formats (the kernel's WFMT constant).
@@ -157,13 +158,15 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr,
+    DEFER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
     panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
     ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
-    counter per N tile, zero between calls, when ``SPLIT_K > 1``."""
+    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``PDL``: programmatic dependent
+    launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read."""
+    _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
