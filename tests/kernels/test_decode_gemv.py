@@ -15,6 +15,7 @@ from prepkit.kernels.decode.gemv_registry import (
     LINEAR_RESIDUAL,
     NORM_LINEAR,
     TOLERANCE,
+    dequantized,
     linear_residual_reference,
     norm_linear_reference,
     problem_of,
@@ -198,6 +199,25 @@ def test_both_k_loops_match_the_reference(device: str, fmt: str, batch: int, mon
         got = gemv.norm_linear(**inputs, variant=DecodeVariant(8, 64 if fmt == "mxfp4" else 32, 4, 2))
         assert torch.equal(got[0], want[0])
         assert relative_error(got, want) <= TOLERANCE, deferred
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_mx_group_sums_differ_from_one_accumulation_only_in_fp32_order(device: str, fmt: str, batch: int) -> None:
+    # MX products are summed per 32-value scale group in fp32 chains and each group sum scaled once:
+    # against the exact sum, only the fp32 order differs, so every bf16 output is within one unit
+    # in the last place and nearly all round the same. A code or scale paired with the wrong
+    # activation misses by far more.
+    g = torch.Generator().manual_seed(40 + batch)
+    n, k = 24, 1024
+    weight = random_weight(n, k, fmt, g, device)
+    # Rows of very different magnitudes: the group scaling must not lose small rows.
+    x = (torch.randn((batch, k), generator=g) * torch.logspace(-6, 6, batch, base=2.0)[:, None]).to(torch.bfloat16)
+    got = gemv.linear(x.to(device), weight, None, variant=DecodeVariant(16, 512 if fmt == "mxfp4" else 256, 4))
+    exact = x.double() @ dequantized(weight).double().cpu().T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert ((got.cpu().double() - exact).abs() <= ulp).all()
+    assert (got.cpu() == exact.to(torch.bfloat16)).float().mean() >= 0.98
 
 
 def test_deferred_sums_only_where_the_registers_allow() -> None:
