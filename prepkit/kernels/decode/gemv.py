@@ -171,7 +171,7 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     # 8-row blocks allow it, so that the K loop sums once (:func:`defers`). MX weights sum scale
     # groups in registers whatever the rows and take twice that for the tile alone: wider blocks
     # share each row's activations among more weight values (sm_90 SASS, mxfp4 instructions a
-    # weight byte at 1 / 4 / 8 rows: 11.1 / 21.5 / 33.8 at 16 x 512, 13.6 / 26.4 / 43.8 at 8 x 512).
+    # weight byte at 1 / 4 / 8 rows: 11.0 / 21.0 / 32.9 at 16 x 512, 13.5 / 25.4 / 42.9 at 8 x 512).
     if fmt == "bf16":
         widest = max(8, DEFERRED_VALUES * 128 // (block_k * batch))
     else:

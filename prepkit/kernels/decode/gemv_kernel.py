@@ -121,11 +121,23 @@ def _split8(v):
 @triton.jit
 def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``[BLOCK_N, BLOCK_K/32]``: each 32-element group's ``sum w * x``, as chains of multiply-adds
-    over 8 of the group's values and a 4-way sum."""
+    over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
     G: tl.constexpr = BLOCK_K // 32
-    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(tl.reshape(w, (BLOCK_N, G, 4, 2, 2, 2)))
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(tl.reshape(xb, (G, 4, 2, 2, 2)))
+    wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
+    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wa)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xa)
     s = w0 * x0[None]
+    s += w1 * x1[None]
+    s += w2 * x2[None]
+    s += w3 * x3[None]
+    s += w4 * x4[None]
+    s += w5 * x5[None]
+    s += w6 * x6[None]
+    s += w7 * x7[None]
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wb)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xb2)
+    s += w0 * x0[None]
     s += w1 * x1[None]
     s += w2 * x2[None]
     s += w3 * x3[None]
