@@ -232,3 +232,25 @@ def test_benchmark_smoke_run_on_tiny_dims(device: str, capsys: pytest.CaptureFix
     assert (row["batch"], row["window"], row["position"]) == (2, 8, 30)
     assert row["read_bytes"] == 2 * 8 * HKV * D * 2 * 2  # 8 slots a row, keys and values
     assert row["err"] < TOL and row["kernel_us"] > 0 and row["torch_us"] > 0
+
+
+@pytest.mark.parametrize(("capability", "on"), [((9, 0), True), ((8, 9), False)])
+def test_launches_chain_on_sm90_and_newer(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], on: bool
+) -> None:
+    # Off the interpreter: programmatic dependent launch (kernel constant and launch option) from sm_90.
+    from prepkit.kernels.decode import attention
+    from prepkit.kernels.mx import _chain
+    from prepkit.kernels.mx._target import pinned_capability
+
+    launches: list[dict[str, Any]] = []
+
+    class Recorded:
+        def __getitem__(self, grid: object) -> Any:
+            return lambda *args, **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(attention, "_rope_cache_attend_kernel", Recorded())
+    monkeypatch.setattr(_chain, "interpreting", lambda: False)
+    with pinned_capability(capability):
+        run(make(3, None, "cpu"))
+    assert [(kw["PDL"], kw["launch_pdl"]) for kw in launches] == [(on, on)]

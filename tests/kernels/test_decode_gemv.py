@@ -15,6 +15,7 @@ from prepkit.kernels.decode.gemv_registry import (
     LINEAR_RESIDUAL,
     NORM_LINEAR,
     TOLERANCE,
+    dequantized,
     linear_residual_reference,
     norm_linear_reference,
     problem_of,
@@ -200,6 +201,25 @@ def test_both_k_loops_match_the_reference(device: str, fmt: str, batch: int, mon
         assert relative_error(got, want) <= TOLERANCE, deferred
 
 
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_mx_group_sums_differ_from_one_accumulation_only_in_fp32_order(device: str, fmt: str, batch: int) -> None:
+    # MX products are summed per 32-value scale group in fp32 chains and each group sum scaled once:
+    # against the exact sum, only the fp32 order differs, so every bf16 output is within one unit
+    # in the last place and nearly all round the same. A code or scale paired with the wrong
+    # activation misses by far more.
+    g = torch.Generator().manual_seed(40 + batch)
+    n, k = 24, 1024
+    weight = random_weight(n, k, fmt, g, device)
+    # Rows of very different magnitudes: the group scaling must not lose small rows.
+    x = (torch.randn((batch, k), generator=g) * torch.logspace(-6, 6, batch, base=2.0)[:, None]).to(torch.bfloat16)
+    got = gemv.linear(x.to(device), weight, None, variant=DecodeVariant(16, 512 if fmt == "mxfp4" else 256, 4))
+    exact = x.double() @ dequantized(weight).double().cpu().T
+    ulp = torch.exp2(torch.floor(torch.log2(exact.abs().clamp_min(1e-30))) - 7)
+    assert ((got.cpu().double() - exact).abs() <= ulp).all()
+    assert (got.cpu() == exact.to(torch.bfloat16)).float().mean() >= 0.98
+
+
 def test_deferred_sums_only_where_the_registers_allow() -> None:
     v = DecodeVariant(16, 128, 4)
     assert gemv.defers(v, 1, "bf16") and gemv.defers(v, 2, "bf16") and not gemv.defers(v, 4, "bf16")
@@ -216,3 +236,43 @@ def test_odd_bf16_shapes_are_masked(device: str, kernel: str) -> None:
     want = impl.reference(inputs)
     for v in (impl.default(problem), DecodeVariant(8, 16, 4, 2)):
         assert relative_error(impl.launch(inputs, v), want) <= TOLERANCE, v.name()
+
+
+class _RecordedLaunch:
+    """Stands in for a Triton kernel: records the keyword arguments of each launch."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict[str, object]] = []
+
+    def __getitem__(self, grid: object) -> object:
+        return lambda *args, **kwargs: self.kwargs.append(kwargs)
+
+
+@pytest.mark.parametrize(("capability", "on"), [((9, 0), True), ((12, 1), True), ((8, 9), False)])
+def test_launches_chain_on_sm90_and_newer(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], on: bool
+) -> None:
+    # Off the interpreter, a capability pinned as the compile check pins it: the launch turns
+    # programmatic dependent launch on (kernel constant and launch option together) from sm_90.
+    from prepkit.kernels.mx import _chain
+    from prepkit.kernels.mx._target import pinned_capability
+
+    kernel = _RecordedLaunch()
+    monkeypatch.setattr(gemv, "_gemv_kernel", kernel)
+    monkeypatch.setattr(_chain, "interpreting", lambda: False)
+    x = torch.zeros((2, 64), dtype=torch.bfloat16)
+    with pinned_capability(capability):
+        gemv.linear(x, torch.zeros((16, 64), dtype=torch.bfloat16), None)
+    assert [(kw["PDL"], kw["launch_pdl"]) for kw in kernel.kwargs] == [(on, on)]
+
+
+def test_the_interpreter_launches_without_chaining(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prepkit.kernels.mx._target import pinned_capability
+
+    kernel = _RecordedLaunch()
+    monkeypatch.setattr(gemv, "_gemv_kernel", kernel)
+    monkeypatch.setattr(gemv, "interpreting", lambda: True)
+    monkeypatch.setattr("prepkit.kernels.mx._chain.interpreting", lambda: True)
+    with pinned_capability((9, 0)):
+        gemv.linear(torch.zeros((1, 64), dtype=torch.bfloat16), torch.zeros((16, 64), dtype=torch.bfloat16), None)
+    assert [(kw["PDL"], kw["launch_pdl"]) for kw in kernel.kwargs] == [(False, False)]

@@ -17,6 +17,7 @@ import triton
 
 from prepkit.kernels.decode.attention_kernel import LOG2E, _rope_cache_attend_kernel
 from prepkit.kernels.decode.variants import DecodeVariant
+from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._target import interpreting, stream_key
 
 KERNEL_NAME = "rope_cache_attend"
@@ -179,6 +180,6 @@ def rope_cache_attend(
         window if window is not None else 0, slots, scaling * LOG2E,
         HQ=query_heads, HKV=kv_heads, D=head_dim, GROUP_PAD=rows, BLOCK_N=variant.block_n,
         SPLIT=variant.split_k, HAS_WINDOW=window is not None, DOT_FP32=interpreting(),
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(qkv.device),
     )  # fmt: skip
     return out

@@ -15,6 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from prepkit.kernels.mx._chain import _chain_enter
+
 # exp(x) = exp2(x * log2(e)): the softmax runs in base 2, the scores and sinks scaled once.
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -46,8 +48,9 @@ def _rope_cache_attend_kernel(
     stride_out,
     window, n_slots, scale_log2,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr,
+    SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    _chain_enter(PDL)  # before anything is read: the step's previous kernel may still run
     GROUP: tl.constexpr = HQ // HKV
     HALF: tl.constexpr = D // 2
     pid = tl.program_id(0)  # row * HKV + kv head

@@ -22,6 +22,7 @@ import torch
 
 from prepkit.kernels.decode.gemv_kernel import WFMT_BF16, WFMT_MXFP4, WFMT_MXFP8, _gemv_kernel
 from prepkit.kernels.decode.variants import DecodeVariant
+from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._target import interpreting
 from prepkit.kernels.mx.dense import check_weights, split_counters
 
@@ -166,12 +167,15 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     :data:`DEFERRED_VALUES` values a thread) that still gives :data:`TARGET_PROGRAMS` programs,
     and K splits where even 8-row blocks give too few (the router, small heads)."""
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
-    # At most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where 8-row
-    # blocks allow it, so that the K loop sums once (:func:`defers`). One row of MX weights sums
-    # every step anyway and takes twice that: wider blocks share the row's activations among more
-    # weight values (sm_90 SASS: mxfp4 12.5 instructions a weight byte at 16 x 512, 15.2 at 8 x 512).
-    budget = 2 * DEFERRED_VALUES if fmt != "bf16" and batch == 1 else DEFERRED_VALUES
-    widest = max(8, budget * 128 // (block_k * batch))
+    # bf16: at most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where
+    # 8-row blocks allow it, so that the K loop sums once (:func:`defers`). MX weights sum scale
+    # groups in registers whatever the rows and take twice that for the tile alone: wider blocks
+    # share each row's activations among more weight values (sm_90 SASS, mxfp4 instructions a
+    # weight byte at 1 / 4 / 8 rows: 11.0 / 21.0 / 32.9 at 16 x 512, 13.5 / 25.4 / 42.9 at 8 x 512).
+    if fmt == "bf16":
+        widest = max(8, DEFERRED_VALUES * 128 // (block_k * batch))
+    else:
+        widest = max(8, 2 * DEFERRED_VALUES * 128 // block_k)
     block_n = next((bn for bn in (32, 16) if bn <= widest and -(-n // bn) >= TARGET_PROGRAMS), 8)
     tiles = -(-n // block_n)
     steps = -(-k // block_k)
@@ -285,6 +289,6 @@ def _launch(
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
-        num_warps=variant.num_warps, num_stages=variant.num_stages,
+        num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

@@ -11,10 +11,12 @@ tiles are too thin for it, and the interpreter computes bf16 dots wrongly).
 computes the rows' inverse RMS over the whole row (a few KB read from L2) and then the normed values
 of its own K steps, and program (0, 0) alone writes ``summed`` and ``normed``.
 
-Two K loops (the launcher picks one by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
+Three K loops. bf16 weights (the launcher picks by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
 one keeps each row's products in a register tile and sums it after the loop (one multiply-add per
-weight value and row), the other sums every step (MX: per 32-value scale group, then scaled), which
-needs fewer registers at many rows or wide tiles.
+weight value and row), the other sums every step, which needs fewer registers at many rows or wide
+tiles. MX weights sum each row's products per 32-value scale group in registers (chains of
+multiply-adds, no cross-thread sum in the loop) and scale each group sum once; the deferred loop,
+which scales every weight value, serves them only where it is chosen for tiles of a few groups.
 
 K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
 an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
@@ -27,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from prepkit.kernels.mx._chain import _chain_enter
 from prepkit.kernels.mx._mx import _widen_e2m1
 
 # The weight formats (the kernel's WFMT constant).
@@ -103,15 +106,46 @@ def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N:
 
 
 @triton.jit
-def _row_dot(w, mult, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
-    """``sum_k w[n, k] * x[k]`` of unscaled weight values ``w``: MX sums each 32-element group
-    first and applies its scale ``mult [BLOCK_N, BLOCK_K/32]`` once, not once per element."""
-    prod = w * xb[None, :]
-    if WFMT == WFMT_BF16:
-        dot = tl.sum(prod, axis=1)
-    else:
-        dot = tl.sum(tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 32)), axis=2) * mult, axis=1)
-    return dot
+def _split8(v):
+    """The 8 tensors ``v[..., i, j, k]`` of ``v [..., 2, 2, 2]``."""
+    a, b = tl.split(v)
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    a00, a01 = tl.split(a0)
+    a10, a11 = tl.split(a1)
+    b00, b01 = tl.split(b0)
+    b10, b11 = tl.split(b1)
+    return a00, a01, a10, a11, b00, b01, b10, b11
+
+
+@triton.jit
+def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K/32]``: each 32-element group's ``sum w * x``, as chains of multiply-adds
+    over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
+    G: tl.constexpr = BLOCK_K // 32
+    wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
+    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wa)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xa)
+    s = w0 * x0[None]
+    s += w1 * x1[None]
+    s += w2 * x2[None]
+    s += w3 * x3[None]
+    s += w4 * x4[None]
+    s += w5 * x5[None]
+    s += w6 * x6[None]
+    s += w7 * x7[None]
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wb)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xb2)
+    s += w0 * x0[None]
+    s += w1 * x1[None]
+    s += w2 * x2[None]
+    s += w3 * x3[None]
+    s += w4 * x4[None]
+    s += w5 * x5[None]
+    s += w6 * x6[None]
+    s += w7 * x7[None]
+    return tl.sum(s, axis=2)
 
 
 @triton.jit
@@ -157,13 +191,15 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr,
+    DEFER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
     panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
     ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
-    counter per N tile, zero between calls, when ``SPLIT_K > 1``."""
+    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``PDL``: programmatic dependent
+    launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read."""
+    _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -179,7 +215,11 @@ def _gemv_kernel(
             r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, BLOCK_K, HAS_ADD, SW_ROUND)
             rstd = tl.where(rows == b, r, rstd)
     elem = _tile_elements(BLOCK_K, WFMT)
-    if DEFER:
+    if (WFMT != WFMT_BF16) and (not DEFER):
+        acc = _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                            stride_xb, stride_ab, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
+                            HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+    elif DEFER:
         acc = _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                                stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
                                WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
@@ -214,10 +254,9 @@ def _gemv_kernel(
 @triton.jit
 def _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, b: tl.constexpr, stride_xb, stride_ab, NORM: tl.constexpr,
            HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
-    """Row ``b``'s activations at ``offs_k`` as ``[1, BLOCK_K]`` fp32 (:func:`_input_row`)."""
+    """Row ``b``'s activations at ``offs_k``, ``[BLOCK_K]`` fp32 (:func:`_input_row`)."""
     r = _row_of(rstd, rows, b)
-    x = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD, SW_ROUND)
-    return x[None, :]
+    return _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD, SW_ROUND)
 
 
 @triton.jit
@@ -231,14 +270,13 @@ def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rst
                  stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
                  HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
-    """The K loop that sums every row's products at every step (MX: per scale group, then
-    scaled): few registers whatever the rows, a cross-thread sum per row and step. Returns the
-    sums ``[BLOCK_N, B_PAD]``."""
+    """The K loop of bf16 weights that sums every row's products at every step: few registers
+    whatever the rows, a cross-thread sum per row and step. Returns the sums ``[BLOCK_N, B_PAD]``."""
     acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
-                         WFMT, ASM)  # fmt: skip
+        w, _ = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                            WFMT, ASM)  # fmt: skip
         offs_k = k0 + elem
         k_mask = offs_k < K
         nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -248,8 +286,82 @@ def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rst
             r = _row_of(rstd, rows, b)
             xb = _input_row(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw, offs_k, k_mask, r, NORM, HAS_ADD,
                             SW_ROUND)  # fmt: skip
-            dot = _row_dot(w, mult, xb, BLOCK_N, BLOCK_K, WFMT)
+            dot = tl.sum(w * xb[None, :], axis=1)
             acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                  stride_xb, stride_ab, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
+                  HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """The K loop of MX weights: each row's products summed per 32-value scale group in registers
+    (chains of multiply-adds, :func:`_group_sums`), scaled once a group into a ``[BLOCK_N,
+    BLOCK_K/32]`` accumulator per row, which is summed once after the loop: one multiply-add per
+    weight value and row, no cross-thread sum in the loop, few registers. Returns ``[BLOCK_N, B_PAD]``."""
+    a0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    a4 = a0
+    a5 = a0
+    a6 = a0
+    a7 = a0
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        w, mult = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        if NORM:
+            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        a0 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 1:
+            a1 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 1, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 2:
+            a2 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 2, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 3:
+            a3 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 3, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 4:
+            a4 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 4, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 5:
+            a5 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 5, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 6:
+            a6 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 6, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        if B > 7:
+            a7 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb,
+                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    s0, s1, s2, s3 = tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1)
+    s4, s5, s6, s7 = tl.sum(a4, axis=1), tl.sum(a5, axis=1), tl.sum(a6, axis=1), tl.sum(a7, axis=1)
+    return _gather_rows(s0, s1, s2, s3, s4, s5, s6, s7, rows, B)
+
+
+@triton.jit
+def _gather_rows(s0, s1, s2, s3, s4, s5, s6, s7, rows, B: tl.constexpr):
+    """The first ``B`` of the per-row sums ``s0 .. s7 [BLOCK_N]`` as columns of ``[BLOCK_N, B_PAD]``."""
+    acc = tl.where(rows[None, :] == 0, s0[:, None], 0.0)
+    if B > 1:
+        acc += tl.where(rows[None, :] == 1, s1[:, None], 0.0)
+    if B > 2:
+        acc += tl.where(rows[None, :] == 2, s2[:, None], 0.0)
+    if B > 3:
+        acc += tl.where(rows[None, :] == 3, s3[:, None], 0.0)
+    if B > 4:
+        acc += tl.where(rows[None, :] == 4, s4[:, None], 0.0)
+    if B > 5:
+        acc += tl.where(rows[None, :] == 5, s5[:, None], 0.0)
+    if B > 6:
+        acc += tl.where(rows[None, :] == 6, s6[:, None], 0.0)
+    if B > 7:
+        acc += tl.where(rows[None, :] == 7, s7[:, None], 0.0)
     return acc
 
 
