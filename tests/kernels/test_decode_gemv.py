@@ -113,18 +113,28 @@ def test_registered_under_their_names() -> None:
 
 
 def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
-    # qkv, o, router and lm_head of gpt-oss at one row: enough programs for two per H100 SM, or
-    # the K splits that come closest (at most 8, each of two K steps or more).
+    # qkv, o, router and lm_head of gpt-oss at one row, MX weights: enough programs for two per
+    # H100 SM, or the K splits that come closest (at most 8, each of two K steps or more).
     for n, k in ((5120, 2880), (2880, 4096), (128, 2880), (201088, 2880)):
-        for fmt in FORMATS:
+        for fmt in ("mxfp8", "mxfp4"):
             v = gemv.default_variant(n, k, 1, fmt)
             assert gemv.variant_reason(v, fmt) is None
-            assert v.block_k * (2 if fmt == "bf16" else 1) // (2 if fmt == "mxfp4" else 1) == 256
+            assert v.block_k // (2 if fmt == "mxfp4" else 1) == 256
             programs = -(-n // v.block_n) * v.split_k
             steps = -(-k // v.block_k)
             assert steps >= 2 * v.split_k
             assert programs >= gemv.TARGET_PROGRAMS // 2 or v.split_k == 8 or steps < 4 * v.split_k, (n, k, fmt, v)
             assert (v.split_k > 1) == (n == 128)  # only the router splits
+
+
+def test_one_bf16_row_takes_the_sweeps_winners() -> None:
+    # The fastest variants of an H200 sweep at gpt-oss's shapes (docs/decode.md).
+    assert gemv.default_variant(5120, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # q/k/v
+    assert gemv.default_variant(2880, 4096, 1, "bf16") == DecodeVariant(8, 128, 4, 8)  # o
+    assert gemv.default_variant(128, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # router
+    assert gemv.default_variant(201088, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # lm_head
+    for n, k in ((5120, 2880), (2880, 4096), (128, 2880), (13, 77)):
+        assert gemv.variant_reason(gemv.default_variant(n, k, 1, "bf16"), "bf16") is None
 
 
 @pytest.mark.parametrize(

@@ -166,6 +166,8 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     a row per K step, the widest row block (32 .. 8; the rows' products at most
     :data:`DEFERRED_VALUES` values a thread) that still gives :data:`TARGET_PROGRAMS` programs,
     and K splits where even 8-row blocks give too few (the router, small heads)."""
+    if fmt == "bf16" and batch == 1:
+        return _one_bf16_row(n, k)
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
     # bf16: at most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where
     # 8-row blocks allow it, so that the K loop sums once (:func:`defers`). MX weights sum scale
@@ -183,6 +185,17 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     while split < 8 and tiles * split < TARGET_PROGRAMS // 2 and steps >= 4 * split:
         split *= 2  # each split keeps two K steps or more
     return DecodeVariant(block_n, block_k, 4, split)
+
+
+def _one_bf16_row(n: int, k: int) -> DecodeVariant:
+    """One row through a bf16 weight: 8-row blocks of 256-wide K steps; where a long reduction
+    (K >= 4096) leaves fewer than 512 row blocks, 128-wide steps in 8 splits. The fastest variants
+    of a sweep at gpt-oss-120b's shapes on an H200 (docs/decode.md): q/k/v 12.3 us (the older
+    default 17.9), o 10.9 (18.8), router 7.9 (12.6), lm_head 282 (285)."""
+    tiles = -(-n // 8)
+    if k >= 4096 and tiles < 512:
+        return DecodeVariant(8, 128, 4, 8)
+    return DecodeVariant(8, min(256, max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))), 4, 1)
 
 
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
