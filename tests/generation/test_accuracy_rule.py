@@ -41,17 +41,19 @@ def yardstick(tiny_source: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, ac
     return ref, accuracy.compare("transformers bf16", accuracy.by_position(bf16, 0), ref)
 
 
-def _path(model: torch.nn.Module, tokens: torch.Tensor, ref: torch.Tensor, compile: bool) -> accuracy.PathAccuracy:
-    decoder = PrepkitDecoder(model, LENGTH, batch_size=2, compile=compile, keep_logits=True)
+def _path(model: torch.nn.Module, tokens: torch.Tensor, ref: torch.Tensor, step: str) -> accuracy.PathAccuracy:
+    decoder = PrepkitDecoder(
+        model, LENGTH, batch_size=2, compile=step == "compiled", kernels=step == "kernels", keep_logits=True
+    )
     return accuracy.compare("path", accuracy.decoder_logits(decoder, tokens, PROMPT), ref)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compile", [False, True], ids=["modules", "compiled"])
-def test_decode_steps_meet_the_rule(tiny_prepared: Path, tokens: torch.Tensor, yardstick: tuple, compile: bool) -> None:
+@pytest.mark.parametrize("step", ["modules", "compiled", "kernels"])
+def test_decode_steps_meet_the_rule(tiny_prepared: Path, tokens: torch.Tensor, yardstick: tuple, step: str) -> None:
     ref, bf16 = yardstick
     assert 0 < bf16.mean_error < 0.05 and bf16.positions == LENGTH - PROMPT
-    got = _path(_load(tiny_prepared), tokens, ref, compile)
+    got = _path(_load(tiny_prepared), tokens, ref, step)
     assert got.positions == bf16.positions
     assert accuracy.passes(got, bf16), (got, bf16)
     assert got.agreement >= 0.9
@@ -63,12 +65,12 @@ def test_an_mx_path_is_judged_against_its_dequantized_weights(
 ) -> None:
     ref, bf16 = yardstick
     prepared = _prepare(tiny_source, tmp_path / "mxfp4", "--layout", "triton-moe", "--dense", "mxfp4")
-    against_source = _path(_load(prepared), tokens, ref, False)
+    against_source = _path(_load(prepared), tokens, ref, "modules")
     # Against the unquantized weights the rounding shows: the rule fails it.
     assert not accuracy.passes(against_source, bf16)
     dequantized = accuracy.reference_model(tiny_source, DEVICE, torch.float32, dense_from=prepared)
     own_ref = accuracy.forward_logits(dequantized, tokens)[:, PROMPT - 1 : -1]
-    against_own = _path(_load(prepared), tokens, own_ref, False)
+    against_own = _path(_load(prepared), tokens, own_ref, "modules")
     # Its own reference accounts for the rounding: what is left is the activations' bf16 work (at
     # these tiny dims within 1.5x transformers' own; the rule itself holds at real dims on a GPU,
     # docs/decode.md).
