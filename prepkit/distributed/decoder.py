@@ -11,11 +11,6 @@ from prepkit.distributed.model_hooks import collectives_of
 from prepkit.generation.steps import DecodeStep, build_decoder
 
 
-def rank_step(requested: DecodeStep | None, default: DecodeStep, model: Any) -> DecodeStep:
-    """The step a rank runs: as asked, else the device's default (every step takes the collectives)."""
-    return requested or default
-
-
 def build_rank_decoder(model: Any, max_len: int, batch: int, step: DecodeStep) -> Any:
     """:func:`~prepkit.generation.steps.build_decoder`, with the model's collectives as the step's
     hooks when it is one rank of several."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from prepkit.distributed.decoder import build_rank_decoder, rank_step
+from prepkit.distributed.decoder import build_rank_decoder
 from prepkit.distributed.model_hooks import collectives_of
 from prepkit.distributed.session import start_ranks
 from prepkit.generation import floor, loading
@@ -86,7 +86,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
-    step = rank_step(request.step, default_step(device), model)
+    step = request.step or default_step(device)
     if request.layers is not None:
         keep_layers(model, request.layers)
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prepkit.distributed.decoder import build_rank_decoder, rank_step
+from prepkit.distributed.decoder import build_rank_decoder
 from prepkit.distributed.group import from_rank0
 from prepkit.distributed.session import start_ranks
 from prepkit.generation import loading
@@ -99,7 +99,7 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
-    step = rank_step(request.step, default_step(device), model)
+    step = request.step or default_step(device)
     pad_id = _pad_id(model, tokenizer)
     input_ids, mask = left_pad(rows, pad_id)
     decoder = build_rank_decoder(model, max_len, len(rows), step)

@@ -16,17 +16,18 @@ import torch
 import triton
 
 from prepkit.kernels.decode.attention_kernel import LOG2E, _rope_cache_attend_kernel
+from prepkit.kernels.decode.problems import ATTENTION_KERNEL
 from prepkit.kernels.decode.variants import DecodeVariant
 from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._target import interpreting, stream_key
 
-KERNEL_NAME = "rope_cache_attend"
+KERNEL_NAME = ATTENTION_KERNEL  # the name the tuner and the step know it by
 # The matrix instructions' smallest tile edge: the query group is padded to it, blocks of slots
 # and the head size are at least it.
 MIN_TILE = 16
 MAX_SPLIT = 16
 # Programs the default split aims for: about one per SM of a large GPU.
-TARGET_PROGRAMS = 128  # programs a split launch aims for
+TARGET_PROGRAMS = 128
 
 
 def group_rows(query_heads: int, kv_heads: int) -> int:

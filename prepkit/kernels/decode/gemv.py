@@ -162,10 +162,11 @@ def linear(
 
 
 def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
-    """The untuned variant of ``batch`` rows through an ``[n, k]`` ``fmt`` weight: 256 weight bytes
-    a row per K step, the widest row block (32 .. 8; the rows' products at most
-    :data:`DEFERRED_VALUES` values a thread) that still gives :data:`TARGET_PROGRAMS` programs,
-    and K splits where even 8-row blocks give too few (the router, small heads)."""
+    """The untuned variant of ``batch`` rows through an ``[n, k]`` ``fmt`` weight. One bf16 row:
+    :func:`_one_bf16_row`. Otherwise 256 weight bytes a row per K step, the widest row block
+    (32 .. 8; the rows' products at most :data:`DEFERRED_VALUES` values a thread) that still gives
+    :data:`TARGET_PROGRAMS` programs, and K splits where even 8-row blocks give too few (the
+    router, small heads)."""
     if fmt == "bf16" and batch == 1:
         return _one_bf16_row(n, k)
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
