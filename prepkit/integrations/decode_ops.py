@@ -229,13 +229,20 @@ class LinearResidual(Protocol):
     ) -> torch.Tensor: ...
 
 
+class Linear(Protocol):
+    def __call__(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Ops:
-    """The three ops a layer's step runs; any implementation with these signatures plugs in."""
+    """The ops a layer's step runs; any implementation with these signatures plugs in. ``linear``
+    (a projection alone) serves a tensor-parallel rank's output projection, whose residual waits
+    for the sum over the ranks."""
 
     norm_linear: NormLinear
     rope_cache_attend: RopeCacheAttend
     linear_residual: LinearResidual
+    linear: Linear = project
 
 
 TORCH_OPS = Ops(norm_linear, rope_cache_attend, linear_residual)
@@ -251,5 +258,6 @@ def torch_ops(projections: str = "linear") -> Ops:
             functools.partial(norm_linear, as_reduction=True),
             rope_cache_attend,
             functools.partial(linear_residual, as_reduction=True),
+            functools.partial(project, as_reduction=True),
         )
     raise ValueError(f"projections must be 'reduction' or 'linear', got {projections!r}")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from prepkit.integrations.decode_ops import TORCH_OPS, Ops, Weight, project, token_positions, weight_of
+from prepkit.integrations.decode_ops import TORCH_OPS, Ops, Weight, token_positions, weight_of
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def attention_unreduced(
     """:func:`attention` up to the output projection, without the residual (a tensor-parallel rank
     holds a share of it): -> (the residual stream, this rank's projection)."""
     summed, out = attention_in(hidden, mlp_out, w, cos, sin, keys, values, position, pad, shape, ops)
-    return summed, project(out, w.o_weight, w.o_bias)
+    return summed, ops.linear(out, w.o_weight, w.o_bias)
 
 
 def head(

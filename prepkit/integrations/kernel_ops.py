@@ -40,7 +40,7 @@ def tuned_chooser(device: torch.device) -> Chooser:
 
 
 class KernelOps:
-    """The three ops over the decode kernels, with one variant per problem chosen by ``choose``."""
+    """The step's ops over the decode kernels, with one variant per problem chosen by ``choose``."""
 
     def __init__(self, choose: Chooser = default_chooser) -> None:
         from prepkit.kernels.decode import attention, attention_variants, gemv, gemv_registry
@@ -101,8 +101,13 @@ class KernelOps:
         variant = self._variant(self._registry.LINEAR_RESIDUAL, self._projection("linear_residual", weight, x))
         return self._gemv.linear_residual(x, weight, bias, residual, variant=variant)
 
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        # The weight streams as the output projection's does: its variant, tuned or default.
+        variant = self._variant(self._registry.LINEAR_RESIDUAL, self._projection("linear_residual", weight, x))
+        return self._gemv.linear(x, weight, bias, variant=variant)
+
     def ops(self) -> Ops:
-        return Ops(self.norm_linear, self.rope_cache_attend, self.linear_residual)
+        return Ops(self.norm_linear, self.rope_cache_attend, self.linear_residual, self.linear)
 
 
 def kernel_ops(choose: Chooser = default_chooser) -> Ops:

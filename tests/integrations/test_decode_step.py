@@ -210,8 +210,10 @@ def test_the_eager_step_gives_the_modules_logits_with_mx_weights(
 # --- the ops table and the hooks -----------------------------------------------------------------
 
 
-def test_the_step_runs_the_ops_it_is_given(bf16_model: torch.nn.Module) -> None:
-    calls: dict[str, int] = {"norm_linear": 0, "rope_cache_attend": 0, "linear_residual": 0}
+@pytest.mark.parametrize("hooked", [False, True], ids=["one-rank", "reduce-hook"])
+def test_the_step_runs_the_ops_it_is_given(bf16_model: torch.nn.Module, hooked: bool) -> None:
+    names = ("norm_linear", "rope_cache_attend", "linear_residual", "linear")
+    calls = dict.fromkeys(names, 0)
 
     def counted(name: str) -> Any:
         def op(*args: Any) -> Any:
@@ -220,14 +222,18 @@ def test_the_step_runs_the_ops_it_is_given(bf16_model: torch.nn.Module) -> None:
 
         return op
 
-    ops = dops.Ops(counted("norm_linear"), counted("rope_cache_attend"), counted("linear_residual"))
+    ops = dops.Ops(*(counted(name) for name in names))
+    # With a reduce hook (tensor parallelism) the output projection runs alone: its residual
+    # waits for the sum over the ranks.
+    hooks = {"reduce": lambda t: t} if hooked else {}
     ids, mask = _left_padded(LENGTHS, pad_id=0)
     want = PrepkitDecoder(bf16_model, 20, batch_size=3).generate(ids, 4, attention_mask=mask)
-    got = PrepkitDecoder(bf16_model, 20, batch_size=3, ops=ops).generate(ids, 4, attention_mask=mask)
+    got = PrepkitDecoder(bf16_model, 20, batch_size=3, ops=ops, **hooks).generate(ids, 4, attention_mask=mask)
     assert torch.equal(got, want)
     layers, steps = TINY["num_layers"], 3  # the first new token comes from the prompt's forward
+    alone = "linear" if hooked else "linear_residual"
     assert calls == {"norm_linear": steps * (2 * layers + 1), "rope_cache_attend": steps * layers,
-                     "linear_residual": steps * layers}  # fmt: skip
+                     "linear_residual": 0, "linear": 0, alone: steps * layers}  # fmt: skip
 
 
 def test_the_hooks_see_the_projection_the_moe_and_the_logits(bf16_model: torch.nn.Module) -> None:

@@ -93,6 +93,21 @@ def test_kernel_ops_sample_with_the_same_seed_alike(model: torch.nn.Module) -> N
     assert a.shape == (batch, ids.shape[1] + NEW)
 
 
+def test_kernel_ops_under_a_reduce_hook_give_the_torch_steps_tokens(model: torch.nn.Module) -> None:
+    # Identity hooks: one rank's view of the tensor-parallel path, whose output projection runs
+    # the decode kernel's projection alone (``linear``) and adds the residual after the sum.
+    ids, mask = _left_padded(LENGTHS, pad_id=0)
+    length, batch = ids.shape[1] + NEW, len(LENGTHS)
+    ident = {"reduce": lambda t: t, "gather": lambda t: t}
+    ref = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, **ident)
+    fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, kernels=True, **ident)
+    want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+        assert err < TOL, f"step {i}: {err:.3g}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+
+
 def test_kernels_and_compile_are_one_choice(model: torch.nn.Module) -> None:
     with pytest.raises(ValueError, match="not both"):
         PrepkitDecoder(model, 16, compile=True, kernels=True)

@@ -67,41 +67,46 @@ def _tile_elements(BLOCK_K: tl.constexpr, WFMT: tl.constexpr):
 
 
 @triton.jit
-def _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """The weight tile ``[BLOCK_N, BLOCK_K]`` at K offset ``k0`` in fp32 and, for MX, its scales
-    ``[BLOCK_N, BLOCK_K/32]`` as fp32 factors (applied to the group sums); rows past ``N`` and
-    groups past ``K`` read as zero."""
+def _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_end, stride_wn, stride_wp, stride_sk, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, WFMT: tl.constexpr):  # fmt: skip
+    """The weight tile at K offset ``k0`` as stored (bf16 values, or MX code bytes and their
+    E8M0 scale bytes ``[BLOCK_N, BLOCK_K/32]``), nothing decoded: the K loops load the next step's
+    tile before they use this one, and only the loads are in flight across the step. Rows past
+    ``N`` and K past ``k_end`` read as zero (a scale byte as 127, the factor 1)."""
     if WFMT == WFMT_BF16:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask = n_mask[:, None] & (offs_k < K)[None, :]
-        w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        mult = tl.full((BLOCK_N, 1), 1.0, tl.float32)  # unused: bf16 weights have no scales
+        mask = n_mask[:, None] & (offs_k < k_end)[None, :]
+        raw = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        scale = tl.full((BLOCK_N, 1), 127, tl.uint8)  # unused: bf16 weights have no scales
     else:
-        w, mult = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
-    return w, mult
+        G: tl.constexpr = BLOCK_K // 32
+        ELEMS_PER_BYTE: tl.constexpr = 2 if WFMT == WFMT_MXFP4 else 1
+        TILE_BYTES: tl.constexpr = BLOCK_K // ELEMS_PER_BYTE
+        kb = k0 // ELEMS_PER_BYTE + tl.arange(0, TILE_BYTES)
+        # Byte kb of row n sits in panel kb // 128 at n * 128 + kb % 128 (prepkit.layouts.dense_mx).
+        offs = (kb // _PANEL_BYTES) * stride_wp + kb % _PANEL_BYTES
+        mask = n_mask[:, None] & (kb < k_end // ELEMS_PER_BYTE)[None, :]
+        raw = tl.load(w_ptr + offs_n[:, None] * _PANEL_BYTES + offs[None, :], mask=mask, other=0)
+        offs_g = k0 // 32 + tl.arange(0, G)
+        s_mask = n_mask[:, None] & (offs_g < k_end // 32)[None, :]
+        scale = tl.load(s_ptr + offs_g[None, :] * stride_sk + offs_n[:, None], mask=s_mask, other=127)
+    return raw, scale
 
 
 @triton.jit
-def _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             WFMT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """:func:`_load_weight` of MX panels: codes decoded to fp32, scales as fp32 powers of two."""
-    G: tl.constexpr = BLOCK_K // 32
-    ELEMS_PER_BYTE: tl.constexpr = 2 if WFMT == WFMT_MXFP4 else 1
-    TILE_BYTES: tl.constexpr = BLOCK_K // ELEMS_PER_BYTE
-    kb = k0 // ELEMS_PER_BYTE + tl.arange(0, TILE_BYTES)
-    # Byte kb of row n sits in panel kb // 128 at n * 128 + kb % 128 (prepkit.layouts.dense_mx).
-    offs = (kb // _PANEL_BYTES) * stride_wp + kb % _PANEL_BYTES
-    mask = n_mask[:, None] & (kb < K // ELEMS_PER_BYTE)[None, :]
-    codes = tl.load(w_ptr + offs_n[:, None] * _PANEL_BYTES + offs[None, :], mask=mask, other=0)
-    if WFMT == WFMT_MXFP4:
-        codes = _widen_e2m1(codes, BLOCK_N, BLOCK_K, ASM)
-    w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    offs_g = k0 // 32 + tl.arange(0, G)
-    s_mask = n_mask[:, None] & (offs_g < K // 32)[None, :]
-    scale = tl.load(s_ptr + offs_g[None, :] * stride_sk + offs_n[:, None], mask=s_mask, other=127)
-    # E8M0 byte e is 2^(e - 127): the fp32 whose exponent field is e.
-    mult = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+def _decode(raw, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, ASM: tl.constexpr):
+    """A :func:`_load_raw` tile -> the weight values ``[BLOCK_N, BLOCK_K]`` in fp32 and, for MX,
+    the scales as fp32 factors ``[BLOCK_N, BLOCK_K/32]`` (applied to the group sums)."""
+    if WFMT == WFMT_BF16:
+        w = raw.to(tl.float32)
+        mult = tl.full((BLOCK_N, 1), 1.0, tl.float32)
+    else:
+        codes = raw
+        if WFMT == WFMT_MXFP4:
+            codes = _widen_e2m1(codes, BLOCK_N, BLOCK_K, ASM)
+        w = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        # E8M0 byte e is 2^(e - 127): the fp32 whose exponent field is e.
+        mult = (scale.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     return w, mult
 
 
@@ -124,27 +129,29 @@ def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
     G: tl.constexpr = BLOCK_K // 32
     wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
-    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
+    if len(xb.shape) == 1:
+        xb = xb[None, :]
+    xa, xb2 = tl.split(tl.reshape(xb, (xb.shape[0], G, 2, 2, 2, 2, 2)))
     w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wa)
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xa)
-    s = w0 * x0[None]
-    s += w1 * x1[None]
-    s += w2 * x2[None]
-    s += w3 * x3[None]
-    s += w4 * x4[None]
-    s += w5 * x5[None]
-    s += w6 * x6[None]
-    s += w7 * x7[None]
+    s = w0 * x0
+    s += w1 * x1
+    s += w2 * x2
+    s += w3 * x3
+    s += w4 * x4
+    s += w5 * x5
+    s += w6 * x6
+    s += w7 * x7
     w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wb)
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xb2)
-    s += w0 * x0[None]
-    s += w1 * x1[None]
-    s += w2 * x2[None]
-    s += w3 * x3[None]
-    s += w4 * x4[None]
-    s += w5 * x5[None]
-    s += w6 * x6[None]
-    s += w7 * x7[None]
+    s += w0 * x0
+    s += w1 * x1
+    s += w2 * x2
+    s += w3 * x3
+    s += w4 * x4
+    s += w5 * x5
+    s += w6 * x6
+    s += w7 * x7
     return tl.sum(s, axis=2)
 
 
@@ -273,10 +280,14 @@ def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rst
     """The K loop of bf16 weights that sums every row's products at every step: few registers
     whatever the rows, a cross-thread sum per row and step. Returns the sums ``[BLOCK_N, B_PAD]``."""
     acc = tl.zeros((BLOCK_N, B_PAD), dtype=tl.float32)
+    raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                        WFMT)  # fmt: skip
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        w, _ = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
-                            WFMT, ASM)  # fmt: skip
+        # The next step's tile is loaded before this one is used: two steps' loads in flight.
+        raw_next, sc_next = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, stride_wp,
+                                      stride_sk, BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
+        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
         offs_k = k0 + elem
         k_mask = offs_k < K
         nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -288,7 +299,28 @@ def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rst
                             SW_ROUND)  # fmt: skip
             dot = tl.sum(w * xb[None, :], axis=1)
             acc += tl.where(rows[None, :] == b, dot[:, None], 0.0)
+        raw, sc = raw_next, sc_next
     return acc
+
+
+@triton.jit
+def _step_columns(nw_ptr, k0, elem, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+                  NORM: tl.constexpr):  # fmt: skip
+    """A K step's activation offsets, their mask and (``NORM``) the norm weight there. bf16
+    weights without the norm read the activations as ``[BLOCK_N, BLOCK_K]``, each row's values
+    repeated down the tile: the weight tile's own layout, so no step moves them through shared
+    memory. Elsewhere they stay one ``[BLOCK_K]`` row: repeating the norm's arithmetic per weight
+    value, or the mxfp4 order's scattered reads, cost more than that move (sm_90 SASS, 8 x 256
+    q/k/v: 238 against 123 instructions a step; 16 x 512 mxfp4 o: 710 against 350)."""
+    if NORM or (WFMT != WFMT_BF16):
+        offs_k = k0 + elem
+        k_mask = offs_k < K
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    else:
+        offs_k = tl.broadcast_to(k0 + elem[None, :], (BLOCK_N, BLOCK_K))
+        k_mask = offs_k < K
+        nw = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return offs_k, k_mask, nw
 
 
 @triton.jit
@@ -310,12 +342,9 @@ def _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rs
     a7 = a0
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        w, mult = _load_mx(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT, ASM)
-        offs_k = k0 + elem
-        k_mask = offs_k < K
-        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, 0, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT)
+        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
+        offs_k, k_mask, nw = _step_columns(nw_ptr, k0, elem, K, BLOCK_N, BLOCK_K, WFMT, NORM)
         a0 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab,
                                            NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
         if B > 1:
@@ -382,17 +411,24 @@ def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows,
     a5 = a0
     a6 = a0
     a7 = a0
+    raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                        WFMT)  # fmt: skip
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        w, mult = _load_weight(w_ptr, s_ptr, offs_n, n_mask, k0, K, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
-                               WFMT, ASM)  # fmt: skip
+        if WFMT == WFMT_BF16:
+            # The next step's tile is loaded before this one is used: two steps' loads in flight.
+            # MX tiles load in their step: their decode's instructions, not latency, bound them,
+            # and the second tile's registers add to them (sm_90 SASS: mxfp8 o 151 -> 222 a step).
+            raw_next, sc_next = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, stride_wp,
+                                          stride_sk, BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
+        else:
+            raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N,
+                                BLOCK_K, WFMT)  # fmt: skip
+            raw_next, sc_next = raw, sc
+        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
         if WFMT != WFMT_BF16:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * mult[:, :, None], (BLOCK_N, BLOCK_K))
-        offs_k = k0 + elem
-        k_mask = offs_k < K
-        nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        if NORM:
-            nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        offs_k, k_mask, nw = _step_columns(nw_ptr, k0, elem, K, BLOCK_N, BLOCK_K, WFMT, NORM)
         a0 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab, NORM, HAS_ADD,
                          SW_ROUND)  # fmt: skip
         if B > 1:
@@ -416,6 +452,7 @@ def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows,
         if B > 7:
             a7 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb, stride_ab, NORM, HAS_ADD,
                              SW_ROUND)  # fmt: skip
+        raw, sc = raw_next, sc_next
     acc = tl.where(rows[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
     if B > 1:
         acc += tl.where(rows[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
