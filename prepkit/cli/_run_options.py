@@ -39,7 +39,7 @@ def run_options(f: F) -> F:
         default=None,
         help="Decode step: transformers' modules' operations in a CUDA graph, the compiled step (fused, about "
         "twice as fast per layer), or prepkit's decode kernels (one launch per op, attention over the slots in "
-        "use).  [default: compiled on a GPU, modules on the CPU]",
+        "use).  [default on a GPU: kernels for one row, compiled for more; modules on the CPU]",
     )(f)
     f = click.option(
         "--device",

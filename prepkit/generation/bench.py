@@ -86,7 +86,6 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
-    step = request.step or default_step(device)
     if request.layers is not None:
         keep_layers(model, request.layers)
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
@@ -103,7 +102,8 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         2 if request.sampled else 1
     )
     started = time.perf_counter()
-    decoders = {batch: build_rank_decoder(model, tg_len, batch, step) for batch in request.batches}
+    steps = {batch: request.step or default_step(device, batch) for batch in request.batches}
+    decoders = {batch: build_rank_decoder(model, tg_len, batch, steps[batch]) for batch in request.batches}
     first = build_rank_decoder(model, pp_len, 1, "modules") if request.prompt_lengths else None
     warm_s = _warm_up(decoders, first, prompt, sampling if request.sampled else None, request.prompt_lengths)
     launches = _step_launches(decoders, device)
@@ -131,7 +131,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
                     decoder.generate(prompt(batch, 1), length + 1, sampling=params, seed=request.seed + rep)
                     stats = decoder.stats
                     rates.append(batch * length / (stats.first_step_s + stats.decode_s))
-                tests.append(_row(f"tg{length}{suffix}", batch, rates, floor_tps))
+                tests.append({**_row(f"tg{length}{suffix}", batch, rates, floor_tps), "step": steps[batch]})
                 progress("bench", len(tests), total)
     measured_s = time.perf_counter() - started - warm_s
 
@@ -153,7 +153,8 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         "device": loading.device_name(device),
         "ranks": _ranks_of(manifest, model),
         "activations": request.activations,
-        "step": step,
+        # The decode step of the smallest batch; each tg row names its own.
+        "step": steps[min(steps)] if steps else request.step or default_step(device),
         "sampling": sampling.describe(),
         "repetitions": request.repetitions,
         "tests": tests,
@@ -272,7 +273,7 @@ def markdown(report: dict[str, Any]) -> str:
         s = t["tok_s"]
         pct = f"{t['pct_of_floor']:.1f}" if "pct_of_floor" in t else "-"
         lines.append(
-            f"| {name} | {report['device']} | {report['activations']} | {report['step']} | {t['test']} | "
+            f"| {name} | {report['device']} | {report['activations']} | {t.get('step', '-')} | {t['test']} | "
             f"{t['batch']} | {s['median']:.2f} ± {s['stdev']:.2f} | {pct} |"
         )
     if report["copy_bandwidth_gb_s"]:

@@ -99,7 +99,7 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
 
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
-    step = request.step or default_step(device)
+    step = request.step or default_step(device, len(rows))
     pad_id = _pad_id(model, tokenizer)
     input_ids, mask = left_pad(rows, pad_id)
     decoder = build_rank_decoder(model, max_len, len(rows), step)

@@ -135,7 +135,10 @@ def _decoder(model: Any, batch: int, length: int, eos: list[int], pad: int | Non
     decoder = model._prepkit_decoders.get(key)
     if decoder is None or decoder.max_len < length:
         model._prepkit_decoders.pop(key, None)  # frees the old cache before the new one is made
-        step = model._prepkit_step or default_step(model.model.embed_tokens.weight.device)
-        decoder = PrepkitDecoder(model, max_len, batch_size=batch, compile=step == "compiled", eos_ids=eos, pad_id=pad)
+        step = model._prepkit_step or default_step(model.model.embed_tokens.weight.device, batch)
+        decoder = PrepkitDecoder(
+            model, max_len, batch_size=batch, compile=step == "compiled", kernels=step == "kernels", eos_ids=eos,
+            pad_id=pad,
+        )  # fmt: skip
         model._prepkit_decoders[key] = decoder
     return decoder

@@ -94,3 +94,19 @@ def test_unsupported_names_the_field() -> None:
     assert unsupported(GenerationConfig(do_sample=True, top_p=0.9), {"attention_mask": None}) is None
     assert unsupported(GenerationConfig(num_beams=4), {}) == "num_beams=4"
     assert unsupported(GenerationConfig(), {"past_key_values": object()}) == "the argument past_key_values"
+
+
+@pytest.mark.parametrize("step", ["kernels", "compiled"])
+def test_the_chosen_step_is_the_one_the_decoder_runs(model: torch.nn.Module, step: str) -> None:
+    from prepkit.integrations.fast_generate import enable_fast_generate
+
+    saved = model._prepkit_step, model._prepkit_decoders, model.generate
+    try:
+        enable_fast_generate(model, step)  # type: ignore[arg-type]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.generate(_ids(batch=1), max_new_tokens=2, do_sample=False)
+        (decoder,) = model._prepkit_decoders.values()
+        assert (decoder.kernels, decoder.compiled) == (step == "kernels", step == "compiled")
+    finally:
+        model._prepkit_step, model._prepkit_decoders, model.generate = saved

@@ -22,3 +22,14 @@ def test_help_of_the_run_commands_loads_no_torch() -> None:
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "Example:" in result.stdout
+
+
+def test_the_default_step_is_the_kernels_at_one_row_on_a_gpu_only() -> None:
+    import torch
+
+    from prepkit.generation.steps import default_step
+
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")  # a device object needs no GPU
+    assert default_step(gpu) == default_step(gpu, 1) == "kernels"
+    assert default_step(gpu, 4) == "compiled"
+    assert default_step(cpu) == default_step(cpu, 4) == "modules"
