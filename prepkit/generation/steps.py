@@ -20,9 +20,9 @@ DECODE_STEPS: tuple[DecodeStep, ...] = get_args(DecodeStep)
 
 def default_step(device: torch.device, batch: int = 1) -> DecodeStep:
     """The fastest step that passes the accuracy rule (docs/decode.md) for ``batch`` rows: on a
-    GPU the kernels at one row (5-15 % faster per layer than the compiled step, measured at
-    gpt-oss-120b dims) and the compiled step for more rows, where the decode projections fall
-    behind the library GEMMs; the modules on the CPU, where compiling costs more than it saves."""
+    GPU the kernels at one row (faster per layer than the compiled step at gpt-oss-120b dims) and
+    the compiled step for more rows, where the decode projections fall behind the library GEMMs;
+    the modules on the CPU, where compiling costs more than it saves."""
     if device.type != "cuda":
         return "modules"
     return "kernels" if batch == 1 else "compiled"
