@@ -4,7 +4,6 @@ K and N tails, and every candidate variant of a small problem."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -287,54 +286,3 @@ def test_the_interpreter_launches_without_chaining(monkeypatch: pytest.MonkeyPat
     with pinned_capability((9, 0)):
         gemv.linear(torch.zeros((1, 64), dtype=torch.bfloat16), torch.zeros((16, 64), dtype=torch.bfloat16), None)
     assert [(kw["PDL"], kw["launch_pdl"]) for kw in kernel.kwargs] == [(False, False)]
-
-
-def test_variant_names_round_trip_with_and_without_prefetch() -> None:
-    for v in (DecodeVariant(8, 256, 4), DecodeVariant(16, 512, 8, 2, 1, 1)):
-        assert DecodeVariant.parse(v.name()) == v
-    # A name written before the prefetch knob existed still reads as the same variant.
-    assert DecodeVariant.parse("n8-k256-w4-s1-p1") == DecodeVariant(8, 256, 4, 1, 1, 0)
-    assert DecodeVariant(8, 256, 4).name() == "n8-k256-w4-s1-p1"
-    for bad in ("n8-k256-w4-s1", "n8-k256-w4-s1-p1-x1", "n8-k256-w4-s1-p1-f", "n8-k256-w4-s1-p1-f1-f1"):
-        with pytest.raises(ValueError, match="not a decode variant name"):
-            DecodeVariant.parse(bad)
-
-
-def test_the_tuner_times_each_variant_with_and_without_prefetch() -> None:
-    cands = gemv.candidate_variants(5120, 2880, 1, "bf16")
-    assert len(cands) == len(set(cands))
-    plain = [v for v in cands if not v.prefetch]
-    assert plain[0] == gemv.default_variant(5120, 2880, 1, "bf16")
-    assert {dataclasses.replace(v, prefetch=0) for v in cands if v.prefetch} == set(plain)
-
-
-@pytest.mark.parametrize(("capability", "interp", "k", "on"), [
-    ((9, 0), False, 64, True), ((12, 1), False, 64, True), ((8, 9), False, 64, False),
-    ((9, 0), True, 64, False), ((9, 0), False, 60, False),  # rows 120 bytes apart: not 16-aligned
-])  # fmt: skip
-def test_prefetch_runs_only_where_the_gpu_and_the_rows_allow(
-    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], interp: bool, k: int, on: bool
-) -> None:
-    from prepkit.kernels.mx._target import pinned_capability
-
-    kernel = _RecordedLaunch()
-    monkeypatch.setattr(gemv, "_gemv_kernel", kernel)
-    monkeypatch.setattr(gemv, "interpreting", lambda: interp)
-    monkeypatch.setattr("prepkit.kernels.mx._chain.interpreting", lambda: interp)
-    weight = torch.zeros((16, k), dtype=torch.bfloat16)
-    with pinned_capability(capability):
-        for prefetch in (0, 1):
-            gemv.linear(torch.zeros((1, k), dtype=torch.bfloat16), weight, None,
-                        variant=DecodeVariant(8, 16, 4, prefetch=prefetch))  # fmt: skip
-    assert [kw["PREFETCH"] for kw in kernel.kwargs] == [False, on]
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_prefetch_changes_no_bit(device: str, fmt: str) -> None:
-    # Only a hint to the memory system (on sm_90+; elsewhere the knob is ignored): the same bits.
-    inputs = _inputs("norm_linear", fmt, 1, 40, 256, device, seed=13, add=1, bias=1, normed=1)
-    base = DecodeVariant(8, gemv.MIN_BLOCK_K[fmt] * 2, 4, 2)
-    a = NORM_LINEAR.launch(inputs, base)
-    b = NORM_LINEAR.launch(inputs, dataclasses.replace(base, prefetch=1))
-    for x, y in zip(a, b, strict=True):
-        assert torch.equal(x, y)

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -96,44 +95,3 @@ def test_decode_projections_compile(arch: str) -> None:
         assert r["spill_bytes"] == 0, r
         assert r["k_step_instructions"] and r["k_step_mma"] == 0, r
         assert r["ptx_target"] == arch.replace("sm", "sm_") + "a"
-
-
-def test_each_default_has_its_prefetch_twin() -> None:
-    cands = cc.decode_candidates(SHAPES)
-    plain = {(c.op, c.fmt, c.batch, c.variant) for c in cands if not c.variant.prefetch}
-    twins = {(c.op, c.fmt, c.batch, replace(c.variant, prefetch=0)) for c in cands if c.variant.prefetch}
-    assert twins == plain
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm90", "sm120"])
-def test_the_prefetch_is_issued_before_the_wait_for_the_kernel_before(arch: str) -> None:
-    # The PTX of a prefetching launch holds the bulk L2 prefetch ahead of griddepcontrol.wait
-    # (programmatic dependent launch); the same launch without the knob holds none.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = (
-        "import json, re\n"
-        "from prepkit.kernels import compile_check as cc\n"
-        "from prepkit.kernels.compile_check import _compiler\n"
-        "seen = []\n"
-        "read = _compiler.TargetCompiler._read\n"
-        "def spy(self, base, compiled, tactic):\n"
-        "    ptx = compiled.asm['ptx']\n"
-        "    pf = [m.start() for m in re.finditer(r'cp\\.async\\.bulk\\.prefetch\\.L2', ptx)]\n"
-        "    seen.append({'origin': base.origin, 'prefetch': pf, 'wait': ptx.find('griddepcontrol.wait')})\n"
-        "    return read(self, base, compiled, tactic)\n"
-        "_compiler.TargetCompiler._read = spy\n"
-        "cands = cc.decode_candidates({'qkv': (5120, 2880)}, batches=(1,), ops=('norm_linear',))\n"
-        f"r = cc.compile_decode({arch!r}, cands)\n"
-        "print(json.dumps({'seen': seen, 'failures': cc.check_failures(r)}))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout.splitlines()[-1])
-    assert res["failures"] == []
-    assert {s["origin"].endswith("-f1") for s in res["seen"]} == {True, False}
-    for s in res["seen"]:
-        if s["origin"].endswith("-f1"):
-            assert s["prefetch"] and 0 <= max(s["prefetch"]) < s["wait"], s
-        else:
-            assert not s["prefetch"], s

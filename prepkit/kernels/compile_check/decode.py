@@ -8,7 +8,7 @@ the op, weight format, shape, rows and the decode variant (``n..-k..-w..-s..-p..
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from prepkit.kernels.compile_check._compiler import TargetCompiler
@@ -42,8 +42,7 @@ def decode_candidates(
     ops: Iterable[str] = DECODE_OPS,
 ) -> list[DecodeCandidate]:
     """Each op's distinct default launches over ``shapes`` (name -> ``(n, k)``), ``formats`` and
-    ``batches``, each also with its L2 prefetch knob flipped (the tuner's twin of it): one per
-    (op, format, rows, variant), the first shape that picks it."""
+    ``batches``: one per (op, format, rows, variant), the first shape that picks it."""
     from prepkit.kernels.decode.gemv import default_variant
 
     seen: dict[tuple[str, str, int, DecodeVariant], DecodeCandidate] = {}
@@ -51,12 +50,11 @@ def decode_candidates(
         for fmt in formats:
             for batch in batches:
                 for name, (n, k) in shapes.items():
-                    default = default_variant(n, k, batch, fmt)
-                    for v in (default, replace(default, prefetch=1 - default.prefetch)):
-                        key = (op, fmt, batch, v)
-                        if key not in seen:
-                            origin = f"default {op} {fmt} {name} B={batch} {v.name()}"
-                            seen[key] = DecodeCandidate(op, fmt, n, k, batch, v, origin)
+                    v = default_variant(n, k, batch, fmt)
+                    key = (op, fmt, batch, v)
+                    if key not in seen:
+                        origin = f"default {op} {fmt} {name} B={batch} {v.name()}"
+                        seen[key] = DecodeCandidate(op, fmt, n, k, batch, v, origin)
     return list(seen.values())
 
 

@@ -16,7 +16,6 @@ any ``K`` for bf16 weights, MX weights' ``K`` is a multiple of 32 by their layou
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Protocol
 
 import torch
@@ -24,7 +23,7 @@ import torch
 from prepkit.kernels.decode.gemv_kernel import WFMT_BF16, WFMT_MXFP4, WFMT_MXFP8, _gemv_kernel
 from prepkit.kernels.decode.variants import DecodeVariant
 from prepkit.kernels.mx._chain import chain_launch
-from prepkit.kernels.mx._target import interpreting, launch_capability
+from prepkit.kernels.mx._target import interpreting
 from prepkit.kernels.mx.dense import check_weights, split_counters
 
 MAX_ROWS = 8  # the most rows (tokens of one decode step) one launch takes
@@ -87,18 +86,6 @@ def variant_reason(variant: DecodeVariant, fmt: str) -> str | None:
     if not 1 <= variant.split_k <= 64:
         return f"split_k {variant.split_k} is not in 1..64"
     return None
-
-
-def prefetches(weight: Weight, device: torch.device) -> bool:
-    """Whether a variant's L2 prefetch of the weight runs on ``device``: the bulk prefetch needs
-    sm_90 or newer (not the interpreter) and 16-byte aligned rows or panels. Elsewhere the knob is
-    ignored; the results are the same either way."""
-    cap = launch_capability(device)
-    if interpreting() or cap is None or cap < (9, 0):
-        return False
-    if isinstance(weight, torch.Tensor):
-        return weight.data_ptr() % 16 == 0 and (weight.stride(0) * weight.element_size()) % 16 == 0
-    return weight.blocks.data_ptr() % 16 == 0
 
 
 def defers(variant: DecodeVariant, rows: int, fmt: str) -> bool:
@@ -215,8 +202,7 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
     """The variants the tuner sweeps for ``batch`` rows through an ``[n, k]`` ``fmt`` weight:
     row blocks of 8 .. 64, K steps of 1, 2 and 4 times the narrowest useful one, 4 or 8 warps
-    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each);
-    each without and with the L2 prefetch of the weight, side by side."""
+    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each)."""
     default = default_variant(n, k, batch, fmt)
     k_cap = max(MIN_BLOCK_K[fmt], _pow2_at_least(k))
     base = DEFAULT_BLOCK_K[fmt] // 2
@@ -236,7 +222,7 @@ def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVaria
                     v = DecodeVariant(block_n, block_k, num_warps, split)
                     if v not in out:
                         out.append(v)
-    return [w for v in out for w in (v, replace(v, prefetch=1 - v.prefetch))]
+    return out
 
 
 def _pow2_at_least(v: int) -> int:
@@ -317,7 +303,6 @@ def _launch(
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
-        PREFETCH=bool(variant.prefetch) and prefetches(weight, x.device),
         num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

@@ -190,40 +190,6 @@ def _row_rstd(x_row, add_row, K, eps, BLOCK_K: tl.constexpr, HAS_ADD: tl.constex
     return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
 
 
-# Inline PTX (sm_90+): thread 0 of the program asks for ``$2`` bytes at ``$1`` (16-byte aligned,
-# a multiple of 16) to be brought into L2; the other threads skip it. Only a hint: nothing waits.
-_ASM_PREFETCH_L2: tl.constexpr = tl.constexpr(
-    "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
-)
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    tl.inline_asm_elementwise(_ASM_PREFETCH_L2, "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_weights(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, stride_wp, BLOCK_N: tl.constexpr,
-                      WFMT: tl.constexpr):  # fmt: skip
-    """Ask for the bytes of this program's weight tile rows over its K range in L2, before the
-    program waits for the kernel before it: at one token these launches are bound by how soon
-    their bytes arrive, and the layer's other kernels leave HBM bandwidth unused. bf16: one
-    request per row (the launcher checks that rows start 16-byte aligned); MX: one per K panel,
-    where the block's rows lie side by side."""
-    n0 = pid_n * BLOCK_N
-    rows = tl.minimum(N - n0, BLOCK_N)
-    if WFMT == WFMT_BF16:
-        nbytes = (k_hi - k_lo) * 2 // 16 * 16
-        if nbytes > 0:
-            for r in range(0, rows):
-                _prefetch_l2(w_ptr + (n0 + r) * stride_wn + k_lo, nbytes)
-    else:
-        PANEL_K: tl.constexpr = _PANEL_BYTES * (2 if WFMT == WFMT_MXFP4 else 1)
-        for panel in range(k_lo // PANEL_K, tl.cdiv(k_hi, PANEL_K)):
-            _prefetch_l2(w_ptr + panel * stride_wp + n0 * _PANEL_BYTES, rows * _PANEL_BYTES)
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, res_ptr, out_ptr, summed_ptr, normed_ptr, part_ptr, count_ptr,
@@ -232,28 +198,24 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    DEFER: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
     panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
     ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
     counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``PDL``: programmatic dependent
-    launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read; with
-    ``PREFETCH`` (sm_90+) the program first asks for its weight bytes in L2 (:func:`_prefetch_weights`)."""
+    launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read."""
+    _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = tl.arange(0, B_PAD)
     # Split boundaries on BLOCK_K multiples keep every scale group inside one split.
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH:
-        # The weight does not depend on the kernel before: its bytes can move while that one runs.
-        _prefetch_weights(w_ptr, pid_n, N, k_lo, k_hi, stride_wn, stride_wp, BLOCK_N, WFMT)
-    _chain_enter(PDL)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = tl.arange(0, B_PAD)
     rstd = tl.zeros((B_PAD,), dtype=tl.float32)
     if NORM:
         for b in tl.static_range(B):

@@ -38,33 +38,28 @@ class DecodeProblem:
 class DecodeVariant:
     """Launch parameters of one decode kernel variant. ``block_n``: output rows (attention: cache
     slots) per program and step; ``block_k``: reduction width per step; ``split_k``: programs
-    sharing one row block's reduction (1: none); ``prefetch``: 1 when each program asks for its
-    weight bytes into L2 before it waits for the kernel before it (kernels that take it)."""
+    sharing one row block's reduction (1: none)."""
 
     block_n: int
     block_k: int
     num_warps: int
     split_k: int = 1
     num_stages: int = 1
-    prefetch: int = 0
 
     def name(self) -> str:
-        """A stable text name (the tactics DB's tactic column), parsed back by :meth:`parse`; a
-        variant without prefetch keeps the name it had before the knob existed."""
-        name = f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.split_k}-p{self.num_stages}"
-        return f"{name}-f{self.prefetch}" if self.prefetch else name
+        """A stable text name (the tactics DB's tactic column), parsed back by :meth:`parse`."""
+        return f"n{self.block_n}-k{self.block_k}-w{self.num_warps}-s{self.split_k}-p{self.num_stages}"
 
     @classmethod
     def parse(cls, name: str) -> DecodeVariant:
         """The variant :meth:`name` wrote. Raises ValueError for any other text."""
-        parts = name.split("-")
-        tags = "nkwspf"[: len(parts)]
         try:
-            if len(parts) not in (5, 6) or any(not part.startswith(tag) for part, tag in zip(parts, tags, strict=True)):
-                raise ValueError(name)
-            fields = [int(part[1:]) for part in parts]
+            n, k, w, s, p = name.split("-")
+            fields = [int(part[1:]) for part, tag in zip((n, k, w, s, p), "nkwsp", strict=True) if part[0] == tag]
         except ValueError as err:
             raise ValueError(f"not a decode variant name: {name!r}") from err
+        if len(fields) != 5:
+            raise ValueError(f"not a decode variant name: {name!r}")
         return cls(*fields)
 
 
