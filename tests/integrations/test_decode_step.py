@@ -187,7 +187,7 @@ def test_the_eager_step_gives_the_modules_logits_with_bf16_weights(
 
 
 @pytest.fixture(scope="module")
-def mx_model(source: Path, tmp_path_factory: pytest.TempPathFactory, interpreter: None) -> torch.nn.Module:
+def mx_model(source: Path, tmp_path_factory: pytest.TempPathFactory, cpu_interpreter: None) -> torch.nn.Module:
     prepared = _prepare(source, tmp_path_factory.mktemp("step") / "mx", "--layout", "triton-moe", "--dense", "mxfp4")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no tuned tactic for tiny dims; the default serves

@@ -80,7 +80,7 @@ def test_without_the_window_mask_the_tokens_differ(source: Path) -> None:
     assert not torch.equal(got, want)
 
 
-def test_static_decode_with_prepkit_moe_matches_generate(source: Path, prepared: Path, interpreter: None) -> None:
+def test_static_decode_with_prepkit_moe_matches_generate(source: Path, prepared: Path, cpu_interpreter: None) -> None:
     model = _no_eos(swapped(source, prepared))
     ids = _prompt(20)
     with torch.no_grad():
@@ -188,7 +188,7 @@ def test_a_decoder_layer_compiles_with_fullgraph(real_model: torch.nn.Module) ->
     assert sum(e < 2e-2 for e in per_token) >= len(per_token) - 2, per_token
 
 
-def test_a_decoder_layer_with_prepkit_moe_traces_whole(source: Path, prepared: Path, interpreter: None) -> None:
+def test_a_decoder_layer_with_prepkit_moe_traces_whole(source: Path, prepared: Path, cpu_interpreter: None) -> None:
     # fullgraph=True fails on any graph break; aot_eager runs the traced graph (the op included) on the CPU.
     model = swapped(source, prepared)
     layer = model.model.layers[1]
@@ -204,7 +204,7 @@ def test_a_decoder_layer_with_prepkit_moe_traces_whole(source: Path, prepared: P
 
 
 @pytest.mark.slow
-def test_compiled_decode_steps_give_the_eager_steps_tokens(source: Path, prepared: Path, interpreter: None) -> None:
+def test_compiled_decode_steps_give_the_eager_steps_tokens(source: Path, prepared: Path, cpu_interpreter: None) -> None:
     # The compiled pieces (prepkit.integrations.decode_step) against the same step run eagerly.
     model = _no_eos(swapped(source, prepared))
     ids = _prompt(20)
