@@ -45,7 +45,9 @@ def main(folders: list[Path], out_dir: Path) -> int:
             decoder = build_rank_decoder(model, ids.shape[1] + NEW_TOKENS, len(PROMPT), "modules")
             step_tokens = decoder.generate(ids, NEW_TOKENS, attention_mask=mask)
     except PrepkitError as err:
-        print(f"Error: {err}", file=sys.stderr)
+        # One write: ranks share the stream, and print's separate newline could land after
+        # another rank's line.
+        sys.stderr.write(f"Error: {err}\n")
         return err.exit_code
     finally:
         leave()
