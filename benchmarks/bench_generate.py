@@ -167,7 +167,7 @@ def generate_part(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
 def accuracy_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     from prepkit.generation import accuracy
     from prepkit.generation.accuracy import PathAccuracy
-    from prepkit.integrations.static_decode import PrepkitDecoder
+    from prepkit.generation.steps import build_decoder
     from prepkit.integrations.transformers import from_prepared
 
     src = write_checkpoint(root / "acc-model", 2, seed=23)
@@ -198,7 +198,7 @@ def accuracy_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = from_prepared(folders[fmt], device="cuda")
-        decoder = PrepkitDecoder(model, length, compile=step == "compiled", kernels=step == "kernels", keep_logits=True)
+        decoder = build_decoder(model, length, 1, step, keep_logits=True)
         rows.append(accuracy.compare(name, accuracy.decoder_logits(decoder, tokens, prompt), references[fmt]))
         del decoder, model
         gc.collect()

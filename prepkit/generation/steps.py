@@ -28,11 +28,12 @@ def default_step(device: torch.device, batch: int = 1) -> DecodeStep:
     return "kernels" if batch == 1 else "compiled"
 
 
-def build_decoder(model: Any, max_len: int, batch: int, step: DecodeStep, **hooks: Any) -> Any:
+def build_decoder(model: Any, max_len: int, batch: int, step: DecodeStep, **options: Any) -> Any:
     """A :class:`~prepkit.integrations.static_decode.PrepkitDecoder` for ``batch`` rows of
-    ``max_len`` tokens running ``step``; ``hooks``: the decoder's ``reduce``/``gather``."""
+    ``max_len`` tokens running ``step``; ``options``: the decoder's other arguments (``reduce``/
+    ``gather`` hooks, ``eos_ids``, ``pad_id``, ``keep_logits``)."""
     from prepkit.integrations.static_decode import PrepkitDecoder
 
     return PrepkitDecoder(
-        model, max_len, batch_size=batch, compile=step == "compiled", kernels=step == "kernels", **hooks
+        model, max_len, batch_size=batch, compile=step == "compiled", kernels=step == "kernels", **options
     )

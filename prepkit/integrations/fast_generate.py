@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from prepkit.generation.sampling import SamplingParams
-from prepkit.generation.steps import DecodeStep, default_step
+from prepkit.generation.steps import DecodeStep, build_decoder, default_step
 from prepkit.integrations.decode_loop import ids_of
 from prepkit.warn_once import warn_once
 
@@ -125,8 +125,6 @@ def _new_tokens(config: Any, prompt: int) -> int:
 def _decoder(model: Any, batch: int, length: int, eos: list[int], pad: int | None) -> Any:
     """A decoder for this batch whose cache holds ``length`` tokens, kept on the model for the
     next call (its graphs with it)."""
-    from prepkit.integrations.static_decode import PrepkitDecoder
-
     max_len = -(-length // MAX_LEN_STEP) * MAX_LEN_STEP
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
@@ -136,9 +134,6 @@ def _decoder(model: Any, batch: int, length: int, eos: list[int], pad: int | Non
     if decoder is None or decoder.max_len < length:
         model._prepkit_decoders.pop(key, None)  # frees the old cache before the new one is made
         step = model._prepkit_step or default_step(model.model.embed_tokens.weight.device, batch)
-        decoder = PrepkitDecoder(
-            model, max_len, batch_size=batch, compile=step == "compiled", kernels=step == "kernels", eos_ids=eos,
-            pad_id=pad,
-        )  # fmt: skip
+        decoder = build_decoder(model, max_len, batch, step, eos_ids=eos, pad_id=pad)
         model._prepkit_decoders[key] = decoder
     return decoder

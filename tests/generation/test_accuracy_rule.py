@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prepkit.generation import accuracy
-from prepkit.integrations.static_decode import PrepkitDecoder
+from prepkit.generation.steps import build_decoder
 from tests.integrations.test_transformers import TINY, _prepare
 
 from .conftest import DEVICE
@@ -42,9 +42,7 @@ def yardstick(tiny_source: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, ac
 
 
 def _path(model: torch.nn.Module, tokens: torch.Tensor, ref: torch.Tensor, step: str) -> accuracy.PathAccuracy:
-    decoder = PrepkitDecoder(
-        model, LENGTH, batch_size=2, compile=step == "compiled", kernels=step == "kernels", keep_logits=True
-    )
+    decoder = build_decoder(model, LENGTH, 2, step, keep_logits=True)
     return accuracy.compare("path", accuracy.decoder_logits(decoder, tokens, PROMPT), ref)
 
 

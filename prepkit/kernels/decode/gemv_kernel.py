@@ -129,29 +129,27 @@ def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
     G: tl.constexpr = BLOCK_K // 32
     wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
-    if len(xb.shape) == 1:
-        xb = xb[None, :]
-    xa, xb2 = tl.split(tl.reshape(xb, (xb.shape[0], G, 2, 2, 2, 2, 2)))
+    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
     w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wa)
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xa)
-    s = w0 * x0
-    s += w1 * x1
-    s += w2 * x2
-    s += w3 * x3
-    s += w4 * x4
-    s += w5 * x5
-    s += w6 * x6
-    s += w7 * x7
+    s = w0 * x0[None]
+    s += w1 * x1[None]
+    s += w2 * x2[None]
+    s += w3 * x3[None]
+    s += w4 * x4[None]
+    s += w5 * x5[None]
+    s += w6 * x6[None]
+    s += w7 * x7[None]
     w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wb)
     x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xb2)
-    s += w0 * x0
-    s += w1 * x1
-    s += w2 * x2
-    s += w3 * x3
-    s += w4 * x4
-    s += w5 * x5
-    s += w6 * x6
-    s += w7 * x7
+    s += w0 * x0[None]
+    s += w1 * x1[None]
+    s += w2 * x2[None]
+    s += w3 * x3[None]
+    s += w4 * x4[None]
+    s += w5 * x5[None]
+    s += w6 * x6[None]
+    s += w7 * x7[None]
     return tl.sum(s, axis=2)
 
 
@@ -287,7 +285,7 @@ def _step_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rst
         # The next step's tile is loaded before this one is used: two steps' loads in flight.
         raw_next, sc_next = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, stride_wp,
                                       stride_sk, BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
-        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
+        w, _ = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
         offs_k = k0 + elem
         k_mask = offs_k < K
         nw = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -411,21 +409,23 @@ def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows,
     a5 = a0
     a6 = a0
     a7 = a0
-    raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
-                        WFMT)  # fmt: skip
+    # bf16 tiles load the next step's tile before they use this one: two steps' loads in flight.
+    # MX tiles load in their step: their decode's instructions, not latency, bound them, and a
+    # second tile's registers add to them (sm_90 SASS: mxfp8 o 151 -> 222 instructions a step).
+    AHEAD: tl.constexpr = WFMT == WFMT_BF16
+    if AHEAD:
+        raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N,
+                            BLOCK_K, WFMT)  # fmt: skip
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        if WFMT == WFMT_BF16:
-            # The next step's tile is loaded before this one is used: two steps' loads in flight.
-            # MX tiles load in their step: their decode's instructions, not latency, bound them,
-            # and the second tile's registers add to them (sm_90 SASS: mxfp8 o 151 -> 222 a step).
+        if AHEAD:
             raw_next, sc_next = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, stride_wp,
                                           stride_sk, BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
+            w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
         else:
-            raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, stride_wn, stride_wp, stride_sk, BLOCK_N,
-                                BLOCK_K, WFMT)  # fmt: skip
-            raw_next, sc_next = raw, sc
-        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
+            raw_step, sc_step = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, stride_wn, stride_wp, stride_sk,
+                                          BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
+            w, mult = _decode(raw_step, sc_step, BLOCK_N, BLOCK_K, WFMT, ASM)
         if WFMT != WFMT_BF16:
             w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // 32, 32)) * mult[:, :, None], (BLOCK_N, BLOCK_K))
         offs_k, k_mask, nw = _step_columns(nw_ptr, k0, elem, K, BLOCK_N, BLOCK_K, WFMT, NORM)
@@ -452,7 +452,8 @@ def _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows,
         if B > 7:
             a7 += w * _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb, stride_ab, NORM, HAS_ADD,
                              SW_ROUND)  # fmt: skip
-        raw, sc = raw_next, sc_next
+        if AHEAD:
+            raw, sc = raw_next, sc_next
     acc = tl.where(rows[None, :] == 0, tl.sum(a0, axis=1)[:, None], 0.0)
     if B > 1:
         acc += tl.where(rows[None, :] == 1, tl.sum(a1, axis=1)[:, None], 0.0)
