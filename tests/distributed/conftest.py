@@ -38,6 +38,14 @@ class Launch:
     wall_s: float
 
 
+# The CPU twins start processes that run the kernels on the Triton interpreter. A GPU host runs the
+# GPU twins instead: its Triton may be one whose interpreter cannot run these kernels (3.6 cannot).
+cpu_twin = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU twin (the interpreter); a GPU host runs the GPU twins"
+)
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+
+
 def run_launch(command: list[str], timeout_s: float = 240.0) -> Launch:
     """Run ``command`` (which starts the ranks itself) with this checkout importable and the CPU
     kernel on the interpreter; its output and wall time."""

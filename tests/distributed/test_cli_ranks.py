@@ -9,14 +9,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from prepkit.generation.loading import cache_bytes, weight_bytes
 from prepkit.manifest import Manifest
-from tests.distributed.conftest import REPO
+from tests.distributed.conftest import REPO, cpu_twin, two_gpus
 
 
+@cpu_twin
 def test_generate_over_two_ranks_prints_once(ep2: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "prepkit", "generate", str(ep2), "--device", "cpu", "--nproc", "2"]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    _generate_prints_once(ep2, "cpu", env)
+
+
+@two_gpus
+@pytest.mark.parametrize("split", ["tp2", "ep2"])
+def test_generate_over_two_gpus_prints_once(split: str, request: pytest.FixtureRequest) -> None:
+    """The GPU twin: NCCL between two GPUs, the kernels compiled, the default step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    _generate_prints_once(request.getfixturevalue(split), "cuda", env)
+
+
+def _generate_prints_once(folder: Path, device: str, env: dict[str, str]) -> None:
+    env = {**env, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "prepkit", "generate", str(folder), "--device", device, "--nproc", "2"]
     done = subprocess.run(
         [*command, "-n", "3", "--temperature", "0.8", "--json"],
         input="a prompt from stdin",

@@ -12,8 +12,10 @@ import torch
 
 from prepkit.kernels.reference import relative_error
 from prepkit.synth import write_synthetic_checkpoint
-from tests.distributed.conftest import run_launch
+from tests.distributed.conftest import cpu_twin, run_launch
 from tests.integrations.test_transformers import TINY, _prepare
+
+pytestmark = cpu_twin
 
 # fp32 between modules (the worker's dtype): the ranks' partial sums then round almost as one
 # process's sums do; measured 3e-7 relative at these dims.

@@ -98,3 +98,21 @@ def test_sliced_top_k_is_top_k(k: int) -> None:
     want_values, want_index = scores.topk(k, dim=-1)
     assert torch.equal(values, want_values) and torch.equal(index, want_index)
     assert torch.equal(scores.gather(-1, index), values)
+
+
+@pytest.mark.parametrize("vocab", [5000, 50001, 201088])
+def test_sliced_argmax_is_argmax(vocab: int) -> None:
+    """The two-stage argmax picks what one ``argmax`` picks: the first of tied maxima (here across
+    slices too), and the first NaN when a row has one; a short row takes one stage."""
+    from prepkit.generation.sampling import argmax
+
+    g = torch.Generator().manual_seed(vocab)
+    scores = torch.randn(4, vocab, generator=g).to(torch.bfloat16)
+    top = scores.max() + 1
+    scores[1, [vocab - 1, vocab // 2, 7]] = top  # ties in different slices: the first wins
+    scores[2, [vocab - 3, 11]] = float("nan")
+    scores[3] = 0.0  # all tied: index 0
+    got = argmax(scores)
+    assert got.dtype == torch.long
+    assert torch.equal(got, scores.argmax(-1)), (got, scores.argmax(-1))
+    assert got[1] == 7 and got[2] == 11 and got[3] == 0
