@@ -132,6 +132,15 @@ def uniform_noise(seed: torch.Tensor, position: torch.Tensor, rows: int, cols: i
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def _slices(scores: torch.Tensor, chunks: int) -> tuple[torch.Tensor, int]:
+    """``[B, V]`` -> ``[B, chunks, width]`` slices of the vocabulary (the last padded with -inf,
+    which no top-k or argmax picks over a real value) and ``width``."""
+    batch, vocab = scores.shape
+    width = -(-vocab // chunks)
+    padded = torch.nn.functional.pad(scores, (0, chunks * width - vocab), value=float("-inf"))
+    return padded.view(batch, chunks, width), width
+
+
 def top_k(scores: torch.Tensor, k: int, chunks: int = TOP_K_CHUNKS) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores.topk(k)`` over the last dim of ``[B, V]``, in two stages for a large ``V``: the
     top ``k`` of each of ``chunks`` slices, then the top ``k`` of those. One row's top-k over a
@@ -140,9 +149,8 @@ def top_k(scores: torch.Tensor, k: int, chunks: int = TOP_K_CHUNKS) -> tuple[tor
     batch, vocab = scores.shape
     if vocab < chunks * k * 8:
         return scores.topk(k, dim=-1)
-    width = -(-vocab // chunks)
-    padded = torch.nn.functional.pad(scores, (0, chunks * width - vocab), value=float("-inf"))
-    values, index = padded.view(batch, chunks, width).topk(k, dim=-1)
+    sliced, width = _slices(scores, chunks)
+    values, index = sliced.topk(k, dim=-1)
     index = index + torch.arange(0, chunks * width, width, device=scores.device)[None, :, None]
     values, pick = values.view(batch, -1).topk(k, dim=-1)
     return values, index.view(batch, -1).gather(-1, pick)
@@ -151,13 +159,10 @@ def top_k(scores: torch.Tensor, k: int, chunks: int = TOP_K_CHUNKS) -> tuple[tor
 def argmax(scores: torch.Tensor, chunks: int = TOP_K_CHUNKS) -> torch.Tensor:
     """``scores.argmax(-1)`` of ``[B, V]`` (the first largest; a NaN counts as largest), in two
     stages for a large ``V`` as :func:`top_k` does: one row's argmax over the whole vocabulary
-    is one block's work on the GPU (about 48 us on an H100), ``chunks`` slices spread it."""
-    batch, vocab = scores.shape
-    if vocab < chunks * 64:
+    is one block's work on the GPU, ``chunks`` slices spread it (docs/decode.md)."""
+    if scores.shape[-1] < chunks * 64:
         return scores.argmax(-1)
-    width = -(-vocab // chunks)
-    padded = torch.nn.functional.pad(scores, (0, chunks * width - vocab), value=float("-inf"))
-    sliced = padded.view(batch, chunks, width)
+    sliced, width = _slices(scores, chunks)
     index = sliced.argmax(-1, keepdim=True)
     pick = sliced.gather(-1, index)[..., 0].argmax(-1, keepdim=True)
     return (index[..., 0].gather(-1, pick)[:, 0] + pick[:, 0] * width).long()
