@@ -52,6 +52,21 @@ def test_norm_linear_matches_the_reference(device: str, fmt: str, batch: int, ad
         assert got_normed is None
 
 
+@pytest.mark.parametrize("row_block", [32, 64])
+def test_rows_longer_than_one_norm_block_match_the_reference(
+    device: str, row_block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The norm's prologue and its row writes take a whole row at once up to MAX_ROW_BLOCK and loop
+    # beyond it: 96 values are three blocks of 32, or one full and one masked block of 64.
+    monkeypatch.setattr(gemv, "MAX_ROW_BLOCK", row_block)
+    inputs = _inputs("norm_linear", "bf16", 3, 40, 96, device, seed=5, add=1, bias=1, normed=1)
+    summed, out, normed = gemv.norm_linear(**inputs)
+    want = norm_linear_reference(**inputs)
+    assert torch.equal(summed, want[0])
+    assert relative_error(out, want[1]) <= TOLERANCE
+    assert normed is not None and relative_error(normed, want[2]) <= TOLERANCE
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("bias", [0, 1])
@@ -128,13 +143,29 @@ def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
 
 
 def test_one_bf16_row_takes_the_sweeps_winners() -> None:
-    # The fastest variants of an H200 sweep at gpt-oss's shapes (docs/decode.md).
-    assert gemv.default_variant(5120, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # q/k/v
-    assert gemv.default_variant(2880, 4096, 1, "bf16") == DecodeVariant(8, 128, 4, 8)  # o
-    assert gemv.default_variant(128, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # router
+    # The fastest variants of an H100 run at gpt-oss's shapes (docs/decode.md): 8 warps but for
+    # the lm_head's long stream, 4-row blocks for o's fewer rows, the router's whole row a step.
+    assert gemv.default_variant(5120, 2880, 1, "bf16") == DecodeVariant(8, 256, 8, 1)  # q/k/v
+    assert gemv.default_variant(2880, 4096, 1, "bf16") == DecodeVariant(4, 512, 8, 1)  # o
+    assert gemv.default_variant(128, 2880, 1, "bf16") == DecodeVariant(2, 4096, 8, 1)  # router
     assert gemv.default_variant(201088, 2880, 1, "bf16") == DecodeVariant(8, 256, 4, 1)  # lm_head
-    for n, k in ((5120, 2880), (2880, 4096), (128, 2880), (13, 77)):
-        assert gemv.variant_reason(gemv.default_variant(n, k, 1, "bf16"), "bf16") is None
+    for n, k in ((5120, 2880), (2880, 4096), (128, 2880), (13, 77), (128, 9000)):
+        v = gemv.default_variant(n, k, 1, "bf16")
+        assert gemv.variant_reason(v, "bf16") is None
+        assert v in gemv.candidate_variants(n, k, 1, "bf16")  # the tuner can confirm or beat it
+
+
+def test_weights_of_few_rows_get_wide_k_steps_to_choose_from() -> None:
+    # The router's 16 row blocks: candidates down to 2-row blocks and up to the whole row a step;
+    # o's 360: down to 4-row blocks, steps up to 512; q/k/v's 640 keep the usual grid.
+    router = gemv.candidate_variants(128, 2880, 1, "bf16")
+    assert {v.block_k for v in router} >= {1024, 2048, 4096} and min(v.block_n for v in router) == 2
+    o = gemv.candidate_variants(2880, 4096, 1, "bf16")
+    assert max(v.block_k for v in o) == 512 and min(v.block_n for v in o) == 4
+    qkv = gemv.candidate_variants(5120, 2880, 1, "bf16")
+    assert max(v.block_k for v in qkv) == 256 and min(v.block_n for v in qkv) == 8
+    for v in router + o + qkv:
+        assert gemv.variant_reason(v, "bf16") is None
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,12 @@ _WFMT_IDS = {"bf16": WFMT_BF16.value, "mxfp8": WFMT_MXFP8.value, "mxfp4": WFMT_M
 # nibble widener handles) and the default one (256 weight bytes a row and step).
 MIN_BLOCK_K = {"bf16": 16, "mxfp8": 32, "mxfp4": 64}
 DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
+# Row blocks beyond which a one-row bf16 launch is a long stream (the lm_head's 25,136), which
+# 4 warps a program keep at the copy bandwidth; shorter launches gain from 8 (:func:`_one_bf16_row`).
+STREAMING_BLOCKS = 16 * TARGET_PROGRAMS
+# The widest block of one row's activations the norm's prologue loads at once: gpt-oss rows
+# (2,880) in one load, longer ones in a loop.
+MAX_ROW_BLOCK = 4096
 # The most accumulator registers a thread spends on deferred row sums (:func:`defers`).
 DEFERRED_VALUES = 32
 
@@ -189,28 +195,48 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
 
 
 def _one_bf16_row(n: int, k: int) -> DecodeVariant:
-    """One row through a bf16 weight: 8-row blocks of 256-wide K steps; where a long reduction
-    (K >= 4096) leaves fewer than 512 row blocks, 128-wide steps in 8 splits. The fastest variants
-    of a sweep at gpt-oss-120b's shapes on an H200 (docs/decode.md): q/k/v 12.3 us (the older
-    default 17.9), o 10.9 (18.8), router 7.9 (12.6), lm_head 282 (285)."""
+    """One row through a bf16 weight, by how many 8-row blocks the weight has (the fastest
+    variants at gpt-oss-120b's shapes on an H100, docs/decode.md):
+
+    - fewer than :data:`TARGET_PROGRAMS` / 2 (the router): 2-row blocks, the whole row in one K
+      step, since each of the few programs would wait out one memory round trip a step;
+    - fewer than 2 x :data:`TARGET_PROGRAMS` (o): 4-row blocks of 512-wide steps, for more programs;
+    - more than :data:`STREAMING_BLOCKS` (the lm_head): 8-row blocks of 256, 4 warps, a long
+      stream at the copy bandwidth that 8 warps slow down;
+    - otherwise (q/k/v): 8-row blocks of 256-wide steps.
+    """
     tiles = -(-n // 8)
-    if k >= 4096 and tiles < 512:
-        return DecodeVariant(8, 128, 4, 8)
-    return DecodeVariant(8, min(256, max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))), 4, 1)
+    row = max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))
+    if tiles < TARGET_PROGRAMS // 2:
+        return DecodeVariant(2, min(MAX_ROW_BLOCK, row), 8, 1)
+    if tiles < 2 * TARGET_PROGRAMS:
+        return DecodeVariant(4, min(512, row), 8, 1)
+    return DecodeVariant(8, min(256, row), 4 if tiles > STREAMING_BLOCKS else 8, 1)
 
 
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
     """The variants the tuner sweeps for ``batch`` rows through an ``[n, k]`` ``fmt`` weight:
     row blocks of 8 .. 64, K steps of 1, 2 and 4 times the narrowest useful one, 4 or 8 warps
-    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each)."""
+    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each).
+    Weights of fewer 8-row blocks than 2 x :data:`TARGET_PROGRAMS` (o) also get 4-row blocks and
+    steps of 8 times the narrowest; those of fewer than :data:`TARGET_PROGRAMS` / 2 (the router)
+    2-row blocks and steps up to 64 times it (the whole row): their few programs each wait out
+    one memory round trip a K step, so fewer, wider steps are what shortens them."""
     default = default_variant(n, k, batch, fmt)
     k_cap = max(MIN_BLOCK_K[fmt], _pow2_at_least(k))
     base = DEFAULT_BLOCK_K[fmt] // 2
+    tiles = -(-n // 8)
+    widths: tuple[int, ...] = (base, base * 2, base * 4)
+    blocks: tuple[int, ...] = (8, 16, 32, 64)
+    if tiles < TARGET_PROGRAMS // 2:
+        widths, blocks = widths + (base * 8, base * 16, base * 32, base * 64), (2, 4) + blocks
+    elif tiles < 2 * TARGET_PROGRAMS:
+        widths, blocks = widths + (base * 8,), (4,) + blocks
     out = [default]
-    for block_n in (8, 16, 32, 64):
+    for block_n in blocks:
         if block_n > max(8, _pow2_at_least(n)):
             continue
-        for block_k in (base, base * 2, base * 4):
+        for block_k in widths:
             if block_k > k_cap:
                 continue
             for num_warps in (4, 8):
@@ -303,6 +329,7 @@ def _launch(
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
+        ROW_BLOCK=min(_pow2_at_least(k), MAX_ROW_BLOCK),
         num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

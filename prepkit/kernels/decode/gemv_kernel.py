@@ -176,11 +176,12 @@ def _summed(x, add_row, offs_k, k_mask, HAS_ADD: tl.constexpr, SW_ROUND: tl.cons
 
 
 @triton.jit
-def _row_rstd(x_row, add_row, K, eps, BLOCK_K: tl.constexpr, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
-    """``1 / sqrt(mean(summed^2) + eps)`` of one row, in fp32."""
-    sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+def _row_rstd(x_row, add_row, K, eps, ROW_BLOCK: tl.constexpr, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
+    """``1 / sqrt(mean(summed^2) + eps)`` of one row, in fp32. ``ROW_BLOCK`` covers the whole row
+    where it can: a loop's loads are not pipelined, so each step would wait out one L2 round trip."""
+    sq = tl.zeros((ROW_BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, ROW_BLOCK):
+        offs_k = k0 + tl.arange(0, ROW_BLOCK)
         k_mask = offs_k < K
         x = _summed(tl.load(x_row + offs_k, mask=k_mask, other=0.0), add_row, offs_k, k_mask, HAS_ADD, SW_ROUND)
         xf = x.to(tl.float32)
@@ -196,13 +197,14 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr, PDL: tl.constexpr,
+    DEFER: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
     panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
     ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
-    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``PDL``: programmatic dependent
+    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``ROW_BLOCK``: the norm's
+    prologue and its row writes take a whole row at once (:func:`_row_rstd`). ``PDL``: programmatic dependent
     launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read."""
     _chain_enter(PDL)
     pid_n = tl.program_id(0)
@@ -217,7 +219,7 @@ def _gemv_kernel(
     rstd = tl.zeros((B_PAD,), dtype=tl.float32)
     if NORM:
         for b in tl.static_range(B):
-            r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, BLOCK_K, HAS_ADD, SW_ROUND)
+            r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, ROW_BLOCK, HAS_ADD, SW_ROUND)
             rstd = tl.where(rows == b, r, rstd)
     elem = _tile_elements(BLOCK_K, WFMT)
     if (WFMT != WFMT_BF16) and (not DEFER):
@@ -252,7 +254,7 @@ def _gemv_kernel(
         if (pid_n == 0) & (pid_k == 0):
             for b in tl.static_range(B):
                 _write_rows(x_ptr + b * stride_xb, add_ptr + b * stride_ab, nw_ptr, summed_ptr + b * stride_sb,
-                            normed_ptr + b * stride_nb, K, tl.sum(tl.where(rows == b, rstd, 0.0), axis=0), BLOCK_K,
+                            normed_ptr + b * stride_nb, K, tl.sum(tl.where(rows == b, rstd, 0.0), axis=0), ROW_BLOCK,
                             HAS_ADD, WANT_NORMED, SW_ROUND)  # fmt: skip
 
 
@@ -486,11 +488,11 @@ def _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_n, n_mask, rows, mask, strid
 
 
 @triton.jit
-def _write_rows(x_row, add_row, nw_ptr, summed_row, normed_row, K, rstd, BLOCK_K: tl.constexpr,
+def _write_rows(x_row, add_row, nw_ptr, summed_row, normed_row, K, rstd, ROW_BLOCK: tl.constexpr,
                 HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
-    """Store one row's ``summed`` and (``WANT_NORMED``) ``normed`` values."""
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
+    """Store one row's ``summed`` and (``WANT_NORMED``) ``normed`` values, ``ROW_BLOCK`` at a time."""
+    for k0 in range(0, K, ROW_BLOCK):
+        offs_k = k0 + tl.arange(0, ROW_BLOCK)
         k_mask = offs_k < K
         x = _summed(tl.load(x_row + offs_k, mask=k_mask, other=0.0), add_row, offs_k, k_mask, HAS_ADD, SW_ROUND)
         tl.store(summed_row + offs_k, x, mask=k_mask)
