@@ -203,9 +203,10 @@ def _gemv_kernel(
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
     panel) with scales ``[K/32, N]`` (``stride_sk`` per group); ``out``/``res``: ``[B, N]`` bf16;
     ``summed``/``normed``: ``[B, K]`` bf16; ``part``: ``[SPLIT_K, B, N]`` fp32 and ``count`` one
-    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``ROW_BLOCK``: the norm's
-    prologue and its row writes take a whole row at once (:func:`_row_rstd`). ``PDL``: programmatic dependent
-    launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before anything is read."""
+    counter per N tile, zero between calls, when ``SPLIT_K > 1``. ``ROW_BLOCK``: how many of a row's
+    values the norm's prologue and its row writes load at once (:func:`_row_rstd`). ``PDL``:
+    programmatic dependent launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before
+    anything is read."""
     _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
