@@ -124,24 +124,11 @@ def _split8(v):
 
 
 @triton.jit
-def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[BLOCK_N, BLOCK_K/32]``: each 32-element group's ``sum w * x``, as chains of multiply-adds
-    over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
-    G: tl.constexpr = BLOCK_K // 32
-    wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
-    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
-    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wa)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xa)
-    s = w0 * x0[None]
-    s += w1 * x1[None]
-    s += w2 * x2[None]
-    s += w3 * x3[None]
-    s += w4 * x4[None]
-    s += w5 * x5[None]
-    s += w6 * x6[None]
-    s += w7 * x7[None]
-    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(wb)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(xb2)
+def _add_products8(s, w, x):
+    """``s`` plus the 8 products of :func:`_split8`'s parts of ``w [..., G, 2, 2, 2, 2]`` and
+    ``x [G, 2, 2, 2, 2]``, one multiply-add after the other (one link of :func:`_group_sums`' chain)."""
+    w0, w1, w2, w3, w4, w5, w6, w7 = _split8(w)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x)
     s += w0 * x0[None]
     s += w1 * x1[None]
     s += w2 * x2[None]
@@ -150,6 +137,18 @@ def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     s += w5 * x5[None]
     s += w6 * x6[None]
     s += w7 * x7[None]
+    return s
+
+
+@triton.jit
+def _group_sums(w, xb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N, BLOCK_K/32]``: each 32-element group's ``sum w * x``, as chains of multiply-adds
+    over 16 of the group's values and a 2-way sum (a longer chain leaves fewer adds than a tree)."""
+    G: tl.constexpr = BLOCK_K // 32
+    wa, wb = tl.split(tl.reshape(w, (BLOCK_N, G, 2, 2, 2, 2, 2)))
+    xa, xb2 = tl.split(tl.reshape(xb, (G, 2, 2, 2, 2, 2)))
+    s = _add_products8(tl.zeros((BLOCK_N, G, 2), dtype=tl.float32), wa, xa)
+    s = _add_products8(s, wb, xb2)
     return tl.sum(s, axis=2)
 
 
