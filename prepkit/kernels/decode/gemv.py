@@ -205,13 +205,22 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
       stream at the copy bandwidth that 8 warps slow down;
     - otherwise (q/k/v): 8-row blocks of 256-wide steps.
     """
-    tiles = -(-n // 8)
     row = max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))
-    if tiles < TARGET_PROGRAMS // 2:
+    rows = _row_count(n)
+    if rows == "few":
         return DecodeVariant(2, min(MAX_ROW_BLOCK, row), 8, 1)
-    if tiles < 2 * TARGET_PROGRAMS:
+    if rows == "some":
         return DecodeVariant(4, min(512, row), 8, 1)
-    return DecodeVariant(8, min(256, row), 4 if tiles > STREAMING_BLOCKS else 8, 1)
+    return DecodeVariant(8, min(256, row), 4 if -(-n // 8) > STREAMING_BLOCKS else 8, 1)
+
+
+def _row_count(n: int) -> str:
+    """How a weight of ``n`` rows stands against the programs a launch aims for, counted in
+    8-row blocks: ``"few"`` below :data:`TARGET_PROGRAMS` / 2 (the router), ``"some"`` below
+    2 x :data:`TARGET_PROGRAMS` (o), else ``"many"``. The one-row defaults and the tuner's
+    candidates both follow it."""
+    blocks = -(-n // 8)
+    return "few" if blocks < TARGET_PROGRAMS // 2 else "some" if blocks < 2 * TARGET_PROGRAMS else "many"
 
 
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
@@ -225,12 +234,12 @@ def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVaria
     default = default_variant(n, k, batch, fmt)
     k_cap = max(MIN_BLOCK_K[fmt], _pow2_at_least(k))
     base = DEFAULT_BLOCK_K[fmt] // 2
-    tiles = -(-n // 8)
     widths: tuple[int, ...] = (base, base * 2, base * 4)
     blocks: tuple[int, ...] = (8, 16, 32, 64)
-    if tiles < TARGET_PROGRAMS // 2:
+    rows = _row_count(n)
+    if rows == "few":
         widths, blocks = widths + (base * 8, base * 16, base * 32, base * 64), (2, 4) + blocks
-    elif tiles < 2 * TARGET_PROGRAMS:
+    elif rows == "some":
         widths, blocks = widths + (base * 8,), (4,) + blocks
     out = [default]
     for block_n in blocks:
