@@ -93,26 +93,32 @@ def bench_part(args: argparse.Namespace, folders: dict[str, Path]) -> dict[str, 
     return out
 
 
-def fit_layers(full: dict[str, Any], few: dict[str, Any], layers: int, fit: int) -> dict[str, Any]:
-    """Per-layer and fixed ms per token from tg128 at two layer counts, scaled to 36 layers,
-    with the floor scaled the same way from the bytes per token."""
-    per_layer = (tg_ms(full) - tg_ms(few)) / (layers - fit)
-    fixed = tg_ms(full) - layers * per_layer
+def fit_layers(full: dict[str, Any], few: dict[str, Any], layers: int, fit: int, test: str = "tg128") -> dict[str, Any]:
+    """Per-layer and fixed ms per token from ``test`` (batch 1) at two layer counts, scaled to 36
+    layers, with the floor scaled the same way from the bytes per token (``None`` where the run
+    measured no copy bandwidth: the CPU)."""
+    per_layer = (tg_ms(full, test) - tg_ms(few, test)) / (layers - fit)
+    fixed = tg_ms(full, test) - layers * per_layer
     scaled_ms = fixed + SCALED_LAYERS * per_layer
-    parts, bw = full["bytes_per_token"], full["copy_bandwidth_gb_s"] * 1e9
-    head = parts["head"]
-    layer_bytes = (sum(parts.values()) - head) / layers
-    floor_ms = (head + SCALED_LAYERS * layer_bytes) / bw * 1e3
-    return {
+    fitted = {
         "per_layer_us": per_layer * 1e3,
         "fixed_ms": fixed,
         "scaled_36_ms": scaled_ms,
         "scaled_36_tok_s": 1e3 / scaled_ms,
-        "floor_36_ms": floor_ms,
-        "floor_36_tok_s": 1e3 / floor_ms,
-        "pct_of_floor_36": 100 * floor_ms / scaled_ms,
-        "floor_per_layer_us": layer_bytes / bw * 1e6,
     }
+    floor = dict.fromkeys(("floor_36_ms", "floor_36_tok_s", "pct_of_floor_36", "floor_per_layer_us"))
+    if full["copy_bandwidth_gb_s"]:
+        parts, bw = full["bytes_per_token"], full["copy_bandwidth_gb_s"] * 1e9
+        head = parts["head"]
+        layer_bytes = (sum(parts.values()) - head) / layers
+        floor_ms = (head + SCALED_LAYERS * layer_bytes) / bw * 1e3
+        floor = {
+            "floor_36_ms": floor_ms,
+            "floor_36_tok_s": 1e3 / floor_ms,
+            "pct_of_floor_36": 100 * floor_ms / scaled_ms,
+            "floor_per_layer_us": layer_bytes / bw * 1e6,
+        }
+    return {**fitted, **floor}
 
 
 def median_tok_s(run: Any, tokens: int, repetitions: int) -> dict[str, float]:

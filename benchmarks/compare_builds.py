@@ -1,0 +1,226 @@
+"""The decode step of two builds of prepkit on one prepared folder, in one run, fitted per layer:
+
+    python -m benchmarks.compare_builds FOLDER --base REV [--head REV] [--layers 4,2] [--rounds 2]
+        [-r 3] [--step kernels] [--tg 128] [--own-tactics] [--out compare.json]
+
+Each build runs ``prepkit bench FOLDER --pp '' --tg N --no-sampled`` at two layer counts, the
+builds alternating inside every round (so drift between the first and the last minute falls on
+both), and each round is fitted per layer and fixed part and scaled to 36 layers, as
+``benchmarks.bench_generate`` does; the table gives the median over the rounds.
+
+A build is a git revision, written out with ``git archive`` (the package, the benchmarks, the
+recipes and the tactics DB), or the working tree (``--head`` left out). The tactics DB sits at the
+top of a checkout, beside the package: a tree made of the package alone runs the built-in default
+tactics, and comparing it against a tuned build measures the tactics, not the change. So both
+builds read the head's ``tactics.db`` unless ``--own-tactics``; and where the reports still name
+different MoE tactics (a change of kernel version, a retune), the comparison stops with exit code
+1 unless ``--allow-different-tactics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_generate import fit_layers  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# What a build needs to run ``prepkit bench`` from its own tree; the tactics DB and the project
+# file make the tree a checkout to ``prepkit.data`` (it finds the DB at the top).
+TREE_PATHS = ("prepkit", "benchmarks", "recipes", "tactics.db", "pyproject.toml")
+FIT_KEYS = ("per_layer_us", "fixed_ms", "scaled_36_tok_s", "pct_of_floor_36", "floor_per_layer_us")
+
+
+@dataclass(frozen=True)
+class Build:
+    name: str  # "base" or "head"
+    label: str  # the revision as given, or "working tree"
+    tree: Path
+
+
+def materialize(rev: str, dest: Path, repo: Path = REPO) -> Path:
+    """The files of revision ``rev`` that a build runs from, written under ``dest``."""
+    listed = subprocess.run(
+        ["git", "-C", str(repo), "ls-tree", "--name-only", rev, *TREE_PATHS], capture_output=True, text=True
+    )
+    if listed.returncode != 0:
+        raise SystemExit(f"compare_builds: git cannot read revision {rev!r}: {listed.stderr.strip()}")
+    paths = listed.stdout.split()
+    if "prepkit" not in paths:
+        raise SystemExit(f"compare_builds: revision {rev!r} holds no prepkit package")
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", rev, *paths], capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"compare_builds: git archive {rev}: {archive.stderr.decode().strip()}")
+    with tempfile.TemporaryFile() as raw:
+        raw.write(archive.stdout)
+        raw.seek(0)
+        with tarfile.open(fileobj=raw) as tar:
+            tar.extractall(dest, filter="data")  # git's own archive; the filter refuses paths outside dest
+    return dest
+
+
+def share_tactics(builds: list[Build], source: Path) -> None:
+    """Give every build ``source`` as its bundled tactics DB (a copy in its tree)."""
+    for build in builds:
+        target = build.tree / "tactics.db"
+        if target.resolve() != source.resolve():
+            shutil.copyfile(source, target)
+
+
+def bench(build: Build, folder: Path, layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``prepkit bench``'s JSON report of ``build`` on ``folder``'s first ``layers`` layers."""
+    command = [
+        sys.executable, "-m", "prepkit", "bench", str(folder), "--pp", "", "--tg", str(args.tg), "--no-sampled",
+        "-r", str(args.repetitions), "--step", args.step, "--layers", str(layers), "--json",
+    ]  # fmt: skip
+    if args.device:
+        command += ["--device", args.device]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(build.tree), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, cwd=build.tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        raise SystemExit(f"compare_builds: {build.name} ({build.label}) at {layers} layers failed:\n{tail}")
+    report = json.loads(done.stdout)
+    report["source"] = str(build.tree)
+    return report
+
+
+class TacticsDiffer(Exception):
+    """The two builds ran different MoE tactics: their figures would compare those, not the change."""
+
+
+def compare(
+    builds: list[Build], counts: list[int], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``args.rounds`` rounds of both builds, the order flipped every round: each round's fits
+    per build, and its reports."""
+    rounds, reports = [], []
+    for i in range(args.rounds):
+        got = run_round(builds if i % 2 == 0 else builds[::-1], counts, args)
+        clash = [line for n in counts for line in different_tactics(got[("base", n)], got[("head", n)])]
+        if clash and not args.allow_different_tactics:
+            raise TacticsDiffer(
+                "the builds ran different MoE tactics, so the figures would compare those:\n  "
+                + "\n  ".join(clash)
+                + "\n(--allow-different-tactics to compare anyway)"
+            )
+        rounds.append({b.name: fit_round(got[(b.name, counts[0])], got[(b.name, counts[1])], args.tg) for b in builds})
+        reports.append({f"{name} L{n}": report for (name, n), report in got.items()})
+        print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    return rounds, reports
+
+
+def run_round(order: list[Build], counts: list[int], args: argparse.Namespace) -> dict[tuple[str, int], dict]:
+    """Every build of ``order`` at every layer count, the builds alternating at each count."""
+    return {(b.name, n): bench(b, args.folder, n, args) for n in counts for b in order}
+
+
+def different_tactics(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
+    """The token counts at which the two reports' MoE tactics differ, each as a line."""
+    a, b = base.get("tactics") or {}, head.get("tactics") or {}
+    differ = [t for t in sorted(set(a) | set(b), key=str) if a.get(t) != b.get(t)]
+    return [f"{t} tokens: base {a.get(t)!r}, head {b.get(t)!r}" for t in differ]
+
+
+def fit_round(full: dict[str, Any], few: dict[str, Any], tg: int) -> dict[str, Any]:
+    """One build's per-layer fit of one round (``tg``: the tg test's length)."""
+    return fit_layers(full, few, full["model"]["layers"], few["model"]["layers"], test=f"tg{tg}")
+
+
+def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """The median of each fitted figure over the rounds, per build (``None`` for the floor's
+    figures where the run measured no copy bandwidth)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in rounds[0]:
+        values = {key: [r[name][key] for r in rounds] for key in FIT_KEYS}
+        out[name] = {key: None if None in v else statistics.median(v) for key, v in values.items()}
+    return out
+
+
+def _figure(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
+def table(summary: dict[str, dict[str, float | None]], builds: list[Build]) -> str:
+    lines = [
+        "| build | per layer (floor) | fixed | 36 layers | % of floor |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for build in builds:
+        s = summary[build.name]
+        lines.append(
+            f"| {build.name}: {build.label} | {_figure(s['per_layer_us'], '.1f')} us "
+            f"({_figure(s['floor_per_layer_us'], '.1f')}) | {_figure(s['fixed_ms'], '.3f')} ms | "
+            f"{_figure(s['scaled_36_tok_s'], '.1f')} tok/s | {_figure(s['pct_of_floor_36'], '.1f')} |"
+        )
+    base, head = summary["base"], summary["head"]
+    lines.append("")
+    lines.append(
+        f"head/base per layer: {_ratio(head['per_layer_us'], base['per_layer_us'])}; "
+        f"tok/s at 36 layers: {_ratio(head['scaled_36_tok_s'], base['scaled_36_tok_s'])}"
+    )
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("folder", type=Path, help="a prepared folder")
+    parser.add_argument("--base", required=True, help="the git revision to compare against")
+    parser.add_argument("--head", help="a git revision (default: the working tree)")
+    parser.add_argument("--layers", default="4,2", help="the two layer counts to fit over (default 4,2)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of both builds at both counts (default 2)")
+    parser.add_argument("-r", "--repetitions", type=int, default=3, help="prepkit bench's -r (default 3)")
+    parser.add_argument("--tg", type=int, default=128, help="decoded tokens a test (default 128)")
+    parser.add_argument("--step", default="kernels", help="prepkit bench's --step (default kernels)")
+    parser.add_argument("--device", help="prepkit bench's --device")
+    parser.add_argument("--own-tactics", action="store_true", help="each build reads its own tactics.db")
+    parser.add_argument("--allow-different-tactics", action="store_true", help="compare even so")
+    parser.add_argument("--out", type=Path, help="write every report and fit here (JSON)")
+    args = parser.parse_args(argv)
+    counts = [int(v) for v in args.layers.split(",")]
+    if len(counts) != 2 or counts[0] <= counts[1] or counts[1] < 1:
+        parser.error(f"--layers takes two counts, the larger first, not {args.layers!r}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="compare-builds-") as scratch:
+        base = Build("base", args.base, materialize(args.base, Path(scratch) / "base"))
+        head = (
+            Build("head", args.head, materialize(args.head, Path(scratch) / "head"))
+            if args.head
+            else Build("head", "working tree", REPO)
+        )
+        builds = [base, head]
+        if not args.own_tactics:
+            share_tactics(builds, head.tree / "tactics.db")
+        try:
+            rounds, reports = compare(builds, counts, args)
+        except TacticsDiffer as clash:
+            print(f"compare_builds: {clash}", file=sys.stderr)
+            return 1
+    summary = summarize(rounds)
+    print(table(summary, builds))
+    if args.out:
+        args.out.write_text(json.dumps({"summary": summary, "rounds": rounds, "reports": reports}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,116 @@
+"""``benchmarks.compare_builds``: two builds of prepkit on one prepared folder, the older one
+written out of git, both reading one tactics DB, fitted per layer; and the refusal when the
+builds ran different MoE tactics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare_builds as cb
+
+from .conftest import DEVICE
+
+
+def _git_ok() -> bool:
+    done = subprocess.run(["git", "-C", str(cb.REPO), "rev-parse", "HEAD"], capture_output=True)
+    return done.returncode == 0
+
+
+needs_git = pytest.mark.skipif(not _git_ok(), reason="needs the project's git history")
+
+
+@needs_git
+def test_a_revision_becomes_a_tree_that_finds_its_tactics_db(tmp_path: Path) -> None:
+    tree = cb.materialize("HEAD", tmp_path / "base")
+    assert (tree / "prepkit" / "__init__.py").is_file() and (tree / "pyproject.toml").is_file()
+    assert (tree / "tactics.db").read_bytes() == subprocess.run(
+        ["git", "-C", str(cb.REPO), "show", "HEAD:tactics.db"], capture_output=True, check=True
+    ).stdout
+    # prepkit.data, imported from that tree, finds the DB at the tree's top (not this checkout's).
+    found = subprocess.run(
+        [sys.executable, "-c", "from prepkit.data import tactics_db; print(tactics_db())"],
+        cwd=tree, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(tree)},
+    )  # fmt: skip
+    assert Path(found.stdout.strip()) == tree / "tactics.db"
+
+
+@needs_git
+def test_an_unknown_revision_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="cannot read revision 'no-such-rev'"):
+        cb.materialize("no-such-rev", tmp_path / "x")
+
+
+def test_different_tactics_are_named_per_token_count() -> None:
+    base = {"tactics": {"1": "default: a / b", "512": "tuned: c / d"}}
+    head = {"tactics": {"1": "tuned: e / f", "512": "tuned: c / d"}}
+    assert cb.different_tactics(base, head) == ["1 tokens: base 'default: a / b', head 'tuned: e / f'"]
+    assert cb.different_tactics(head, head) == []
+
+
+def _report(layers: int, ms: float, tactics: str) -> dict:
+    return {
+        "model": {"layers": layers},
+        "tests": [{"test": "tg16", "batch": 1, "tok_s": {"median": 1e3 / ms}}],
+        "bytes_per_token": {"experts": 4e6 * layers, "attention": 1e6 * layers, "head": 2e6},
+        "copy_bandwidth_gb_s": 1000.0,
+        "tactics": {"1": tactics},
+    }
+
+
+def test_rounds_alternate_the_builds_and_a_tactics_clash_stops_the_comparison(monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = [cb.Build("base", "r1", Path("/base")), cb.Build("head", "r2", Path("/head"))]
+    calls: list[tuple[str, int]] = []
+    slope = {"base": 0.2, "head": 0.1}  # ms a layer
+
+    def fake_bench(build: cb.Build, folder: Path, layers: int, args: argparse.Namespace) -> dict:
+        calls.append((build.name, layers))
+        return _report(layers, 1.0 + slope[build.name] * layers, "tuned: x" if build.name == "head" else args.base_t)
+
+    monkeypatch.setattr(cb, "bench", fake_bench)
+    args = argparse.Namespace(rounds=2, folder=Path("f"), tg=16, allow_different_tactics=False, base_t="tuned: x")
+    rounds, reports = cb.compare(builds, [4, 2], args)
+    assert calls == [
+        ("base", 4),
+        ("head", 4),
+        ("base", 2),
+        ("head", 2),
+        ("head", 4),
+        ("base", 4),
+        ("head", 2),
+        ("base", 2),
+    ]
+    summary = cb.summarize(rounds)
+    assert summary["base"]["per_layer_us"] == pytest.approx(200.0) and summary["head"]["per_layer_us"] == pytest.approx(
+        100.0
+    )
+    assert summary["head"]["fixed_ms"] == pytest.approx(1.0)
+    assert len(reports) == 2 and set(reports[0]) == {"base L4", "head L4", "base L2", "head L2"}
+    args.base_t = "default: y"
+    with pytest.raises(cb.TacticsDiffer, match="1 tokens: base 'default: y'"):
+        cb.compare(builds, [4, 2], args)
+    args.allow_different_tactics = True
+    assert len(cb.compare(builds, [4, 2], args)[0]) == 2
+
+
+@needs_git
+def test_head_against_itself_end_to_end(tiny_prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "compare.json"
+    code = cb.main([
+        str(tiny_prepared), "--base", "HEAD", "--layers", "2,1", "--rounds", "1", "-r", "1", "--tg", "3",
+        "--step", "modules", "--device", DEVICE, "--out", str(out),
+    ])  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| base: HEAD |" in table and "| head: working tree |" in table and "head/base per layer" in table
+    saved = json.loads(out.read_text())
+    reports = saved["reports"][0]
+    assert {r["model"]["layers"] for r in reports.values()} == {1, 2}
+    assert reports["base L2"]["source"] != reports["head L2"]["source"]
+    assert reports["base L2"]["tactics"] == reports["head L2"]["tactics"]
