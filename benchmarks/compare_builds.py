@@ -75,6 +75,8 @@ def materialize(rev: str, dest: Path, repo: Path = REPO) -> Path:
 
 def share_tactics(builds: list[Build], source: Path) -> None:
     """Give every build ``source`` as its bundled tactics DB (a copy in its tree)."""
+    if not source.is_file():
+        raise SystemExit(f"compare_builds: no tactics DB to share at {source} (--own-tactics runs each build's own)")
     for build in builds:
         target = build.tree / "tactics.db"
         if target.resolve() != source.resolve():
@@ -96,6 +98,9 @@ def bench(build: Build, folder: Path, layers: int, args: argparse.Namespace) -> 
         raise SystemExit(f"compare_builds: {build.name} ({build.label}) at {layers} layers failed:\n{tail}")
     report = json.loads(done.stdout)
     report["source"] = str(build.tree)
+    tg = next((t for t in report["tests"] if t["test"] == f"tg{args.tg}" and t["batch"] == 1), None)
+    rate = f"{tg['tok_s']['median']:.1f} tok/s" if tg else "no tg row"
+    print(f"{build.name} ({build.label}), {layers} layers: {rate}", file=sys.stderr, flush=True)
     return report
 
 

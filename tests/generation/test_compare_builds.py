@@ -47,6 +47,18 @@ def test_an_unknown_revision_is_one_clear_error(tmp_path: Path) -> None:
         cb.materialize("no-such-rev", tmp_path / "x")
 
 
+def test_sharing_a_missing_tactics_db_is_one_clear_error(tmp_path: Path) -> None:
+    build = cb.Build("base", "r1", tmp_path)
+    with pytest.raises(SystemExit, match="no tactics DB to share"):
+        cb.share_tactics([build], tmp_path / "absent.db")
+    source = tmp_path / "shared.db"
+    source.write_bytes(b"db")
+    other = cb.Build("head", "r2", tmp_path / "other")
+    other.tree.mkdir()
+    cb.share_tactics([build, other], source)
+    assert (other.tree / "tactics.db").read_bytes() == b"db" and (tmp_path / "tactics.db").read_bytes() == b"db"
+
+
 def test_different_tactics_are_named_per_token_count() -> None:
     base = {"tactics": {"1": "default: a / b", "512": "tuned: c / d"}}
     head = {"tactics": {"1": "tuned: e / f", "512": "tuned: c / d"}}
