@@ -36,11 +36,12 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_generate import fit_layers  # noqa: E402
+from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # What a build needs to run ``prepkit bench`` from its own tree; the tactics DB and the project
 # file make the tree a checkout to ``prepkit.data`` (it finds the DB at the top).
-TREE_PATHS = ("prepkit", "benchmarks", "recipes", "tactics.db", "pyproject.toml")
+TREE_PATHS = ("prepkit", "benchmarks", RECIPES_FOLDER, TACTICS_DB_NAME, "pyproject.toml")
 FIT_KEYS = ("per_layer_us", "fixed_ms", "scaled_36_tok_s", "pct_of_floor_36", "floor_per_layer_us")
 
 
@@ -78,7 +79,7 @@ def share_tactics(builds: list[Build], source: Path) -> None:
     if not source.is_file():
         raise SystemExit(f"compare_builds: no tactics DB to share at {source} (--own-tactics runs each build's own)")
     for build in builds:
-        target = build.tree / "tactics.db"
+        target = build.tree / TACTICS_DB_NAME
         if target.resolve() != source.resolve():
             shutil.copyfile(source, target)
 
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         builds = [base, head]
         if not args.own_tactics:
-            share_tactics(builds, head.tree / "tactics.db")
+            share_tactics(builds, head.tree / TACTICS_DB_NAME)
         try:
             rounds, reports = compare(builds, counts, args)
         except TacticsDiffer as clash:
