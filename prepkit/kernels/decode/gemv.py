@@ -211,16 +211,20 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
         return DecodeVariant(2, min(MAX_ROW_BLOCK, row), 8, 1)
     if rows == "some":
         return DecodeVariant(4, min(512, row), 8, 1)
-    return DecodeVariant(8, min(256, row), 4 if -(-n // 8) > STREAMING_BLOCKS else 8, 1)
+    return DecodeVariant(8, min(256, row), 4 if rows == "stream" else 8, 1)
 
 
 def _row_count(n: int) -> str:
     """How a weight of ``n`` rows stands against the programs a launch aims for, counted in
     8-row blocks: ``"few"`` below :data:`TARGET_PROGRAMS` / 2 (the router), ``"some"`` below
-    2 x :data:`TARGET_PROGRAMS` (o), else ``"many"``. The one-row defaults and the tuner's
-    candidates both follow it."""
+    2 x :data:`TARGET_PROGRAMS` (o), ``"stream"`` above :data:`STREAMING_BLOCKS` (the lm_head),
+    else ``"many"``. The one-row defaults and the tuner's candidates both follow it."""
     blocks = -(-n // 8)
-    return "few" if blocks < TARGET_PROGRAMS // 2 else "some" if blocks < 2 * TARGET_PROGRAMS else "many"
+    if blocks < TARGET_PROGRAMS // 2:
+        return "few"
+    if blocks < 2 * TARGET_PROGRAMS:
+        return "some"
+    return "stream" if blocks > STREAMING_BLOCKS else "many"
 
 
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
