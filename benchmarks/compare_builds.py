@@ -35,7 +35,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_generate import fit_layers  # noqa: E402
+from benchmarks.bench_generate import fit_layers, tg_ms  # noqa: E402
 from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,9 +99,8 @@ def bench(build: Build, folder: Path, layers: int, args: argparse.Namespace) -> 
         raise SystemExit(f"compare_builds: {build.name} ({build.label}) at {layers} layers failed:\n{tail}")
     report = json.loads(done.stdout)
     report["source"] = str(build.tree)
-    tg = next((t for t in report["tests"] if t["test"] == f"tg{args.tg}" and t["batch"] == 1), None)
-    rate = f"{tg['tok_s']['median']:.1f} tok/s" if tg else "no tg row"
-    print(f"{build.name} ({build.label}), {layers} layers: {rate}", file=sys.stderr, flush=True)
+    rate = 1e3 / tg_ms(report, f"tg{args.tg}")
+    print(f"{build.name} ({build.label}), {layers} layers: {rate:.1f} tok/s", file=sys.stderr, flush=True)
     return report
 
 
@@ -201,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-different-tactics", action="store_true", help="compare even so")
     parser.add_argument("--out", type=Path, help="write every report and fit here (JSON)")
     args = parser.parse_args(argv)
-    counts = [int(v) for v in args.layers.split(",")]
+    try:
+        counts = [int(v) for v in args.layers.split(",")]
+    except ValueError:
+        counts = []
     if len(counts) != 2 or counts[0] <= counts[1] or counts[1] < 1:
         parser.error(f"--layers takes two counts, the larger first, not {args.layers!r}")
     if args.rounds < 1:
