@@ -1,6 +1,6 @@
 """The decode step of two builds of prepkit on one prepared folder, in one run, fitted per layer:
 
-    python -m benchmarks.compare_builds FOLDER --base REV [--head REV] [--layers 4,2] [--rounds 2]
+    python -m benchmarks.compare_builds FOLDER --base REV|DIR [--head REV|DIR] [--layers 4,2] [--rounds 2]
         [-r 3] [--step kernels] [--tg 128] [--own-tactics] [--out compare.json]
 
 Each build runs ``prepkit bench FOLDER --pp '' --tg N --no-sampled`` at two layer counts, the
@@ -9,7 +9,8 @@ both), and each round is fitted per layer and fixed part and scaled to 36 layers
 ``benchmarks.bench_generate`` does; the table gives the median over the rounds.
 
 A build is a git revision, written out with ``git archive`` (the package, the benchmarks, the
-recipes and the tactics DB), or the working tree (``--head`` left out). The tactics DB sits at the
+recipes and the tactics DB); a folder holding such a tree (its ``prepkit/``), copied, for a
+machine without the project's git history; or the working tree (``--head`` left out). The tactics DB sits at the
 top of a checkout, beside the package: a tree made of the package alone runs the built-in default
 tactics, and comparing it against a tuned build measures the tactics, not the change. So both
 builds read the head's ``tactics.db`` unless ``--own-tactics``; and where the reports still name
@@ -71,6 +72,24 @@ def materialize(rev: str, dest: Path, repo: Path = REPO) -> Path:
         raw.seek(0)
         with tarfile.open(fileobj=raw) as tar:
             tar.extractall(dest, filter="data")  # git's own archive; the filter refuses paths outside dest
+    return dest
+
+
+def build_tree(spec: str, dest: Path, repo: Path = REPO) -> Path:
+    """The tree a build runs from: a copy of folder ``spec`` where it holds a ``prepkit``
+    package, else revision ``spec`` written out (:func:`materialize`)."""
+    folder = Path(spec)
+    if not folder.is_dir():
+        return materialize(spec, dest, repo)
+    if not (folder / "prepkit" / "__init__.py").is_file():
+        raise SystemExit(f"compare_builds: folder {spec} holds no prepkit package")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in TREE_PATHS:
+        source = folder / name
+        if source.is_dir():
+            shutil.copytree(source, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.is_file():
+            shutil.copyfile(source, dest / name)
     return dest
 
 
@@ -188,8 +207,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path, help="a prepared folder")
-    parser.add_argument("--base", required=True, help="the git revision to compare against")
-    parser.add_argument("--head", help="a git revision (default: the working tree)")
+    parser.add_argument("--base", required=True, help="the git revision (or build folder) to compare against")
+    parser.add_argument("--head", help="a git revision or build folder (default: the working tree)")
     parser.add_argument("--layers", default="4,2", help="the two layer counts to fit over (default 4,2)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both builds at both counts (default 2)")
     parser.add_argument("-r", "--repetitions", type=int, default=3, help="prepkit bench's -r (default 3)")
@@ -209,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="compare-builds-") as scratch:
-        base = Build("base", args.base, materialize(args.base, Path(scratch) / "base"))
+        base = Build("base", args.base, build_tree(args.base, Path(scratch) / "base"))
         head = (
-            Build("head", args.head, materialize(args.head, Path(scratch) / "head"))
+            Build("head", args.head, build_tree(args.head, Path(scratch) / "head"))
             if args.head
             else Build("head", "working tree", REPO)
         )

@@ -47,6 +47,24 @@ def test_an_unknown_revision_is_one_clear_error(tmp_path: Path) -> None:
         cb.materialize("no-such-rev", tmp_path / "x")
 
 
+def test_a_folder_becomes_a_copied_tree_without_caches(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "prepkit" / "__pycache__").mkdir(parents=True)
+    (src / "prepkit" / "__init__.py").write_text("x = 1\n")
+    (src / "prepkit" / "__pycache__" / "a.pyc").write_bytes(b"stale")
+    (src / "tactics.db").write_bytes(b"db")
+    (src / "unrelated.txt").write_text("not a build file")
+    tree = cb.build_tree(str(src), tmp_path / "base")
+    assert (tree / "prepkit" / "__init__.py").read_text() == "x = 1\n"
+    assert (tree / "tactics.db").read_bytes() == b"db"
+    assert not (tree / "prepkit" / "__pycache__").exists() and not (tree / "unrelated.txt").exists()
+    (tree / "tactics.db").write_bytes(b"shared")  # sharing the DB later leaves the source alone
+    assert (src / "tactics.db").read_bytes() == b"db"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="holds no prepkit package"):
+        cb.build_tree(str(tmp_path / "empty"), tmp_path / "other")
+
+
 def test_sharing_a_missing_tactics_db_is_one_clear_error(tmp_path: Path) -> None:
     build = cb.Build("base", "r1", tmp_path)
     with pytest.raises(SystemExit, match="no tactics DB to share"):
