@@ -52,6 +52,63 @@ def test_norm_linear_matches_the_reference(device: str, fmt: str, batch: int, ad
         assert got_normed is None
 
 
+ONE_ROW_VARIANTS = [
+    DecodeVariant(8, 16, 4),
+    DecodeVariant(2, 64, 4),
+    DecodeVariant(8, 32, 4, 2),
+    DecodeVariant(4, 16, 4, 3),
+]
+
+
+@pytest.mark.parametrize("variant", ONE_ROW_VARIANTS)
+@pytest.mark.parametrize("add", [1, 0])
+def test_one_normed_bf16_row_over_many_k_steps_matches(
+    device: str, variant: DecodeVariant, add: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One bf16 row's own K loop loads each step's inputs a step ahead: many steps, a masked last
+    # step (96 = 64 + 32) and K splits, including a split whose steps end early. The default rule
+    # gives it normed rows only in one step, so the test asks for it.
+    chosen: list[bool] = []
+    rule = gemv.own_row_loop
+    monkeypatch.setattr(gemv, "own_row_loop", lambda *a: chosen.append(rule(*a)) or True)
+    inputs = _inputs("norm_linear", "bf16", 1, 40, 96, device, seed=9, add=add, bias=1, normed=1)
+    summed, out, normed = gemv.norm_linear(**inputs, variant=variant)
+    want = norm_linear_reference(**inputs)
+    assert torch.equal(summed, want[0])
+    assert relative_error(out, want[1]) <= TOLERANCE
+    assert normed is not None and relative_error(normed, want[2]) <= TOLERANCE
+    assert chosen == [False]  # the rule alone would not have taken it
+
+
+def test_the_own_row_loop_serves_o_and_the_router_not_q_k_v() -> None:
+    one_step, steps = DecodeVariant(2, 4096, 8), DecodeVariant(8, 256, 8)
+    assert gemv.own_row_loop(one_step, 1, "bf16", True, 2880)  # the router: the whole row in one step
+    assert not gemv.own_row_loop(steps, 1, "bf16", True, 2880)  # q/k/v: normed over 12 steps
+    assert gemv.own_row_loop(DecodeVariant(4, 512, 8), 1, "bf16", False, 4096)  # o: no norm
+    assert not gemv.own_row_loop(steps, 2, "bf16", False, 2880)  # two rows
+    assert not gemv.own_row_loop(steps, 1, "mxfp8", False, 2880)  # MX weights
+    assert not gemv.own_row_loop(DecodeVariant(64, 256, 1), 1, "bf16", False, 2880)  # too wide to defer
+
+
+def test_one_normed_bf16_row_in_one_k_step_takes_the_own_loop_and_matches(device: str) -> None:
+    variant = DecodeVariant(2, 128, 4)  # K = 96: the norm's whole row in one step
+    assert gemv.own_row_loop(variant, 1, "bf16", True, 96)
+    inputs = _inputs("norm_linear", "bf16", 1, 40, 96, device, seed=12, add=1, bias=1, normed=1)
+    summed, out, normed = gemv.norm_linear(**inputs, variant=variant)
+    want = norm_linear_reference(**inputs)
+    assert torch.equal(summed, want[0]) and relative_error(out, want[1]) <= TOLERANCE
+    assert normed is not None and relative_error(normed, want[2]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ONE_ROW_VARIANTS)
+def test_one_bf16_row_with_the_residual_over_many_k_steps_matches(device: str, variant: DecodeVariant) -> None:
+    # The same loop without the norm: its activations a step ahead in the weight tile's layout.
+    inputs = _inputs("linear_residual", "bf16", 1, 40, 96, device, seed=10, bias=1)
+    assert relative_error(gemv.linear_residual(**inputs, variant=variant), linear_residual_reference(**inputs)) <= (
+        TOLERANCE
+    )
+
+
 @pytest.mark.parametrize("row_block", [32, 64])
 def test_rows_longer_than_one_norm_block_match_the_reference(
     device: str, row_block: int, monkeypatch: pytest.MonkeyPatch

@@ -105,6 +105,21 @@ def defers(variant: DecodeVariant, rows: int, fmt: str) -> bool:
     return fits and (fmt == "bf16" or rows > 1)
 
 
+def own_row_loop(variant: DecodeVariant, rows: int, fmt: str, norm: bool, k: int) -> bool:
+    """Whether one bf16 row runs the loop that loads its inputs a step ahead, and its first weight
+    tile before the wait on the kernel before: without the norm (o), or with the norm's whole row
+    in one K step (the router). Under the norm over many steps (q/k/v) the step-ahead loads cost
+    more than they hide: q/k/v alone ran 15.4 -> 18.6 us on an H100 (docs/decode.md)."""
+    if not (rows == 1 and fmt == "bf16" and defers(variant, rows, fmt)):
+        return False
+    return not norm or variant.block_k >= _norm_row_block(k)
+
+
+def _norm_row_block(k: int) -> int:
+    """How many of a row's ``k`` values the norm's prologue loads at once."""
+    return min(_pow2_at_least(k), MAX_ROW_BLOCK)
+
+
 def norm_linear(
     hidden: torch.Tensor,
     add: torch.Tensor | None,
@@ -342,7 +357,7 @@ def _launch(
         SPLIT_K=variant.split_k, WFMT=_WFMT_IDS[fmt], NORM=norm is not None, HAS_ADD=add is not None,
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
-        ROW_BLOCK=min(_pow2_at_least(k), MAX_ROW_BLOCK),
+        OWN_ROW_LOOP=own_row_loop(variant, rows, fmt, norm is not None, k), ROW_BLOCK=_norm_row_block(k),
         num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

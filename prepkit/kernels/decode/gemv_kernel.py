@@ -11,12 +11,15 @@ tiles are too thin for it, and the interpreter computes bf16 dots wrongly).
 computes the rows' inverse RMS over the whole row (a few KB read from L2) and then the normed values
 of its own K steps, and program (0, 0) alone writes ``summed`` and ``normed``.
 
-Three K loops. bf16 weights (the launcher picks by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
+Four K loops. bf16 weights (the launcher picks by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
 one keeps each row's products in a register tile and sums it after the loop (one multiply-add per
 weight value and row), the other sums every step, which needs fewer registers at many rows or wide
-tiles. MX weights sum each row's products per 32-value scale group in registers (chains of
-multiply-adds, no cross-thread sum in the loop) and scale each group sum once; the deferred loop,
-which scales every weight value, serves them only where it is chosen for tiles of a few groups.
+tiles; one row of the first kind can have a loop of its own (``OWN_ROW_LOOP``, chosen by
+:func:`~prepkit.kernels.decode.gemv.own_row_loop`) that also loads its inputs a step ahead, and its
+first weight tile before the wait on the kernel before (programmatic dependent launch).
+MX weights sum each row's products per 32-value scale group in registers (chains of multiply-adds,
+no cross-thread sum in the loop) and scale each group sum once; the deferred loop, which scales
+every weight value, serves them only where it is chosen for tiles of a few groups.
 
 K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
 an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
@@ -160,8 +163,10 @@ def _input_row(x_row, add_row, nw, offs_k, k_mask, rstd, NORM: tl.constexpr, HAS
     ``offs_k`` in fp32)."""
     x = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
     if NORM:
-        x = _summed(x, add_row, offs_k, k_mask, HAS_ADD, SW_ROUND).to(tl.float32)
-        x = _bf16(nw * (x * rstd), SW_ROUND)
+        add = x
+        if HAS_ADD:
+            add = tl.load(add_row + offs_k, mask=k_mask, other=0.0)
+        return _normed(x, add, nw, rstd, HAS_ADD, SW_ROUND)
     return x.to(tl.float32)
 
 
@@ -169,9 +174,24 @@ def _input_row(x_row, add_row, nw, offs_k, k_mask, rstd, NORM: tl.constexpr, HAS
 def _summed(x, add_row, offs_k, k_mask, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
     """``x + add`` in bf16 (the residual stream's add), ``add`` rounded to bf16 first."""
     if HAS_ADD:
-        a = _bf16(tl.load(add_row + offs_k, mask=k_mask, other=0.0).to(tl.float32), SW_ROUND)
-        x = _bf16(x.to(tl.float32) + a.to(tl.float32), SW_ROUND)
+        x = _add_values(x, tl.load(add_row + offs_k, mask=k_mask, other=0.0), SW_ROUND)
     return x
+
+
+@triton.jit
+def _add_values(x, add, SW_ROUND: tl.constexpr):
+    """:func:`_summed`'s arithmetic on loaded values."""
+    a = _bf16(add.to(tl.float32), SW_ROUND)
+    return _bf16(x.to(tl.float32) + a.to(tl.float32), SW_ROUND)
+
+
+@triton.jit
+def _normed(x, add, nw, rstd, HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):
+    """:func:`_input_row`'s normed values from loaded ``x``, ``add`` (unused without
+    ``HAS_ADD``) and norm weight ``nw``, in fp32."""
+    if HAS_ADD:
+        x = _add_values(x, add, SW_ROUND)
+    return _bf16(nw.to(tl.float32) * (x.to(tl.float32) * rstd), SW_ROUND).to(tl.float32)
 
 
 @triton.jit
@@ -196,7 +216,7 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    DEFER: tl.constexpr, OWN_ROW_LOOP: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
@@ -206,7 +226,6 @@ def _gemv_kernel(
     values the norm's prologue and its row writes load at once (:func:`_row_rstd`). ``PDL``:
     programmatic dependent launch (:func:`~prepkit.kernels.mx._chain._chain_enter`), before
     anything is read."""
-    _chain_enter(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -216,13 +235,21 @@ def _gemv_kernel(
     k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if OWN_ROW_LOOP:
+        # The weight does not depend on the kernel before: its first tile is on its way while
+        # this program waits for that kernel and computes the norm.
+        first = _load_raw(w_ptr, w_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, 0, 0, BLOCK_N, BLOCK_K, WFMT_BF16)[0]
+    _chain_enter(PDL)
     rstd = tl.zeros((B_PAD,), dtype=tl.float32)
     if NORM:
         for b in tl.static_range(B):
             r = _row_rstd(x_ptr + b * stride_xb, add_ptr + b * stride_ab, K, eps, ROW_BLOCK, HAS_ADD, SW_ROUND)
             rstd = tl.where(rows == b, r, rstd)
     elem = _tile_elements(BLOCK_K, WFMT)
-    if (WFMT != WFMT_BF16) and (not DEFER):
+    if OWN_ROW_LOOP:
+        acc = _one_row_k_loop(first, x_ptr, add_ptr, nw_ptr, w_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                              stride_wn, B_PAD, BLOCK_N, BLOCK_K, NORM, HAS_ADD, SW_ROUND)  # fmt: skip
+    elif (WFMT != WFMT_BF16) and (not DEFER):
         acc = _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                             stride_xb, stride_ab, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
                             HAS_ADD, ASM, SW_ROUND)  # fmt: skip
@@ -392,6 +419,50 @@ def _gather_rows(s0, s1, s2, s3, s4, s5, s6, s7, rows, B: tl.constexpr):
     if B > 7:
         acc += tl.where(rows[None, :] == 7, s7[:, None], 0.0)
     return acc
+
+
+@triton.jit
+def _one_row_k_loop(raw, x_ptr, add_ptr, nw_ptr, w_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K, stride_wn,
+                    B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                    HAS_ADD: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """:func:`_deferred_k_loop` for one row of bf16 weights (``raw``: the first tile), which loads
+    each step's inputs (activations, and with ``NORM`` the residual add and the norm weight) a
+    step ahead with the weight tile: they come from L2, and a load inside the step would wait out
+    that round trip before its multiply-adds. Returns ``[BLOCK_N, B_PAD]``."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    r = _row_of(rstd, rows, 0)
+    x, add, nw = _step_inputs(x_ptr, add_ptr, nw_ptr, k_lo, elem, K, BLOCK_N, BLOCK_K, NORM, HAS_ADD)
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        raw_next, _ = _load_raw(w_ptr, w_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, 0, 0, BLOCK_N, BLOCK_K,
+                                WFMT_BF16)  # fmt: skip
+        x_next, add_next, nw_next = _step_inputs(x_ptr, add_ptr, nw_ptr, k0 + BLOCK_K, elem, K, BLOCK_N, BLOCK_K,
+                                                 NORM, HAS_ADD)  # fmt: skip
+        if NORM:
+            acc += raw.to(tl.float32) * _normed(x, add, nw, r, HAS_ADD, SW_ROUND)[None, :]
+        else:
+            acc += raw.to(tl.float32) * x.to(tl.float32)
+        raw, x, add, nw = raw_next, x_next, add_next, nw_next
+    return tl.where(rows[None, :] == 0, tl.sum(acc, axis=1)[:, None], 0.0)
+
+
+@triton.jit
+def _step_inputs(x_ptr, add_ptr, nw_ptr, k0, elem, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 NORM: tl.constexpr, HAS_ADD: tl.constexpr):  # fmt: skip
+    """One row's inputs of the K step at ``k0`` as loaded, nothing computed: ``x``, ``add`` and
+    the norm weight (``[BLOCK_K]``; ``add`` is ``x`` again without ``HAS_ADD``), or without
+    ``NORM`` ``x`` alone in the weight tile's layout (:func:`_step_columns`; the other two are
+    ``x`` again)."""
+    offs_k = k0 + elem if NORM else tl.broadcast_to(k0 + elem[None, :], (BLOCK_N, BLOCK_K))
+    k_mask = offs_k < K
+    x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
+    add = x
+    nw = x
+    if NORM:
+        if HAS_ADD:
+            add = tl.load(add_ptr + offs_k, mask=k_mask, other=0.0)
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0)
+    return x, add, nw
 
 
 @triton.jit
