@@ -221,15 +221,26 @@ def _warm_up(
     return time.perf_counter() - began
 
 
-def _step_launches(decoders: dict[int, Any], device: torch.device) -> dict[str, int] | None:
+def _step_launches(decoders: dict[int, Any], device: torch.device) -> dict[str, Any] | None:
     """Kernels and memory operations one captured step launches at the smallest batch (after the
-    warm-up captured it), counted by the profiler; None off CUDA."""
+    warm-up captured it), counted by the profiler, and the kernels' shares of the step's chain
+    (``timeline``: name and us in launch order, the median of three profiled replays; the
+    profiler's tracing slows each kernel a little); None off CUDA."""
     decoder = decoders[min(decoders)] if decoders else None
     graph = getattr(decoder, "graph", None)
     if graph is None:
         return None
-    counted = count_kernels(graph.replay, device)
-    return None if counted is None else {"kernels": counted.kernels, "memory_ops": counted.memory_ops}
+    replays = [count_kernels(graph.replay, device) for _ in range(3)]
+    counted = replays[0]
+    if counted is None:
+        return None
+    launches: dict[str, Any] = {"kernels": counted.kernels, "memory_ops": counted.memory_ops}
+    if all(r is not None and r.names == counted.names and r.shares_us for r in replays):
+        shares = zip(*(r.shares_us for r in replays if r is not None), strict=True)
+        launches["timeline"] = [
+            {"kernel": name, "us": statistics.median(s)} for name, s in zip(counted.names, shares, strict=True)
+        ]
+    return launches
 
 
 def _row(test: str, batch: int, rates: list[float], floor_tps: float | None) -> dict[str, Any]:

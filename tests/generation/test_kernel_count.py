@@ -6,12 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prepkit.generation.kernel_count import count_kernels, per_layer
+from prepkit.generation.kernel_count import chain_shares, count_kernels, per_layer
 
 
 def test_per_layer_is_the_slope_over_layer_counts() -> None:
     assert per_layer({2: 2 * 7 + 9, 5: 5 * 7 + 9}) == pytest.approx(7.0)
     assert per_layer({1: 1 * 4 + 3, 3: 3 * 4 + 3, 6: 6 * 4 + 3}) == pytest.approx(4.0)
+
+
+def test_chain_shares_split_a_chain_of_overlapping_kernels_by_where_each_ends() -> None:
+    # b starts early and waits for a (programmatic dependent launch): only its end past a counts;
+    # c ends inside b (0); d follows an idle gap (its own length, the gap to no one).
+    spans = [(0.0, 10.0), (2.0, 15.0), (3.0, 12.0), (20.0, 24.0)]
+    assert chain_shares(spans) == [10.0, 5.0, 0.0, 4.0]
+    assert sum(chain_shares(spans[:3])) == 15.0  # a chain's shares add up to its span
+    assert chain_shares([]) == []
 
 
 def test_one_count_gives_no_slope() -> None:
@@ -45,3 +54,5 @@ def test_a_graph_replay_shows_each_of_its_kernels() -> None:
         body()
     counted = count_kernels(graph.replay, device)
     assert counted is not None and counted.kernels == 3
+    timeline = counted.timeline()
+    assert len(timeline) == 3 and all(share >= 0 for _, share in timeline) and timeline[-1][1] > 0
