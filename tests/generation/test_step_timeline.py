@@ -1,5 +1,6 @@
 """``benchmarks.step_timeline``: a decode step's kernels split into the block each layer repeats
-(median share per kernel over the layers) and the kernels outside the layers."""
+(median share per kernel over the layers) and the kernels outside the layers, with the head's
+kernel sharing a layer kernel's name and one layer adding a kernel of its own."""
 
 from __future__ import annotations
 
@@ -10,41 +11,66 @@ import pytest
 
 from benchmarks import step_timeline as st
 
+BLOCK = ["proj", "attend", "proj", "moe"]  # a name may repeat inside the block
 
-def _report(layers: int, shares: list[list[float]]) -> dict:
-    block = ["qkv", "attend", "qkv", "moe"]  # a name may repeat inside the block
+
+def _report(layers: int, shares: list[list[float]], extra_in: int | None = None) -> dict:
     timeline = [{"kernel": "embed", "us": 3.0}]
     for layer in range(layers):
-        timeline += [{"kernel": n, "us": shares[layer][j]} for j, n in enumerate(block)]
-    timeline += [{"kernel": "head", "us": 400.0}, {"kernel": "argmax", "us": 5.0}]
+        for j, name in enumerate(BLOCK):
+            timeline.append({"kernel": name, "us": shares[layer][j]})
+            if layer == extra_in and j == 0:
+                timeline.append({"kernel": "fill", "us": 0.5})
+    # The head runs the projection kernel too: read from "attend" on, it would pass for a layer's.
+    timeline += [{"kernel": "proj", "us": 400.0}, {"kernel": "argmax", "us": 5.0}]
     return {"model": {"layers": layers}, "step_launches": {"kernels": len(timeline), "timeline": timeline}}
 
 
-def test_the_layer_block_and_the_fixed_kernels_are_found() -> None:
-    shares = [[10.0, 4.0, 9.0, 30.0], [12.0, 5.0, 9.5, 31.0], [11.0, 4.5, 8.0, 50.0]]
-    found = st.breakdown(_report(3, shares))
-    assert found["per_layer"] == [("qkv", 11.0), ("attend", 4.5), ("qkv", 9.0), ("moe", 31.0)]
-    assert found["fixed"] == [("embed", 3.0), ("head", 400.0), ("argmax", 5.0)]
+SHARES = [[10.0, 4.0, 9.0, 30.0], [12.0, 5.0, 9.5, 31.0], [11.0, 4.5, 8.0, 50.0], [11.0, 4.5, 8.5, 31.0]]
+
+
+def test_the_layer_block_and_the_kernels_outside_it_are_found() -> None:
+    found = st.breakdown(_report(3, SHARES, extra_in=1), 4)
+    assert found["per_layer"] == [("proj", 11.0), ("attend", 4.5), ("proj", 9.0), ("moe", 31.0)]
+    assert found["fixed"] == [("embed", 3.0), ("fill", 0.5), ("proj", 400.0), ("argmax", 5.0)]
     text = st.table(found, "r.json")
-    assert "| 4 | moe | 31.0 |" in text and "| | a layer | 55.5 |" in text and "| outside the layers | 408.0 |" in text
+    assert "| 4 | moe | 31.0 |" in text and "| | a layer | 55.5 |" in text and "| outside the layers | 408.5 |" in text
+
+
+def test_two_layers_are_told_from_the_head() -> None:
+    # With two layers a median is a mean: the head's kernel must not be read as a layer's.
+    found = st.breakdown(_report(2, SHARES), 4)
+    assert found["per_layer"][0] == ("proj", 11.0) and ("proj", 400.0) in found["fixed"]
+
+
+def test_kernels_per_layer_is_the_slope_of_two_reports() -> None:
+    assert st.kernels_per_layer([_report(4, SHARES), _report(2, SHARES)]) == 4
+    with pytest.raises(ValueError, match="two layer counts"):
+        st.kernels_per_layer([_report(2, SHARES)])
+    odd = _report(3, SHARES, extra_in=0)  # 16 kernels at 3 layers against 7 at 1: 4.5 a layer
+    with pytest.raises(ValueError, match="kernels a layer"):
+        st.kernels_per_layer([odd, _report(1, SHARES)])
 
 
 def test_names_that_repeat_no_block_per_layer_are_refused() -> None:
-    report = _report(2, [[1.0] * 4, [1.0] * 4])
+    report = _report(2, SHARES)
     report["step_launches"]["timeline"][5]["kernel"] = "other"  # layer 2's first kernel differs
-    with pytest.raises(ValueError, match="no block of kernels repeats"):
-        st.breakdown(report)
+    with pytest.raises(ValueError, match="do not each run one block"):
+        st.breakdown(report, 4)
     with pytest.raises(ValueError, match="no step timeline"):
-        st.breakdown({"model": {"layers": 2}, "step_launches": {"kernels": 3}})
+        st.breakdown({"model": {"layers": 2}, "step_launches": {"kernels": 3}}, 4)
 
 
 def test_the_command_prints_tables_and_fails_on_a_bad_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
-    good.write_text(json.dumps(_report(2, [[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 6.0]])))
-    bad.write_text(json.dumps({"model": {"layers": 2}, "step_launches": None}))
-    assert st.main([str(good)]) == 0
-    assert "| 4 | moe | 5.0 |" in capsys.readouterr().out
-    assert st.main([str(good), str(bad)]) == 1
+    four, two, bad = tmp_path / "four.json", tmp_path / "two.json", tmp_path / "bad.json"
+    four.write_text(json.dumps(_report(4, SHARES)))
+    two.write_text(json.dumps(_report(2, SHARES)))
+    bad.write_text(json.dumps({"model": {"layers": 2}, "step_launches": {"kernels": 1}}))
+    assert st.main([str(four), str(two)]) == 0
+    assert "| 4 | moe | 31.0 |" in capsys.readouterr().out
+    assert st.main([str(four), str(bad), "--per-layer", "4"]) == 1
     assert "bad.json: the report has no step timeline" in capsys.readouterr().err
+    assert st.main([str(four)]) == 1
+    assert "two layer counts" in capsys.readouterr().err
