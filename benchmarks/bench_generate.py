@@ -35,7 +35,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCALED_LAYERS = 36
+SCALED_LAYERS = 36  # gpt-oss-120b, the model whose dimensions this benchmark runs
 REAL = {"num_experts": 128, "hidden": 2880, "intermediate": 2880, "top_k": 4, "vocab_size": 201088}
 ATTENTION = {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64}
 
@@ -69,13 +69,9 @@ def prepare(src: Path, out: Path, dense: str) -> Path:
     return out
 
 
-def tg_ms(report: dict[str, Any], test: str = "tg128", batch: int = 1) -> float:
-    row = next(t for t in report["tests"] if t["test"] == test and t["batch"] == batch)
-    return 1e3 / row["tok_s"]["median"]
-
-
 def bench_part(args: argparse.Namespace, folders: dict[str, Path]) -> dict[str, Any]:
     from prepkit.generation.bench import BenchRequest, markdown, run_bench
+    from prepkit.generation.layer_fit import fit_layers
 
     out: dict[str, Any] = {}
     for fmt, folder in folders.items():
@@ -85,40 +81,12 @@ def bench_part(args: argparse.Namespace, folders: dict[str, Path]) -> dict[str, 
         full["tests"] += batches["tests"]
         print(markdown(full), flush=True)
         log(f"bench {fmt}: {args.fit_layers} layers")
-        few = run_bench(BenchRequest(folder, (), (128,), (1,), args.repetitions, layers=args.fit_layers))
-        fit = fit_layers(full, few, args.layers, args.fit_layers)
+        few = run_bench(BenchRequest(folder, (), (128,), (1,), args.repetitions, layers=(args.fit_layers,)))
+        fit = fit_layers(full, few, scale_to=SCALED_LAYERS)
         out[fmt] = {"report": full, "fit_layers_report": few, "fit": fit}
         gc.collect()
         torch.cuda.empty_cache()
     return out
-
-
-def fit_layers(full: dict[str, Any], few: dict[str, Any], layers: int, fit: int, test: str = "tg128") -> dict[str, Any]:
-    """Per-layer and fixed ms per token from ``test`` (batch 1) at two layer counts, scaled to 36
-    layers, with the floor scaled the same way from the bytes per token (``None`` where the run
-    measured no copy bandwidth: the CPU)."""
-    per_layer = (tg_ms(full, test) - tg_ms(few, test)) / (layers - fit)
-    fixed = tg_ms(full, test) - layers * per_layer
-    scaled_ms = fixed + SCALED_LAYERS * per_layer
-    fitted = {
-        "per_layer_us": per_layer * 1e3,
-        "fixed_ms": fixed,
-        "scaled_36_ms": scaled_ms,
-        "scaled_36_tok_s": 1e3 / scaled_ms,
-    }
-    floor = dict.fromkeys(("floor_36_ms", "floor_36_tok_s", "pct_of_floor_36", "floor_per_layer_us"))
-    if full["copy_bandwidth_gb_s"]:
-        parts, bw = full["bytes_per_token"], full["copy_bandwidth_gb_s"] * 1e9
-        head = parts["head"]
-        layer_bytes = (sum(parts.values()) - head) / layers
-        floor_ms = (head + SCALED_LAYERS * layer_bytes) / bw * 1e3
-        floor = {
-            "floor_36_ms": floor_ms,
-            "floor_36_tok_s": 1e3 / floor_ms,
-            "pct_of_floor_36": 100 * floor_ms / scaled_ms,
-            "floor_per_layer_us": layer_bytes / bw * 1e6,
-        }
-    return {**fitted, **floor}
 
 
 def median_tok_s(run: Any, tokens: int, repetitions: int) -> dict[str, float]:
@@ -300,8 +268,8 @@ def print_summary(results: dict[str, Any]) -> None:
         fit = part["fit"]
         print(
             f"dense {fmt}: per layer {fit['per_layer_us']:.1f} us (floor {fit['floor_per_layer_us']:.1f}), fixed "
-            f"{fit['fixed_ms']:.3f} ms, 36 layers {fit['scaled_36_tok_s']:.1f} tok/s = "
-            f"{fit['pct_of_floor_36']:.1f} % of floor ({fit['floor_36_tok_s']:.1f})"
+            f"{fit['fixed_ms']:.3f} ms, {fit['scaled_layers']} layers {fit['scaled_tok_s']:.1f} tok/s = "
+            f"{fit['pct_of_floor']:.1f} % of floor ({fit['floor_tok_s']:.1f})"
         )
     gen = results.get("generate")
     if gen:

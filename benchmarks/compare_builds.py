@@ -5,8 +5,8 @@
 
 Each build runs ``prepkit bench FOLDER --pp '' --tg N --no-sampled`` at two layer counts, the
 builds alternating inside every round (so drift between the first and the last minute falls on
-both), and each round is fitted per layer and fixed part and scaled to 36 layers, as
-``benchmarks.bench_generate`` does; the table gives the median over the rounds.
+both), and each round is fitted per layer and fixed part and scaled to the recipe's depth (36 layers
+for gpt-oss-120b) by ``prepkit.generation.layer_fit``; the table gives the median over the rounds.
 
 A build is a git revision, written out with ``git archive`` (the package, the benchmarks, the
 recipes and the tactics DB); a folder holding such a tree (its ``prepkit/``), copied, for a
@@ -36,14 +36,15 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_generate import fit_layers, tg_ms  # noqa: E402
 from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME  # noqa: E402
+from prepkit.generation.layer_fit import fit_layers, tg_ms  # noqa: E402
+from prepkit.recipes import recipe_depth  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # What a build needs to run ``prepkit bench`` from its own tree; the tactics DB and the project
 # file make the tree a checkout to ``prepkit.data`` (it finds the DB at the top).
 TREE_PATHS = ("prepkit", "benchmarks", RECIPES_FOLDER, TACTICS_DB_NAME, "pyproject.toml")
-FIT_KEYS = ("per_layer_us", "fixed_ms", "scaled_36_tok_s", "pct_of_floor_36", "floor_per_layer_us")
+FIT_KEYS = ("per_layer_us", "fixed_ms", "scaled_layers", "scaled_tok_s", "pct_of_floor", "floor_per_layer_us")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,8 @@ def different_tactics(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
 
 def fit_round(full: dict[str, Any], few: dict[str, Any], tg: int) -> dict[str, Any]:
     """One build's per-layer fit of one round (``tg``: the tg test's length)."""
-    return fit_layers(full, few, full["model"]["layers"], few["model"]["layers"], test=f"tg{tg}")
+    depth = recipe_depth(full["model"].get("recipe", "")) or full["model"]["layers"]
+    return fit_layers(full, few, scale_to=depth, test=f"tg{tg}")
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
@@ -181,7 +183,7 @@ def _figure(value: float | None, form: str) -> str:
 
 def table(summary: dict[str, dict[str, float | None]], builds: list[Build]) -> str:
     lines = [
-        "| build | per layer (floor) | fixed | 36 layers | % of floor |",
+        f"| build | per layer (floor) | fixed | {summary['base']['scaled_layers']} layers | % of floor |",
         "|---|---:|---:|---:|---:|",
     ]
     for build in builds:
@@ -189,13 +191,13 @@ def table(summary: dict[str, dict[str, float | None]], builds: list[Build]) -> s
         lines.append(
             f"| {build.name}: {build.label} | {_figure(s['per_layer_us'], '.1f')} us "
             f"({_figure(s['floor_per_layer_us'], '.1f')}) | {_figure(s['fixed_ms'], '.3f')} ms | "
-            f"{_figure(s['scaled_36_tok_s'], '.1f')} tok/s | {_figure(s['pct_of_floor_36'], '.1f')} |"
+            f"{_figure(s['scaled_tok_s'], '.1f')} tok/s | {_figure(s['pct_of_floor'], '.1f')} |"
         )
     base, head = summary["base"], summary["head"]
     lines.append("")
     lines.append(
         f"head/base per layer: {_ratio(head['per_layer_us'], base['per_layer_us'])}; "
-        f"tok/s at 36 layers: {_ratio(head['scaled_36_tok_s'], base['scaled_36_tok_s'])}"
+        f"tok/s at {summary['base']['scaled_layers']} layers: {_ratio(head['scaled_tok_s'], base['scaled_tok_s'])}"
     )
     return "\n".join(lines)
 

@@ -121,6 +121,14 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         raise RecipeError(f"recipe {path} is malformed: {err!r}") from err
 
 
+def recipe_depth(name: str) -> int | None:
+    """The decoder layers of the named recipe's model (``None`` for an unknown recipe)."""
+    try:
+        return int(load_recipe(name).reference_dims["num_hidden_layers"])
+    except (RecipeError, KeyError, ValueError):
+        return None
+
+
 def config_value(config: dict[str, Any], key: str) -> Any:
     for alias in CONFIG_ALIASES.get(key, (key,)):
         if alias in config:

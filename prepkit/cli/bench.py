@@ -64,8 +64,16 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> tuple[in
 )
 @click.option(
     "--layers",
+    default="",
+    callback=_lengths,
+    help="Run only the first N decoder layers. Two counts (e.g. 4,2) run both and fit the per-layer "
+    "cost, the fixed part and each kernel's share of a layer, scaled to the full model: figures for a "
+    "model this GPU cannot hold.",
+)
+@click.option(
+    "--scale-to",
     type=click.IntRange(min=1),
-    help="Run only the first N decoder layers: two counts give the per-layer cost and the fixed part.",
+    help="Layers the two-count fit scales to.  [default: the recipe's depth, e.g. 36 for gpt-oss-120b]",
 )
 @click.option(
     "--out",
@@ -83,7 +91,8 @@ def bench(
     batches: tuple[int, ...],
     repetitions: int,
     sampled: bool,
-    layers: int | None,
+    layers: tuple[int, ...],
+    scale_to: int | None,
     out: Path | None,
     activations: str,
     device: str,
@@ -107,6 +116,7 @@ def bench(
     Example:
         prepkit bench prepared/gpt-oss-120b-triton-moe-tp1
         prepkit bench FOLDER --pp 512,2048 --tg 32,128 --batch 1,4,16 --out bench.json
+        prepkit bench FOLDER --pp '' --tg 128 --no-sampled --layers 4,2
     """
     code = as_ranks(nproc)
     if code is not None:
@@ -116,7 +126,7 @@ def bench(
     request = BenchRequest(
         folder=prepared, prompt_lengths=prompt_lengths, gen_lengths=gen_lengths, batches=batches or (1,),
         repetitions=repetitions, sampled=sampled, activations=activations, device=device, layers=layers,
-        step=step,  # type: ignore[arg-type]
+        scale_to=scale_to, step=step,  # type: ignore[arg-type]
     )  # fmt: skip
     with console.progress(enabled=not (quiet or other_rank()), transient=True, unit="count") as on_progress:
         report = run_bench(request, on_progress)

@@ -6,7 +6,9 @@ llama-bench's terms, next to the bandwidth floor measured in the same run.
   sampling defaults), in tok/s over all rows of the batch, after a one-token prompt.
 
 Each figure is the median of ``repetitions`` runs with their spread; loading, compiling and
-graph capture happen before and are timed apart. Prompts are random token ids (no tokenizer
+graph capture happen before and are timed apart. Two layer counts are both measured on one load
+and fitted per layer (:mod:`prepkit.generation.layer_fit`), with each kernel's share of a layer
+(:mod:`prepkit.generation.step_timeline`). Prompts are random token ids (no tokenizer
 needed) and EOS is ignored, so every run decodes its full length.
 """
 
@@ -24,10 +26,15 @@ import torch
 from prepkit.distributed.decoder import build_rank_decoder
 from prepkit.distributed.model_hooks import collectives_of
 from prepkit.distributed.session import start_ranks
+from prepkit.errors import RecipeError
 from prepkit.generation import floor, loading
 from prepkit.generation.kernel_count import count_kernels
+from prepkit.generation.layer_fit import fit_layers, summary_line
 from prepkit.generation.sampling import SamplingParams
+from prepkit.generation.step_timeline import breakdown, kernels_per_layer
+from prepkit.generation.step_timeline import table as timeline_table
 from prepkit.generation.steps import DecodeStep, default_step
+from prepkit.recipes import recipe_depth
 from prepkit.scale_stats import folded_upcast
 
 ProgressFn = Callable[[str, int, int], None]
@@ -45,7 +52,11 @@ class BenchRequest:
     device: str = "cuda"
     step: DecodeStep | None = None
     seed: int = 0
-    layers: int | None = None  # run only the first N decoder layers (per-layer fits over two counts)
+    # Run only the first N decoder layers; two counts are both measured (the larger first) and
+    # fitted per layer (prepkit.generation.layer_fit), scaled to ``scale_to`` layers (default: the
+    # recipe's depth).
+    layers: tuple[int, ...] = ()
+    scale_to: int | None = None
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -84,10 +95,63 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
+    depth = int(manifest.model.config["num_hidden_layers"])
+    counts = layer_counts(request.layers, depth)
+    if len(counts) == 2 and not (request.gen_lengths and 1 in request.batches):
+        raise RecipeError("layers: a fit over two counts needs a --tg test at batch 1")
     loaded = loading.load_model(request.folder, manifest, device, request.activations)
     model = loaded.model
-    if request.layers is not None:
-        keep_layers(model, request.layers)
+    if len(counts) < 2:
+        if counts:
+            keep_layers(model, counts[0])
+        return _measure(request, model, manifest, device, loaded.load_s, progress)
+    reports = []
+    for count in counts:
+        keep_layers(model, count)
+        reports.append(_measure(request, model, manifest, device, loaded.load_s, progress))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report, fewer = reports
+    scale_to = request.scale_to or recipe_depth(manifest.model.recipe) or depth
+    report["fit"] = fit_layers(report, fewer, scale_to=scale_to, test=f"tg{max(request.gen_lengths)}")
+    report["layer_kernels"] = _layer_kernels(report, fewer)
+    report["fewer_layers"] = fewer
+    return report
+
+
+def layer_counts(layers: Sequence[int], depth: int) -> list[int]:
+    """``layers`` as the counts to run, the larger first.
+
+    Raises:
+        RecipeError: more than two counts, two equal ones, or a count outside 1..``depth``.
+    """
+    counts = sorted(set(layers), reverse=True)
+    if len(counts) != len(layers) or len(counts) > 2:
+        raise RecipeError(
+            f"layers: {', '.join(map(str, layers))}: give one count, or two different ones to fit per layer"
+        )
+    bad = [n for n in counts if not 1 <= n <= depth]
+    if bad:
+        raise RecipeError(f"layers: {bad[0]} is not in 1..{depth}, the folder's layer count")
+    return counts
+
+
+def _layer_kernels(report: dict[str, Any], fewer: dict[str, Any]) -> dict[str, Any] | None:
+    """The larger run's kernels, per kernel of a layer and outside the layers
+    (:mod:`prepkit.generation.step_timeline`); ``None`` without timelines or a repeating block."""
+    try:
+        found = breakdown(report, kernels_per_layer([report, fewer]))
+    except (ValueError, KeyError, TypeError):
+        return None
+    return {"layers": found["layers"], **{key: [list(k) for k in found[key]] for key in ("per_layer", "fixed")}}
+
+
+def _measure(
+    request: BenchRequest, model: Any, manifest: Any, device: torch.device, load_s: float, progress: ProgressFn
+) -> dict[str, Any]:
+    """The figures of ``request`` on ``model`` as loaded (or cut to fewer layers): one report."""
+    tg_len = 2 + max(request.gen_lengths, default=1)
+    pp_len = 1 + max(request.prompt_lengths, default=1)
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
     model.generation_config.eos_token_id = None  # every run decodes its full length
     vocab = int(model.config.vocab_size)
@@ -161,7 +225,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         "bytes_per_token": layer_bytes,
         "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
         "floor_tok_s": bandwidth / sum(layer_bytes.values()) if bandwidth else None,
-        "load_s": loaded.load_s,
+        "load_s": load_s,
         "warmup_s": warm_s,
         "measure_s": measured_s,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -189,8 +253,6 @@ def keep_layers(model: Any, count: int) -> None:
         RecipeError: ``count`` outside 1..the model's layers.
     """
     from torch import nn
-
-    from prepkit.errors import RecipeError
 
     layers = list(model.model.layers)
     if not 1 <= count <= len(layers):
@@ -293,8 +355,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"floor: {sum(report['bytes_per_token'].values()) / 1e9:.3f} GB per token at "
             f"{report['copy_bandwidth_gb_s']:.0f} GB/s copy bandwidth = {report['floor_tok_s']:.1f} tok/s (batch 1)"
         )
+    fit = report.get("fit")
+    if fit:
+        lines += ["", summary_line(fit)]
+    if report.get("layer_kernels"):
+        lines += ["", timeline_table(report["layer_kernels"], "each kernel's share of the step (profiled)")]
     launches = report.get("step_launches")
-    if launches:
+    if launches and not fit:
         lines.append(
             f"one decode step: {launches['kernels']} kernels and {launches['memory_ops']} memory operations "
             f"over {m['layers']} layers (fit two layer counts for the per-layer share)"

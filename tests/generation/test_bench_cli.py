@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from prepkit.cli import cli
 from prepkit.generation.bench import spread
 from prepkit.generation.floor import expected_experts
+from prepkit.recipes import recipe_depth
 
 from .conftest import DEVICE
 
@@ -60,3 +62,35 @@ def test_spread_and_expected_experts() -> None:
     assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "stdev": 1.0, "min": 1.0, "max": 3.0}
     assert expected_experts(128, 4, 1) == 4
     assert 4 < expected_experts(128, 4, 16) < 64 and expected_experts(128, 4, 10**4) > 127.9
+
+
+def test_two_layer_counts_are_measured_and_fitted(tiny_prepared: Path) -> None:
+    code, stdout, err = run(
+        str(tiny_prepared), "--pp", "", "--tg", "3", "--no-sampled", "-r", "1", "--layers", "1,2", "--scale-to", "10",
+        "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(stdout)
+    assert report["model"]["layers"] == 2 and report["fewer_layers"]["model"]["layers"] == 1
+    fit = report["fit"]
+    assert fit["layers"] == [2, 1] and fit["scaled_layers"] == 10 and fit["test"] == "tg3"
+    two, one = (1e3 / r["tests"][0]["tok_s"]["median"] for r in (report, report["fewer_layers"]))
+    assert fit["per_layer_us"] == pytest.approx((two - one) * 1e3)
+    assert fit["scaled_ms"] == pytest.approx(fit["fixed_ms"] + 10 * (two - one))
+    code, stdout, err = run(str(tiny_prepared), "--pp", "", "--tg", "2", "--no-sampled", "-r", "1", "--layers", "2,1")
+    assert code == 0, err
+    assert "fit over 2 and 1 layers (tg2, batch 1)" in stdout
+    depth = recipe_depth(report["model"]["recipe"]) or 2
+    assert f"at {depth} layers" in stdout  # the recipe's depth without --scale-to
+
+
+def test_layer_counts_that_cannot_be_fitted_are_refused_before_loading(tiny_prepared: Path) -> None:
+    for layers, message in [
+        ("2,2", "two different ones"),
+        ("3,2,1", "two different ones"),
+        ("9", "9 is not in 1..2"),
+    ]:
+        code, _, err = run(str(tiny_prepared), "--pp", "", "--tg", "2", "--layers", layers)
+        assert code != 0 and message in err, (layers, err)
+    code, _, err = run(str(tiny_prepared), "--pp", "4", "--tg", "", "--layers", "2,1")
+    assert code != 0 and "needs a --tg test at batch 1" in err

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import step_timeline as st
+from benchmarks import step_timeline as cli
+from prepkit.generation import step_timeline as st
 
 BLOCK = ["proj", "attend", "proj", "moe"]  # a name may repeat inside the block
 
@@ -68,9 +69,9 @@ def test_the_command_prints_tables_and_fails_on_a_bad_report(
     four.write_text(json.dumps(_report(4, SHARES)))
     two.write_text(json.dumps(_report(2, SHARES)))
     bad.write_text(json.dumps({"model": {"layers": 2}, "step_launches": {"kernels": 1}}))
-    assert st.main([str(four), str(two)]) == 0
+    assert cli.main([str(four), str(two)]) == 0
     assert "| 4 | moe | 31.0 |" in capsys.readouterr().out
-    assert st.main([str(four), str(bad), "--per-layer", "4"]) == 1
+    assert cli.main([str(four), str(bad), "--per-layer", "4"]) == 1
     assert "bad.json: the report has no step timeline" in capsys.readouterr().err
-    assert st.main([str(four)]) == 1
+    assert cli.main([str(four)]) == 1
     assert "two layer counts" in capsys.readouterr().err
