@@ -105,12 +105,13 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         if counts:
             keep_layers(model, counts[0])
         return _measure(request, model, manifest, device, loaded.load_s, progress)
-    reports = []
+    reports: list[dict[str, Any]] = []
     for count in counts:
         keep_layers(model, count)
-        reports.append(_measure(request, model, manifest, device, loaded.load_s, progress))
-        if device.type == "cuda":
+        if reports and device.type == "cuda":  # the fewer layers' own peak, not the first run's
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        reports.append(_measure(request, model, manifest, device, loaded.load_s, progress))
     report, fewer = reports
     scale_to = request.scale_to or recipe_depth(manifest.model.recipe) or depth
     report["fit"] = fit_layers(report, fewer, scale_to=scale_to, test=f"tg{max(request.gen_lengths)}")
