@@ -35,7 +35,6 @@ import torch
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SCALED_LAYERS = 36  # gpt-oss-120b, the model whose dimensions this benchmark runs
 REAL = {"num_experts": 128, "hidden": 2880, "intermediate": 2880, "top_k": 4, "vocab_size": 201088}
 ATTENTION = {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64}
 
@@ -82,7 +81,7 @@ def bench_part(args: argparse.Namespace, folders: dict[str, Path]) -> dict[str, 
         print(markdown(full), flush=True)
         log(f"bench {fmt}: {args.fit_layers} layers")
         few = run_bench(BenchRequest(folder, (), (128,), (1,), args.repetitions, layers=(args.fit_layers,)))
-        fit = fit_layers(full, few, scale_to=SCALED_LAYERS)
+        fit = fit_layers(full, few)  # scaled to the recipe's depth
         out[fmt] = {"report": full, "fit_layers_report": few, "fit": fit}
         gc.collect()
         torch.cuda.empty_cache()

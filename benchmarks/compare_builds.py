@@ -10,9 +10,9 @@ for gpt-oss-120b) by ``prepkit.generation.layer_fit``; the table gives the media
 
 A build is a git revision, written out with ``git archive`` (the package, the benchmarks, the
 recipes and the tactics DB); a folder holding such a tree (its ``prepkit/``), copied, for a
-machine without the project's git history; or the working tree (``--head`` left out). The tactics DB sits at the
-top of a checkout, beside the package: a tree made of the package alone runs the built-in default
-tactics, and comparing it against a tuned build measures the tactics, not the change. So both
+machine without the project's git history; or the working tree (``--head`` left out). The
+tactics DB sits at the top of a checkout, beside the package: a tree made of the package alone
+runs the built-in default tactics, and comparing it against a tuned build measures the tactics, not the change. So both
 builds read the head's ``tactics.db`` unless ``--own-tactics``; and where the reports still name
 different MoE tactics (a change of kernel version, a retune), the comparison stops with exit code
 1 unless ``--allow-different-tactics``.
@@ -38,7 +38,6 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from prepkit.constants import RECIPES_FOLDER, TACTICS_DB_NAME  # noqa: E402
 from prepkit.generation.layer_fit import fit_layers, tg_ms  # noqa: E402
-from prepkit.recipes import recipe_depth  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # What a build needs to run ``prepkit bench`` from its own tree; the tactics DB and the project
@@ -163,8 +162,7 @@ def different_tactics(base: dict[str, Any], head: dict[str, Any]) -> list[str]:
 
 def fit_round(full: dict[str, Any], few: dict[str, Any], tg: int) -> dict[str, Any]:
     """One build's per-layer fit of one round (``tg``: the tg test's length)."""
-    depth = recipe_depth(full["model"].get("recipe", "")) or full["model"]["layers"]
-    return fit_layers(full, few, scale_to=depth, test=f"tg{tg}")
+    return fit_layers(full, few, test=f"tg{tg}")
 
 
 def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float | None]]:

@@ -34,7 +34,6 @@ from prepkit.generation.sampling import SamplingParams
 from prepkit.generation.step_timeline import breakdown, kernels_per_layer
 from prepkit.generation.step_timeline import table as timeline_table
 from prepkit.generation.steps import DecodeStep, default_step
-from prepkit.recipes import recipe_depth
 from prepkit.scale_stats import folded_upcast
 
 ProgressFn = Callable[[str, int, int], None]
@@ -113,8 +112,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
             torch.cuda.reset_peak_memory_stats(device)
         reports.append(_measure(request, model, manifest, device, loaded.load_s, progress))
     report, fewer = reports
-    scale_to = request.scale_to or recipe_depth(manifest.model.recipe) or depth
-    report["fit"] = fit_layers(report, fewer, scale_to=scale_to, test=f"tg{max(request.gen_lengths)}")
+    report["fit"] = fit_layers(report, fewer, scale_to=request.scale_to, test=f"tg{max(request.gen_lengths)}")
     report["layer_kernels"] = _layer_kernels(report, fewer)
     report["fewer_layers"] = fewer
     return report
@@ -256,8 +254,7 @@ def keep_layers(model: Any, count: int) -> None:
     from torch import nn
 
     layers = list(model.model.layers)
-    if not 1 <= count <= len(layers):
-        raise RecipeError(f"layers: {count} is not in 1..{len(layers)}, the folder's layer count")
+    layer_counts([count], len(layers))
     model.model.layers = nn.ModuleList(layers[:count])
     model.config.num_hidden_layers = count
     model.config.layer_types = list(model.config.layer_types)[:count]

@@ -55,8 +55,8 @@ def count_kernels(run: Callable[[], None], device: torch.device) -> StepKernels 
 
 def chain_shares(spans: list[tuple[float, float]]) -> list[float]:
     """Each ``(start, end)`` span's share of the chain, in the spans' order (by start): how far its
-    end lies past the latest end before it, or, after an idle gap, its whole length plus nothing
-    for the gap (the gap belongs to no kernel). Overlapping spans that end early get 0."""
+    end lies past the latest end before it; after an idle gap, its whole length (the gap belongs
+    to no kernel). A span that ends before an earlier one gets 0."""
     shares: list[float] = []
     reached: float | None = None
     for start, end in spans:

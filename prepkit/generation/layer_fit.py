@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from prepkit.generation.kernel_count import per_layer
+from prepkit.recipes import recipe_depth
 
 
 def tg_ms(report: dict[str, Any], test: str = "tg128", batch: int = 1) -> float:
@@ -26,11 +27,14 @@ def tg_ms(report: dict[str, Any], test: str = "tg128", batch: int = 1) -> float:
     raise ValueError(f"the report has no {test} row at batch {batch}")
 
 
-def fit_layers(full: dict[str, Any], few: dict[str, Any], *, scale_to: int, test: str = "tg128") -> dict[str, Any]:
+def fit_layers(
+    full: dict[str, Any], few: dict[str, Any], *, scale_to: int | None = None, test: str = "tg128"
+) -> dict[str, Any]:
     """The per-layer and fixed cost of ``test`` (batch 1) from reports at two layer counts
-    (``full`` the larger), the step scaled to ``scale_to`` layers, and its floor scaled the same
-    way (``None`` floor figures where the run measured no copy bandwidth: the CPU). Kernels a
-    layer where both reports counted the step's kernels.
+    (``full`` the larger), the step scaled to ``scale_to`` layers (default: the depth of the
+    reports' recipe, else the larger count), and its floor scaled the same way (``None`` floor
+    figures where the run measured no copy bandwidth: the CPU). Kernels a layer where both reports
+    counted the step's kernels.
 
     Raises:
         ValueError: the two reports ran the same number of layers, or lack the ``test`` row.
@@ -38,6 +42,7 @@ def fit_layers(full: dict[str, Any], few: dict[str, Any], *, scale_to: int, test
     layers, fit = full["model"]["layers"], few["model"]["layers"]
     if layers == fit:
         raise ValueError(f"both reports ran {layers} layers: a fit needs two layer counts")
+    scale_to = scale_to or recipe_depth(full["model"].get("recipe", "")) or layers
     per_layer = (tg_ms(full, test) - tg_ms(few, test)) / (layers - fit)
     fixed = tg_ms(full, test) - layers * per_layer
     scaled_ms = fixed + scale_to * per_layer

@@ -47,3 +47,12 @@ def test_a_fit_needs_two_counts_and_the_test_row() -> None:
         fit_layers(_report(2, 1.0), _report(2, 1.1), scale_to=36, test="tg16")
     with pytest.raises(ValueError, match="no tg128 row at batch 1"):
         tg_ms(_report(2, 1.0), "tg128")
+
+
+def test_the_fit_scales_to_the_recipes_depth_unless_told() -> None:
+    full, few = _report(4, 1.5), _report(2, 1.0)
+    full["model"]["recipe"] = "gpt-oss-20b"
+    assert fit_layers(full, few, test="tg16")["scaled_layers"] == 24  # the recipe's num_hidden_layers
+    assert fit_layers(full, few, test="tg16", scale_to=7)["scaled_layers"] == 7
+    full["model"]["recipe"] = "no-such-model"
+    assert fit_layers(full, few, test="tg16")["scaled_layers"] == 4  # else the larger count

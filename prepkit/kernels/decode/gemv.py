@@ -108,8 +108,9 @@ def defers(variant: DecodeVariant, rows: int, fmt: str) -> bool:
 def own_row_loop(variant: DecodeVariant, rows: int, fmt: str, norm: bool, k: int) -> bool:
     """Whether one bf16 row runs the loop that loads its inputs a step ahead, and its first weight
     tile before the wait on the kernel before: without the norm (o), or with the norm's whole row
-    in one K step (the router). Under the norm over many steps (q/k/v) the step-ahead loads cost
-    more than they hide: q/k/v alone ran 15.4 -> 18.6 us on an H100 (docs/decode.md)."""
+    in one K step (the router). Under the norm over many steps (q/k/v) the step-ahead inputs
+    repeat the norm's arithmetic for every weight value and cost more than they hide
+    (docs/decode.md)."""
     if not (rows == 1 and fmt == "bf16" and defers(variant, rows, fmt)):
         return False
     return not norm or variant.block_k >= _norm_row_block(k)
