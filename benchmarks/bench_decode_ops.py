@@ -1,7 +1,8 @@
 """Benchmark of the decode projections (prepkit.kernels.decode.gemv) against torch's F.linear path.
 
     python benchmarks/bench_decode_ops.py [--shapes qkv,o,router,lm_head] [--formats bf16,mxfp8,mxfp4]
-        [--batches 1,4] [--calls 50] [--rounds 10] [--no-sweep] [--sweep-limit 24] [--out PATH] [--tiny]
+        [--batches 1,4] [--calls 50] [--rounds 10] [--no-sweep] [--sweep-limit 24] [--apart] [--out PATH]
+        [--tiny]
 
 Each gpt-oss projection of a decode step runs as the op the step uses: qkv (N 5120, K 2880) and
 lm_head (N 201088, K 2880) as ``norm_linear`` with the residual add (qkv with a bias), the router
@@ -14,6 +15,12 @@ the same op in torch (the eager modules' norm and add around ``F.linear`` on the
 MX weights dequantized to bf16) and ``F.linear`` alone; the relative error against the torch
 reference; and, unless ``--no-sweep``, the fastest of the registered candidates (up to
 ``--sweep-limit``, the default first). ``--out`` writes the rows as JSON.
+
+Calls of one op back to back flatter a launch whose programs take more than one wave: with
+programmatic dependent launch the next call's programs start on the SMs the last wave leaves idle.
+In the decode step a small kernel follows each projection instead. ``--apart`` times every call
+with a one-value kernel outside the chain after it (its own time, measured alone, taken off), so
+a launch's last wave runs in the open as it does there.
 
 Without CUDA (``TRITON_INTERPRET=1``) it runs tiny shapes on the CPU interpreter with wall-clock
 timing: a smoke test of the script, not a measurement. ``--tiny`` does the same on a GPU.
@@ -179,12 +186,32 @@ class Timer:
         return 2 * nbytes / us / 1e3
 
 
+def per_call_us(timer: Timer, calls: list[Callable[[], object]], apart: Callable[[], object] | None) -> float:
+    """Median us per call of ``calls``; with ``apart``, each call followed by it, less its own
+    time measured in a graph of its own."""
+    if apart is None:
+        return timer.per_call_us(calls)
+    both = timer.per_call_us([c for call in calls for c in (call, apart)]) * 2
+    return both - timer.per_call_us([apart] * len(calls))
+
+
+def separator(device: torch.device) -> Callable[[], object]:
+    """A one-value kernel outside the projections' launch chain (``--apart``)."""
+    value = torch.zeros(1, device=device)
+    return lambda: value.add_(1.0)
+
+
 def rotated_calls(
     fn: Callable[[dict[str, Any]], object], inputs: dict[str, Any], weights: list[Any], calls: int
 ) -> list[Callable[[], object]]:
     """``calls`` calls of ``fn``, call i on weight copy ``i % len(weights)``."""
     sets = [dict(inputs, weight=weights[i % len(weights)]) for i in range(calls)]
     return [functools.partial(fn, s) for s in sets]
+
+
+def programs(n: int, variant: DecodeVariant) -> int:
+    """Programs one launch of ``variant`` runs over ``n`` output rows (its grid)."""
+    return -(-n // variant.block_n) * variant.split_k
 
 
 def run_case(
@@ -209,18 +236,22 @@ def run_case(
     def kernel(v: DecodeVariant) -> Callable[[dict[str, Any]], object]:
         return lambda s: launch(**s, variant=v)
 
+    apart = separator(device) if args.apart else None
     out = kernel(default)(inputs)
     err = relative_error(out, reference(**inputs))
     moved = moved_bytes(inputs, out)
-    us = timer.per_call_us(rotated_calls(kernel(default), inputs, weights, args.calls))
-    torch_us = timer.per_call_us(rotated_calls(lambda s: torch_op(op, s, s["weight"]), inputs, w16s, args.calls))
+    us = per_call_us(timer, rotated_calls(kernel(default), inputs, weights, args.calls), apart)
+    torch_calls = rotated_calls(lambda s: torch_op(op, s, s["weight"]), inputs, w16s, args.calls)
+    torch_us = per_call_us(timer, torch_calls, apart)
     x = inputs["x"] if op == "linear_residual" else inputs["hidden"]
     linear_moved = weight_bytes(w16) + 2 * batch * (k + n)  # the bf16 weight, x and the output
-    linear_us = timer.per_call_us(
-        rotated_calls(lambda s: torch.nn.functional.linear(x, s["weight"], s["bias"]), inputs, w16s, args.calls)
+    linear_calls = rotated_calls(
+        lambda s: torch.nn.functional.linear(x, s["weight"], s["bias"]), inputs, w16s, args.calls
     )
+    linear_us = per_call_us(timer, linear_calls, apart)
     row: dict[str, Any] = {
         "shape": name, "op": op, "n": n, "k": k, "batch": batch, "weights": fmt, "variant": default.name(),
+        "programs": programs(n, default), "apart": args.apart,
         "us": us, "gbs": moved / us / 1e3, "copy_frac": moved / us / 1e3 / copy_gbs, "moved_bytes": moved,
         "rel_err": err, "torch_us": torch_us, "torch_linear_us": linear_us,
         "torch_linear_copy_frac": linear_moved / linear_us / 1e3 / copy_gbs,
@@ -236,7 +267,7 @@ def run_case(
             if v == default:
                 continue
             try:
-                v_us = timer.per_call_us(rotated_calls(kernel(v), inputs, weights, max(args.calls // 2, 1)))
+                v_us = per_call_us(timer, rotated_calls(kernel(v), inputs, weights, max(args.calls // 2, 1)), apart)
             except Exception as exc:  # a variant that fails to compile or run here is reported and skipped
                 log(f"    {v.name()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
                 continue
@@ -244,14 +275,20 @@ def run_case(
                 best, best_us = v, v_us
         best_err = relative_error(kernel(best)(inputs), reference(**inputs))
         row.update(
-            best_variant=best.name(), best_us=best_us, best_copy_frac=moved / best_us / 1e3 / copy_gbs,
+            best_variant=best.name(), best_programs=programs(n, best), best_us=best_us,
+            best_copy_frac=moved / best_us / 1e3 / copy_gbs,
             best_rel_err=best_err,
         )  # fmt: skip
     log(
-        f"{name:8s} B={batch} {fmt:5s} {op:15s} {default.name():18s} {us:9.1f} us {row['gbs']:7.0f} GB/s "
+        f"{name:8s} B={batch} {fmt:5s} {op:15s} {default.name():18s} ({row['programs']} programs) {us:9.1f} us "
+        f"{row['gbs']:7.0f} GB/s "
         f"({100 * row['copy_frac']:5.1f}% copy) err {err:.1e} | torch {torch_us:.1f} us, F.linear {linear_us:.1f} us "
         f"({100 * row['torch_linear_copy_frac']:.1f}% copy)"
-        + (f" | best {row['best_variant']} {row['best_us']:.1f} us" if "best_us" in row else "")
+        + (
+            f" | best {row['best_variant']} ({row['best_programs']}) {row['best_us']:.1f} us"
+            if "best_us" in row
+            else ""
+        )
     )
     return row
 
@@ -265,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="graph replays; the median is reported")
     parser.add_argument("--no-sweep", action="store_true", help="time the default variant only")
     parser.add_argument("--sweep-limit", type=int, default=24, help="most candidates timed per case")
+    parser.add_argument(
+        "--apart", action="store_true", help="a small kernel outside the launch chain after every call (as in the step)"
+    )
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (a smoke test)")
     parser.add_argument("--out", help="write the rows as JSON to this path")
     args = parser.parse_args(argv)

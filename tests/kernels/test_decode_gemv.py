@@ -285,6 +285,40 @@ def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> Non
         assert r["us"] > 0 and r["torch_us"] > 0 and DecodeVariant.parse(r["best_variant"])
 
 
+def test_the_benchmark_times_calls_apart_less_the_separator() -> None:
+    from benchmarks.bench_decode_ops import per_call_us, programs
+
+    cost = {"op": 10.0, "sep": 2.0}
+
+    class FakeTimer:  # the mean cost of the calls it is given, as a graph of them would report
+        def per_call_us(self, calls: list) -> float:
+            return sum(cost[c()] for c in calls) / len(calls)
+
+    def op() -> str:
+        return "op"
+
+    def sep() -> str:
+        return "sep"
+
+    assert per_call_us(FakeTimer(), [op] * 4, None) == 10.0  # type: ignore[arg-type]
+    assert per_call_us(FakeTimer(), [op] * 4, sep) == pytest.approx(10.0)  # type: ignore[arg-type]
+    assert programs(5120, DecodeVariant(8, 256, 8)) == 640 and programs(2880, DecodeVariant(64, 64, 4, 3)) == 135
+
+
+def test_benchmark_smoke_run_apart_names_its_programs(device: str, tmp_path: Path) -> None:
+    if device != "cpu":
+        pytest.skip("the CPU smoke run of the benchmark; on a GPU it measures")
+    from benchmarks.bench_decode_ops import TINY, main
+
+    out = tmp_path / "rows.json"
+    argv = ["--shapes", "o", "--formats", "bf16", "--batches", "1", "--no-sweep", "--apart", "--out", str(out)]
+    assert main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    n = TINY["o"][0]
+    assert row["apart"] is True and row["programs"] == -(-n // DecodeVariant.parse(row["variant"]).block_n)
+    assert row["us"] > 0 and row["rel_err"] <= TOLERANCE
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_both_k_loops_match_the_reference(device: str, fmt: str, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
