@@ -57,6 +57,13 @@ class BenchRequest:
     layers: tuple[int, ...] = ()
     scale_to: int | None = None
 
+    @property
+    def cache_lengths(self) -> tuple[int, int]:
+        """Slots of the decode cache and of the prefill cache. Decoding runs on caches sized for
+        its own lengths (attention reads the whole cache), as llama-bench's tg runs at an empty
+        context; prefill gets a cache of its own."""
+        return 2 + max(self.gen_lengths, default=1), 1 + max(self.prompt_lengths, default=1)
+
 
 def spread(values: Sequence[float]) -> dict[str, float]:
     """Median, standard deviation (0 for one value), minimum and maximum."""
@@ -85,12 +92,9 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
     group = start_ranks(request.device, request.folder)
     manifest = loading.open_prepared(request.folder, group.world_size if group else 1)
     device = group.device if group is not None else loading.resolve_device(request.device)
-    # Decoding runs on caches sized for its own lengths (attention reads the whole cache), as
-    # llama-bench's tg runs at an empty context; prefill gets a cache of its own.
-    tg_len = 2 + max(request.gen_lengths, default=1)
-    pp_len = 1 + max(request.prompt_lengths, default=1)
     rank = group.rank if group is not None else 0
-    loading.check_fits(manifest, device, max(request.batches, default=1), max(tg_len, pp_len), rank=rank)
+    longest = max(request.cache_lengths)
+    loading.check_fits(manifest, device, max(request.batches, default=1), longest, rank=rank)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -149,8 +153,7 @@ def _measure(
     request: BenchRequest, model: Any, manifest: Any, device: torch.device, load_s: float, progress: ProgressFn
 ) -> dict[str, Any]:
     """The figures of ``request`` on ``model`` as loaded (or cut to fewer layers): one report."""
-    tg_len = 2 + max(request.gen_lengths, default=1)
-    pp_len = 1 + max(request.prompt_lengths, default=1)
+    tg_len, pp_len = request.cache_lengths
     sampling = SamplingParams.create(do_sample=True, defaults=model.generation_config)
     model.generation_config.eos_token_id = None  # every run decodes its full length
     vocab = int(model.config.vocab_size)
