@@ -210,8 +210,9 @@ def rotated_calls(
 
 
 def programs(n: int, variant: DecodeVariant) -> int:
-    """Programs one launch of ``variant`` runs over ``n`` output rows (its grid)."""
-    return -(-n // variant.block_n) * variant.split_k
+    """Programs one launch of ``variant`` runs over ``n`` output rows."""
+    blocks, splits = gemv.launch_grid(n, variant)
+    return blocks * splits
 
 
 def run_case(

@@ -267,15 +267,20 @@ class _Stored:
         self.blocks, self.scales, self.fmt = blocks, scales, fmt
 
 
-def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> None:
+def _smoke_rows(device: str, tmp_path: Path, *argv: str) -> list[dict]:
+    """The rows of a CPU smoke run of the decode ops benchmark with ``argv``."""
     if device != "cpu":
         pytest.skip("the CPU smoke run of the benchmark; on a GPU it measures")
     from benchmarks.bench_decode_ops import main
 
     out = tmp_path / "rows.json"
-    argv = ["--shapes", "o,router", "--formats", "mxfp4", "--batches", "3", "--sweep-limit", "2", "--out", str(out)]
-    assert main(argv) == 0
-    rows = json.loads(out.read_text())["rows"]
+    assert main([*argv, "--out", str(out)]) == 0
+    return json.loads(out.read_text())["rows"]
+
+
+def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> None:
+    argv = ["--shapes", "o,router", "--formats", "mxfp4", "--batches", "3", "--sweep-limit", "2"]
+    rows = _smoke_rows(device, tmp_path, *argv)
     assert [(r["shape"], r["op"], r["batch"], r["weights"]) for r in rows] == [
         ("o", "linear_residual", 3, "mxfp4"),
         ("router", "norm_linear", 3, "mxfp4"),
@@ -306,14 +311,11 @@ def test_the_benchmark_times_calls_apart_less_the_separator() -> None:
 
 
 def test_benchmark_smoke_run_apart_names_its_programs(device: str, tmp_path: Path) -> None:
-    if device != "cpu":
-        pytest.skip("the CPU smoke run of the benchmark; on a GPU it measures")
-    from benchmarks.bench_decode_ops import TINY, main
+    from benchmarks.bench_decode_ops import TINY
 
-    out = tmp_path / "rows.json"
-    argv = ["--shapes", "o", "--formats", "bf16", "--batches", "1", "--no-sweep", "--apart", "--out", str(out)]
-    assert main(argv) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    (row,) = _smoke_rows(
+        device, tmp_path, "--shapes", "o", "--formats", "bf16", "--batches", "1", "--no-sweep", "--apart"
+    )
     n = TINY["o"][0]
     assert row["apart"] is True and row["programs"] == -(-n // DecodeVariant.parse(row["variant"]).block_n)
     assert row["us"] > 0 and row["rel_err"] <= TOLERANCE

@@ -105,6 +105,11 @@ def defers(variant: DecodeVariant, rows: int, fmt: str) -> bool:
     return fits and (fmt == "bf16" or rows > 1)
 
 
+def launch_grid(n: int, variant: DecodeVariant) -> tuple[int, int]:
+    """The programs of one launch over ``n`` output rows: (row blocks, K splits)."""
+    return -(-n // variant.block_n), variant.split_k
+
+
 def own_row_loop(variant: DecodeVariant, rows: int, fmt: str, norm: bool, k: int) -> bool:
     """Whether one bf16 row runs the loop that loads its inputs a step ahead, and its first weight
     tile before the wait on the kernel before: without the norm (o), or with the norm's whole row
@@ -336,7 +341,7 @@ def _launch(
     if reason is not None:
         raise ValueError(f"variant {variant.name()}: {reason}")
     out = torch.empty((rows, n), dtype=torch.bfloat16, device=x.device)
-    grid = (-(-n // variant.block_n), variant.split_k)
+    grid = launch_grid(n, variant)
     split = variant.split_k > 1
     part = torch.empty((variant.split_k, rows, n), dtype=torch.float32, device=x.device) if split else out
     counts = split_counters(x.device, grid[0]) if split else out
