@@ -1,8 +1,8 @@
 """Benchmark of the decode projections (prepkit.kernels.decode.gemv) against torch's F.linear path.
 
     python benchmarks/bench_decode_ops.py [--shapes qkv,o,router,lm_head] [--formats bf16,mxfp8,mxfp4]
-        [--batches 1,4] [--calls 50] [--rounds 10] [--no-sweep] [--sweep-limit 24] [--apart] [--out PATH]
-        [--tiny]
+        [--batches 1,4] [--calls 50] [--rounds 10] [--no-sweep] [--sweep-limit 24] [--variants NAME,...]
+        [--apart] [--out PATH] [--tiny]
 
 Each gpt-oss projection of a decode step runs as the op the step uses: qkv (N 5120, K 2880) and
 lm_head (N 201088, K 2880) as ``norm_linear`` with the residual add (qkv with a bias), the router
@@ -14,7 +14,9 @@ outputs) as GB/s and as a share of the device-to-device copy bandwidth measured 
 the same op in torch (the eager modules' norm and add around ``F.linear`` on the bf16 weight,
 MX weights dequantized to bf16) and ``F.linear`` alone; the relative error against the torch
 reference; and, unless ``--no-sweep``, the fastest of the registered candidates (up to
-``--sweep-limit``, the default first). ``--out`` writes the rows as JSON.
+``--sweep-limit``, the default first), or the variants ``--variants`` names (``n16-k512-w4-s1-p2``:
+rows, K step, warps, K splits, stages). Each row's ``timed`` maps every variant timed to its µs.
+``--out`` writes the rows as JSON.
 
 Calls of one op back to back flatter a launch whose programs take more than one wave: with
 programmatic dependent launch the next call's programs start on the SMs the last wave leaves idle.
@@ -257,9 +259,11 @@ def run_case(
         "rel_err": err, "torch_us": torch_us, "torch_linear_us": linear_us,
         "torch_linear_copy_frac": linear_moved / linear_us / 1e3 / copy_gbs,
     }  # fmt: skip
+    timed = {default.name(): us}
+    row["timed"] = timed
     if not args.no_sweep:
         best, best_us = default, us
-        cands = impl.candidates(problem)[: args.sweep_limit]
+        cands = args.variants or impl.candidates(problem)[: args.sweep_limit]
         if timer.cuda:
             from benchmarks.bench_kernel import precompile
 
@@ -272,6 +276,7 @@ def run_case(
             except Exception as exc:  # a variant that fails to compile or run here is reported and skipped
                 log(f"    {v.name()}: {type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}")
                 continue
+            timed[v.name()] = v_us
             if v_us < best_us:
                 best, best_us = v, v_us
         best_err = relative_error(kernel(best)(inputs), reference(**inputs))
@@ -303,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="graph replays; the median is reported")
     parser.add_argument("--no-sweep", action="store_true", help="time the default variant only")
     parser.add_argument("--sweep-limit", type=int, default=24, help="most candidates timed per case")
+    parser.add_argument("--variants", help="time these variants (comma-separated names) instead of the candidates")
     parser.add_argument(
         "--apart", action="store_true", help="a small kernel outside the launch chain after every call (as in the step)"
     )
@@ -319,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in names if s not in SHAPES] + [f for f in formats if f not in FORMATS]
     if unknown:
         print(f"unknown shapes or formats: {unknown}", file=sys.stderr)
+        return 2
+    try:
+        args.variants = [DecodeVariant.parse(v.strip()) for v in (args.variants or "").split(",") if v.strip()]
+    except ValueError as err:
+        print(f"--variants: {err}", file=sys.stderr)
         return 2
     tiny = args.tiny or not cuda
     if not cuda:

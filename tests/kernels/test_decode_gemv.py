@@ -4,6 +4,7 @@ K and N tails, and every candidate variant of a small problem."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -191,7 +192,10 @@ def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
         for fmt in ("mxfp8", "mxfp4"):
             v = gemv.default_variant(n, k, 1, fmt)
             assert gemv.variant_reason(v, fmt) is None
-            assert v.block_k // (2 if fmt == "mxfp4" else 1) == 256
+            ahead = fmt == "mxfp8" and n in (5120, 2880)  # q/k/v and o: wider steps, a step ahead
+            assert gemv.mx_ahead(v, 1, fmt) == ahead
+            step_bytes = v.block_k // (2 if fmt == "mxfp4" else 1)
+            assert step_bytes * (v.block_n if ahead else 1) == (gemv.MX_AHEAD_TILE_BYTES if ahead else 256)
             programs = -(-n // v.block_n) * v.split_k
             steps = -(-k // v.block_k)
             assert steps >= 2 * v.split_k
@@ -210,6 +214,47 @@ def test_one_bf16_row_takes_the_sweeps_winners() -> None:
         v = gemv.default_variant(n, k, 1, "bf16")
         assert gemv.variant_reason(v, "bf16") is None
         assert v in gemv.candidate_variants(n, k, 1, "bf16")  # the tuner can confirm or beat it
+
+
+def test_one_mx_row_loads_a_step_ahead_only_where_the_variant_asks() -> None:
+    ahead = DecodeVariant(16, 512, 4, 1, 2)
+    assert gemv.mx_ahead(ahead, 1, "mxfp8") and gemv.mx_ahead(ahead, 1, "mxfp4")
+    assert not gemv.mx_ahead(DecodeVariant(16, 512, 4), 1, "mxfp8")  # one stage: loads in the step
+    assert not gemv.mx_ahead(ahead, 2, "mxfp8")  # two rows
+    assert not gemv.mx_ahead(ahead, 1, "bf16")  # bf16 loops load ahead on their own
+    assert gemv.variant_reason(DecodeVariant(16, 512, 4, 1, 3), "mxfp8") == (
+        "num_stages 3 is not 1 (loads in the step) or 2 (a step ahead)"
+    )
+    # The tuner sweeps both stages for one MX row, and one stage elsewhere.
+    for fmt, batch, stages in (("mxfp8", 1, {1, 2}), ("mxfp4", 1, {1, 2}), ("mxfp8", 2, {1}), ("bf16", 1, {1})):
+        assert {v.num_stages for v in gemv.candidate_variants(2880, 4096, batch, fmt)} == stages
+
+
+MX_AHEAD_VARIANTS = [
+    DecodeVariant(8, 64, 4, 1, 2),  # 4 steps of 64, the last masked (224 = 3 x 64 + 32)
+    DecodeVariant(8, 64, 4, 2, 2),  # K splits of 2 steps, the second split's last step masked
+    DecodeVariant(16, 128, 4, 3, 2),  # three splits over two steps: the last split has none
+    DecodeVariant(32, 256, 4, 1, 2),  # one masked step, rows past N
+]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("variant", MX_AHEAD_VARIANTS)
+def test_one_mx_row_loaded_a_step_ahead_matches(device: str, fmt: str, variant: DecodeVariant) -> None:
+    # Codes, scales and inputs (activations, the residual add and the norm weight) of each step
+    # are loaded a step ahead: with the norm, with and without the add, and with the residual.
+    assert gemv.mx_ahead(variant, 1, fmt)
+    for add in (1, 0):
+        inputs = _inputs("norm_linear", fmt, 1, 40, 224, device, seed=30 + add, add=add, bias=1, normed=1)
+        got, want = gemv.norm_linear(**inputs, variant=variant), norm_linear_reference(**inputs)
+        assert torch.equal(got[0], want[0])
+        assert relative_error(got, want) <= TOLERANCE, add
+    inputs = _inputs("linear_residual", fmt, 1, 40, 224, device, seed=32, bias=1)
+    got = gemv.linear_residual(**inputs, variant=variant)
+    assert relative_error(got, linear_residual_reference(**inputs)) <= TOLERANCE
+    # The same sums as loading in the step: only where the loads are issued differs.
+    in_step = gemv.linear_residual(**inputs, variant=DecodeVariant(*dataclasses.astuple(variant)[:4], 1))
+    assert torch.equal(got, in_step)
 
 
 def test_weights_of_few_rows_get_wide_k_steps_to_choose_from() -> None:
@@ -288,6 +333,22 @@ def test_benchmark_smoke_run_writes_its_rows(device: str, tmp_path: Path) -> Non
     for r in rows:
         assert r["rel_err"] <= TOLERANCE and r["best_rel_err"] <= TOLERANCE
         assert r["us"] > 0 and r["torch_us"] > 0 and DecodeVariant.parse(r["best_variant"])
+
+
+def test_benchmark_times_the_variants_it_is_named(device: str, tmp_path: Path) -> None:
+    named = ["n8-k64-w4-s1-p2", "n16-k64-w4-s2-p1"]
+    (row,) = _smoke_rows(
+        device, tmp_path, "--shapes", "o", "--formats", "mxfp8", "--batches", "1", "--variants", ",".join(named)
+    )
+    assert set(row["timed"]) == {row["variant"], *named} and all(us > 0 for us in row["timed"].values())
+    assert row["best_variant"] in row["timed"] and row["best_rel_err"] <= TOLERANCE
+
+
+def test_benchmark_refuses_a_variant_it_cannot_read(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.bench_decode_ops import main
+
+    assert main(["--variants", "n8-k64"]) == 2
+    assert "--variants: not a decode variant name: 'n8-k64'" in capsys.readouterr().err
 
 
 def test_the_benchmark_times_calls_apart_less_the_separator() -> None:

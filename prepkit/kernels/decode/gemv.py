@@ -40,6 +40,8 @@ STREAMING_BLOCKS = 16 * TARGET_PROGRAMS
 # The widest block of one row's activations the norm's prologue loads at once: gpt-oss rows
 # (2,880) in one load, longer ones in a loop.
 MAX_ROW_BLOCK = 4096
+# Code bytes of one mxfp8 row's K step where it loads a step ahead (:func:`_one_mx_row`).
+MX_AHEAD_TILE_BYTES = 8192
 # The most accumulator registers a thread spends on deferred row sums (:func:`defers`).
 DEFERRED_VALUES = 32
 
@@ -91,6 +93,8 @@ def variant_reason(variant: DecodeVariant, fmt: str) -> str | None:
         return f"block_k {variant.block_k} is below {MIN_BLOCK_K[fmt]}, the narrowest {fmt} step"
     if not 1 <= variant.split_k <= 64:
         return f"split_k {variant.split_k} is not in 1..64"
+    if variant.num_stages not in (1, 2):
+        return f"num_stages {variant.num_stages} is not 1 (loads in the step) or 2 (a step ahead)"
     return None
 
 
@@ -119,6 +123,14 @@ def own_row_loop(variant: DecodeVariant, rows: int, fmt: str, norm: bool, k: int
     if not (rows == 1 and fmt == "bf16" and defers(variant, rows, fmt)):
         return False
     return not norm or variant.block_k >= _norm_row_block(k)
+
+
+def mx_ahead(variant: DecodeVariant, rows: int, fmt: str) -> bool:
+    """Whether one row through an MX weight loads each K step's codes, scales and inputs a step
+    ahead: variants of two stages. The codes cross the loop byte by byte (about 150 more
+    instructions a step at 8 KB), which pays where a step's round trip, not its decode, is what
+    the row waits on (mxfp8; docs/decode.md)."""
+    return rows == 1 and fmt != "bf16" and not defers(variant, rows, fmt) and variant.num_stages == 2
 
 
 def _norm_row_block(k: int) -> int:
@@ -196,6 +208,8 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     router, small heads)."""
     if fmt == "bf16" and batch == 1:
         return _one_bf16_row(n, k)
+    if fmt == "mxfp8" and batch == 1 and _row_count(n) in ("some", "many"):
+        return _one_mx_row(n, k)
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
     # bf16: at most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where
     # 8-row blocks allow it, so that the K loop sums once (:func:`defers`). MX weights sum scale
@@ -224,7 +238,8 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
     - fewer than 2 x :data:`TARGET_PROGRAMS` (o): 4-row blocks of 512-wide steps, for more programs;
     - more than :data:`STREAMING_BLOCKS` (the lm_head): 8-row blocks of 256, 4 warps, a long
       stream at the copy bandwidth that 8 warps slow down;
-    - otherwise (q/k/v): 8-row blocks of 256-wide steps.
+    - otherwise (q/k/v): 8-row blocks of 256-wide steps, 8 warps. 16-row blocks of 4 warps fit
+      one wave and win alone, but lost in the step.
     """
     row = max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))
     rows = _row_count(n)
@@ -233,6 +248,15 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
     if rows == "some":
         return DecodeVariant(4, min(512, row), 8, 1)
     return DecodeVariant(8, min(256, row), 4 if rows == "stream" else 8, 1)
+
+
+def _one_mx_row(n: int, k: int) -> DecodeVariant:
+    """One row through an mxfp8 weight of some or many row blocks (o, q/k/v): steps of
+    :data:`MX_AHEAD_TILE_BYTES` code bytes loaded a step ahead, 16-row blocks where they still give
+    :data:`TARGET_PROGRAMS` programs, else 8 (the fastest at gpt-oss-120b's shapes, docs/decode.md)."""
+    block_n = 16 if -(-n // 16) >= TARGET_PROGRAMS else 8
+    block_k = min(MX_AHEAD_TILE_BYTES // block_n, max(MIN_BLOCK_K["mxfp8"], _pow2_at_least(k)))
+    return DecodeVariant(block_n, block_k, 4, 1, 2)
 
 
 def _row_count(n: int) -> str:
@@ -251,7 +275,8 @@ def _row_count(n: int) -> str:
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
     """The variants the tuner sweeps for ``batch`` rows through an ``[n, k]`` ``fmt`` weight:
     row blocks of 8 .. 64, K steps of 1, 2 and 4 times the narrowest useful one, 4 or 8 warps
-    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each).
+    (8 .. 128 fp32 weight values a thread), and K splits (up to 8, at least two steps each); one
+    row through MX weights also each of those loading a step ahead (:func:`mx_ahead`).
     Weights of fewer 8-row blocks than 2 x :data:`TARGET_PROGRAMS` (o) also get 4-row blocks and
     steps of 8 times the narrowest; those of fewer than :data:`TARGET_PROGRAMS` / 2 (the router)
     2-row blocks and steps up to 64 times it (the whole row): their few programs each wait out
@@ -279,9 +304,10 @@ def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVaria
                 for split in (1, 2, 4, 8):
                     if split > 1 and -(-k // block_k) < 2 * split:
                         break
-                    v = DecodeVariant(block_n, block_k, num_warps, split)
-                    if v not in out:
-                        out.append(v)
+                    for stages in (1, 2) if fmt != "bf16" and batch == 1 else (1,):
+                        v = DecodeVariant(block_n, block_k, num_warps, split, stages)
+                        if v not in out:
+                            out.append(v)
     return out
 
 
@@ -364,6 +390,7 @@ def _launch(
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
         OWN_ROW_LOOP=own_row_loop(variant, rows, fmt, norm is not None, k), ROW_BLOCK=_norm_row_block(k),
+        MX_AHEAD=mx_ahead(variant, rows, fmt),
         num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

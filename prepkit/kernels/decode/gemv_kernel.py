@@ -11,15 +11,17 @@ tiles are too thin for it, and the interpreter computes bf16 dots wrongly).
 computes the rows' inverse RMS over the whole row (a few KB read from L2) and then the normed values
 of its own K steps, and program (0, 0) alone writes ``summed`` and ``normed``.
 
-Four K loops. bf16 weights (the launcher picks by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
+Five K loops. bf16 weights (the launcher picks by registers, :func:`~prepkit.kernels.decode.gemv.defers`):
 one keeps each row's products in a register tile and sums it after the loop (one multiply-add per
 weight value and row), the other sums every step, which needs fewer registers at many rows or wide
 tiles; one row of the first kind can have a loop of its own (``OWN_ROW_LOOP``, chosen by
 :func:`~prepkit.kernels.decode.gemv.own_row_loop`) that also loads its inputs a step ahead, and its
 first weight tile before the wait on the kernel before (programmatic dependent launch).
 MX weights sum each row's products per 32-value scale group in registers (chains of multiply-adds,
-no cross-thread sum in the loop) and scale each group sum once; the deferred loop, which scales
-every weight value, serves them only where it is chosen for tiles of a few groups.
+no cross-thread sum in the loop) and scale each group sum once; one row of them can load each
+step's codes, scales and inputs a step ahead (``MX_AHEAD``, chosen by
+:func:`~prepkit.kernels.decode.gemv.mx_ahead`); the deferred loop, which scales every weight value,
+serves them only where it is chosen for tiles of a few groups.
 
 K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
 an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
@@ -216,7 +218,8 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr, OWN_ROW_LOOP: tl.constexpr, ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    DEFER: tl.constexpr, OWN_ROW_LOOP: tl.constexpr, MX_AHEAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
@@ -239,6 +242,9 @@ def _gemv_kernel(
         # The weight does not depend on the kernel before: its first tile is on its way while
         # this program waits for that kernel and computes the norm.
         first = _load_raw(w_ptr, w_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, 0, 0, BLOCK_N, BLOCK_K, WFMT_BF16)[0]
+    if MX_AHEAD:
+        first_raw, first_sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, 0, stride_wp, stride_sk, BLOCK_N,
+                                        BLOCK_K, WFMT)  # fmt: skip
     _chain_enter(PDL)
     rstd = tl.zeros((B_PAD,), dtype=tl.float32)
     if NORM:
@@ -249,6 +255,10 @@ def _gemv_kernel(
     if OWN_ROW_LOOP:
         acc = _one_row_k_loop(first, x_ptr, add_ptr, nw_ptr, w_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                               stride_wn, B_PAD, BLOCK_N, BLOCK_K, NORM, HAS_ADD, SW_ROUND)  # fmt: skip
+    elif MX_AHEAD:
+        acc = _one_row_group_loop(first_raw, first_sc, x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows,
+                                  rstd, elem, k_lo, k_hi, K, stride_wp, stride_sk, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
+                                  HAS_ADD, ASM, SW_ROUND)  # fmt: skip
     elif (WFMT != WFMT_BF16) and (not DEFER):
         acc = _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                             stride_xb, stride_ab, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
@@ -431,13 +441,13 @@ def _one_row_k_loop(raw, x_ptr, add_ptr, nw_ptr, w_ptr, offs_n, n_mask, rows, rs
     that round trip before its multiply-adds. Returns ``[BLOCK_N, B_PAD]``."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     r = _row_of(rstd, rows, 0)
-    x, add, nw = _step_inputs(x_ptr, add_ptr, nw_ptr, k_lo, elem, K, BLOCK_N, BLOCK_K, NORM, HAS_ADD)
+    x, add, nw = _step_inputs(x_ptr, add_ptr, nw_ptr, k_lo, elem, K, BLOCK_N, BLOCK_K, NORM, HAS_ADD, not NORM)
     for k_step in range(k_lo, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
         raw_next, _ = _load_raw(w_ptr, w_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, stride_wn, 0, 0, BLOCK_N, BLOCK_K,
                                 WFMT_BF16)  # fmt: skip
         x_next, add_next, nw_next = _step_inputs(x_ptr, add_ptr, nw_ptr, k0 + BLOCK_K, elem, K, BLOCK_N, BLOCK_K,
-                                                 NORM, HAS_ADD)  # fmt: skip
+                                                 NORM, HAS_ADD, not NORM)  # fmt: skip
         if NORM:
             acc += raw.to(tl.float32) * _normed(x, add, nw, r, HAS_ADD, SW_ROUND)[None, :]
         else:
@@ -447,13 +457,41 @@ def _one_row_k_loop(raw, x_ptr, add_ptr, nw_ptr, w_ptr, offs_n, n_mask, rows, rs
 
 
 @triton.jit
+def _one_row_group_loop(raw, sc, x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+                        stride_wp, stride_sk, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, ASM: tl.constexpr,
+                        SW_ROUND: tl.constexpr):  # fmt: skip
+    """:func:`_group_k_loop` for one row of MX weights (``raw``, ``sc``: the first tile as
+    stored), which loads each step's codes, scales and inputs a step ahead: a load inside the step
+    would wait out its round trip before the decode, and the compiler does not pipeline loads
+    that feed no matrix unit. Returns ``[BLOCK_N, B_PAD]``."""
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+    r = _row_of(rstd, rows, 0)
+    x, add, nw = _step_inputs(x_ptr, add_ptr, nw_ptr, k_lo, elem, K, BLOCK_N, BLOCK_K, NORM, HAS_ADD, False)
+    for k_step in range(k_lo, k_hi, BLOCK_K):
+        k0 = tl.multiple_of(k_step, BLOCK_K)
+        raw_next, sc_next = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0 + BLOCK_K, k_hi, 0, stride_wp, stride_sk,
+                                      BLOCK_N, BLOCK_K, WFMT)  # fmt: skip
+        x_next, add_next, nw_next = _step_inputs(x_ptr, add_ptr, nw_ptr, k0 + BLOCK_K, elem, K, BLOCK_N, BLOCK_K,
+                                                 NORM, HAS_ADD, False)  # fmt: skip
+        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
+        if NORM:  # noqa: SIM108 (a compile-time branch: without the norm no trace of it)
+            xr = _normed(x, add, nw, r, HAS_ADD, SW_ROUND)
+        else:
+            xr = x.to(tl.float32)
+        acc += mult * _group_sums(w, xr, BLOCK_N, BLOCK_K)
+        raw, sc, x, add, nw = raw_next, sc_next, x_next, add_next, nw_next
+    return tl.where(rows[None, :] == 0, tl.sum(acc, axis=1)[:, None], 0.0)
+
+
+@triton.jit
 def _step_inputs(x_ptr, add_ptr, nw_ptr, k0, elem, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 NORM: tl.constexpr, HAS_ADD: tl.constexpr):  # fmt: skip
-    """One row's inputs of the K step at ``k0`` as loaded, nothing computed: ``x``, ``add`` and
-    the norm weight (``[BLOCK_K]``; ``add`` is ``x`` again without ``HAS_ADD``), or without
-    ``NORM`` ``x`` alone in the weight tile's layout (:func:`_step_columns`; the other two are
-    ``x`` again)."""
-    offs_k = k0 + elem if NORM else tl.broadcast_to(k0 + elem[None, :], (BLOCK_N, BLOCK_K))
+                 NORM: tl.constexpr, HAS_ADD: tl.constexpr, AS_TILE: tl.constexpr):  # fmt: skip
+    """One row's inputs of the K step at ``k0`` as loaded, nothing computed: ``x``, and with
+    ``NORM`` ``add`` and the norm weight (else both are ``x`` again, as ``add`` is without
+    ``HAS_ADD``). ``[BLOCK_K]`` values, or with ``AS_TILE`` (bf16 weights without the norm) in the
+    weight tile's layout ``[BLOCK_N, BLOCK_K]`` (:func:`_step_columns`)."""
+    offs_k = tl.broadcast_to(k0 + elem[None, :], (BLOCK_N, BLOCK_K)) if AS_TILE else k0 + elem
     k_mask = offs_k < K
     x = tl.load(x_ptr + offs_k, mask=k_mask, other=0.0)
     add = x
