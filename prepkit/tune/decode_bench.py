@@ -6,6 +6,10 @@ kernel's torch reference on a fresh copy of the same inputs (a kernel may write 
 as attention writes its cache). Timing cycles through input sets that add up to more than any L2
 (:func:`prepkit.tune.dense_bench.weight_copies`), so each call reads its weight from memory as one
 layer after another does, with the CUDA graphs of :func:`prepkit.tune.gpu_bench.graph_samples`.
+Each call is followed by a one-value kernel outside the launch chain, as a decode step follows
+each of its kernels with another: back to back, the next call's programs would start on the SMs a
+launch's last wave leaves idle and flatter launches of more than one wave. That kernel's own time,
+measured alone, is taken off each sample.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class DecodeBench:
         self.device = device
         self.seed = seed
         self._sets: list[dict[str, Any]] = []
+        self._separator: Callable[[], Any] | None = None
+        self._separator_us: float | None = None
 
     def check(self, variant: str) -> CheckResult:
         """Run ``variant`` and compare each output with the reference (relative L2 error)."""
@@ -105,16 +111,45 @@ class DecodeBench:
         return self._sets
 
     def launcher(self, variant: str) -> Callable[[int], Any]:
+        """Call ``i``: ``variant`` on input set ``i``, then the separator kernel."""
         v = DecodeVariant.parse(variant)
-        sets, kernel = self.input_sets(), self.kernel
-        return lambda i: kernel.launch(sets[i], v)
+        sets, kernel, separate = self.input_sets(), self.kernel, self.separator()
+
+        def launch(i: int) -> Any:
+            out = kernel.launch(sets[i], v)
+            separate()
+            return out
+
+        return launch
+
+    def separator(self) -> Callable[[], Any]:
+        """A one-value kernel outside the decode kernels' launch chain (made on first use)."""
+        if self._separator is None:
+            import torch
+
+            value = torch.zeros(1, device=self.device)
+            self._separator = lambda: value.add_(1.0)
+        return self._separator
+
+    def separator_us(self) -> float:
+        """The separator's own median time a call, measured once."""
+        if self._separator_us is None:
+            import statistics
+
+            from prepkit.tune.gpu_bench import graph_samples
+
+            separate = self.separator()
+            self._separator_us = statistics.median(graph_samples(lambda _: separate(), 1, self.device)["samples_us"])
+        return self._separator_us
 
     def time(self, variant: str) -> Timing:
-        """Samples of one call (:func:`~prepkit.tune.gpu_bench.graph_samples`) over the input sets."""
+        """Samples of one call (:func:`~prepkit.tune.gpu_bench.graph_samples`) over the input sets,
+        less the separator's own time."""
         from prepkit.tune.gpu_bench import graph_samples
 
         got = graph_samples(self.launcher(variant), len(self.input_sets()), self.device)
-        return Timing.from_samples(got["samples_us"])
+        own = self.separator_us()
+        return Timing.from_samples([max(us - own, 0.0) for us in got["samples_us"]])
 
 
 class LocalDecodeBackend:

@@ -291,6 +291,31 @@ def test_a_decode_problem_crosses_the_worker_protocol_unchanged() -> None:
     assert decode_problem_from_json(json.loads(json.dumps(decode_problem_json(p)))) == p
 
 
+def test_each_timed_call_is_followed_by_the_separator_whose_time_is_taken_off(
+    fake: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The step runs each decode kernel between others, so a launch's last wave runs in the open:
+    # the tuner follows every call with a one-value kernel and takes that kernel's own time off.
+    from prepkit.tune import decode_bench, gpu_bench
+
+    order: list[str] = []
+    bench = decode_bench.DecodeBench(fake, PROBLEM, torch.device("cpu"))
+    value = torch.zeros(1)
+    bench._separator = lambda: order.append("separator") or value.add_(1.0)
+    launch = fake.launch
+    monkeypatch.setattr(fake, "launch", lambda inputs, v: order.append(v.name()) or launch(inputs, v))
+
+    def samples(call: Any, rotate: int, device: Any) -> dict[str, Any]:
+        call(0)
+        return {"samples_us": [3.0, 3.0, 3.0] if rotate == 1 else [10.0, 12.0, 14.0], "reps": 1}
+
+    monkeypatch.setattr(gpu_bench, "graph_samples", samples)
+    timing = bench.time(FASTEST.name())
+    assert order[:2] == [FASTEST.name(), "separator"] and order.count("separator") == 2
+    assert timing.median_us == pytest.approx(9.0)  # 12 with the separator, less its 3
+    assert bench.separator_us() == 3.0 and order.count("separator") == 2  # measured once
+
+
 def test_the_worker_process_checks_and_times_decode_variants() -> None:
     """The GPU worker's decode ops, run on the CPU with the stand-in kernel registered in it."""
     import os
