@@ -5,30 +5,53 @@ of the step's chain (:mod:`prepkit.generation.kernel_count`). The layers repeat 
 kernels (as many as the slope of two reports' kernel counts over their layer counts); this finds
 that block, the median share of each of its kernels over the layers, and the kernels outside it
 (embedding, head, sampler, and a kernel one layer alone adds). The profiler's tracing slows each
-kernel a little.
+kernel a little, and may catch a kernel of one report alone, which :func:`kernels_per_layer` sees
+through.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any
 
 from prepkit.generation.kernel_count import per_layer
 
+# How far the kernels of a layer may lie from the slope of the reports' kernel counts: a kernel the
+# profiler catches in one report alone (a fill, a copy node) moves the slope, not the layers' block.
+SLOPE_SLACK = 2
+
 
 def kernels_per_layer(reports: list[dict[str, Any]]) -> int:
-    """The slope of the reports' kernel counts over their layer counts (two different ones needed).
+    """The kernels each layer runs. Without timelines, the slope of the reports' kernel counts
+    over their layer counts (two different ones needed); with them, the largest count within
+    :data:`SLOPE_SLACK` of that slope whose block every report's layers repeat (:func:`breakdown`).
 
     Raises:
-        ValueError: fewer than two layer counts, or a slope that is not a whole number.
+        ValueError: fewer than two layer counts; without timelines a slope that is not a whole
+            number; with them no count near the slope that every report's layers repeat.
     """
     counts = {r["model"]["layers"]: r["step_launches"]["kernels"] for r in reports if r.get("step_launches")}
     slope = per_layer(counts)
     if slope is None:
         raise ValueError("the kernels of a layer need reports at two layer counts (or --per-layer)")
-    if slope != int(slope) or slope < 1:
-        raise ValueError(f"the kernel counts {counts} give {slope:g} kernels a layer")
-    return int(slope)
+    timed = [r for r in reports if (r.get("step_launches") or {}).get("timeline")]
+    if not timed:
+        if slope != int(slope) or slope < 1:
+            raise ValueError(f"the kernel counts {counts} give {slope:g} kernels a layer")
+        return int(slope)
+    for period in range(math.ceil(slope) + SLOPE_SLACK, max(0, math.floor(slope) - SLOPE_SLACK), -1):
+        if all(_repeats(r, period) for r in timed):
+            return period
+    raise ValueError(f"the kernel counts {counts} give {slope:g} kernels a layer, and no block near it repeats")
+
+
+def _repeats(report: dict[str, Any], period: int) -> bool:
+    try:
+        breakdown(report, period)
+    except ValueError:
+        return False
+    return True
 
 
 def layer_block(names: list[str], period: int) -> list[str]:
