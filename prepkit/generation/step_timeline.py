@@ -2,7 +2,7 @@
 
 Each report's ``step_launches.timeline`` lists the step's kernels in launch order with their share
 of the step's chain (:mod:`prepkit.generation.kernel_count`). The layers repeat one block of
-kernels (as many as the slope of two reports' kernel counts over their layer counts); this finds
+kernels (about as many as the slope of two reports' kernel counts over their layer counts); this finds
 that block, the median share of each of its kernels over the layers, and the kernels outside it
 (embedding, head, sampler, and a kernel one layer alone adds). The profiler's tracing slows each
 kernel a little, and may catch a kernel of one report alone, which :func:`kernels_per_layer` sees
