@@ -56,6 +56,7 @@ from prepkit.kernels.decode.gemv_registry import (  # noqa: E402
 from prepkit.kernels.decode.variants import KERNELS, DecodeProblem, DecodeVariant  # noqa: E402
 from prepkit.kernels.mx.dense import DenseMxWeights  # noqa: E402
 from prepkit.layouts import dense_mx  # noqa: E402
+from prepkit.tune.decode_bench import separator  # noqa: E402
 from prepkit.tune.dense_bench import weight_copies  # noqa: E402
 
 # name -> (op, N, K, extras of the op's problem: which optional operands the step passes)
@@ -195,12 +196,6 @@ def per_call_us(timer: Timer, calls: list[Callable[[], object]], apart: Callable
         return timer.per_call_us(calls)
     both = timer.per_call_us([c for call in calls for c in (call, apart)]) * 2
     return both - timer.per_call_us([apart] * len(calls))
-
-
-def separator(device: torch.device) -> Callable[[], object]:
-    """A one-value kernel outside the projections' launch chain (``--apart``)."""
-    value = torch.zeros(1, device=device)
-    return lambda: value.add_(1.0)
 
 
 def rotated_calls(

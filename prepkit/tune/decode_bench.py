@@ -23,6 +23,15 @@ from prepkit.kernels.decode.variants import KERNELS, DecodeKernel, DecodeProblem
 from prepkit.tune.records import OK, CandidateError, CheckResult, Timing
 
 
+def separator(device: Any) -> Callable[[], Any]:
+    """A one-value kernel outside the decode kernels' launch chain, to follow each timed call as
+    another kernel follows each of them in the decode step."""
+    import torch
+
+    value = torch.zeros(1, device=device)
+    return lambda: value.add_(1.0)
+
+
 def load_kernels() -> dict[str, DecodeKernel]:
     """The registered decode kernels: each module of :mod:`prepkit.kernels.decode` is imported, so
     each registers itself (a module that does not import is left out; its kernel is then missing)."""
@@ -123,12 +132,9 @@ class DecodeBench:
         return launch
 
     def separator(self) -> Callable[[], Any]:
-        """A one-value kernel outside the decode kernels' launch chain (made on first use)."""
+        """:func:`separator` on this bench's device, made on first use."""
         if self._separator is None:
-            import torch
-
-            value = torch.zeros(1, device=self.device)
-            self._separator = lambda: value.add_(1.0)
+            self._separator = separator(self.device)
         return self._separator
 
     def separator_us(self) -> float:
