@@ -1,12 +1,16 @@
 """The decode step of two builds of prepkit on one prepared folder, in one run, fitted per layer:
 
     python -m benchmarks.compare_builds FOLDER --base REV|DIR [--head REV|DIR] [--layers 4,2] [--rounds 2]
-        [-r 3] [--step kernels] [--tg 128] [--own-tactics] [--out compare.json]
+        [-r 3] [--step kernels] [--tg 128] [--own-tactics] [--head-env NAME=VALUE] [--out compare.json]
 
 Each build runs ``prepkit bench FOLDER --pp '' --tg N --no-sampled`` at two layer counts, the
 builds alternating inside every round (so drift between the first and the last minute falls on
 both), and each round is fitted per layer and fixed part and scaled to the recipe's depth (36 layers
 for gpt-oss-120b) by ``prepkit.generation.layer_fit``; the table gives the median over the rounds.
+
+``--head-env NAME=VALUE`` sets a variable for the head's runs alone: with ``--head`` the same as
+``--base`` and ``PREPKIT_DECODE_VARIANTS=KEY=VARIANT``, it times one decode kernel's variant inside
+the captured step against the build's own choice.
 
 A build is a git revision, written out with ``git archive`` (the package, the benchmarks, the
 recipes and the tactics DB); a folder holding such a tree (its ``prepkit/``), copied, for a
@@ -51,6 +55,7 @@ class Build:
     name: str  # "base" or "head"
     label: str  # the revision as given, or "working tree"
     tree: Path
+    env: tuple[tuple[str, str], ...] = ()  # variables set for this build's runs alone
 
 
 def materialize(rev: str, dest: Path, repo: Path = REPO) -> Path:
@@ -112,6 +117,7 @@ def bench(build: Build, folder: Path, layers: int, args: argparse.Namespace) -> 
     if args.device:
         command += ["--device", args.device]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(build.tree), os.environ.get("PYTHONPATH")]))}
+    env.update(build.env)
     done = subprocess.run(command, cwd=build.tree, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-15:])
@@ -217,8 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", help="prepkit bench's --device")
     parser.add_argument("--own-tactics", action="store_true", help="each build reads its own tactics.db")
     parser.add_argument("--allow-different-tactics", action="store_true", help="compare even so")
+    parser.add_argument(
+        "--head-env", action="append", default=[], metavar="NAME=VALUE",
+        help="an environment variable for the head's runs alone, e.g. PREPKIT_DECODE_VARIANTS=KEY=VARIANT",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, help="write every report and fit here (JSON)")
     args = parser.parse_args(argv)
+    head_env = []
+    for item in args.head_env:
+        name, sep, value = item.partition("=")
+        if not (sep and name):
+            parser.error(f"--head-env takes NAME=VALUE, not {item!r}")
+        head_env.append((name, value))
     try:
         counts = [int(v) for v in args.layers.split(",")]
     except ValueError:
@@ -229,11 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rounds must be at least 1")
     with tempfile.TemporaryDirectory(prefix="compare-builds-") as scratch:
         base = Build("base", args.base, build_tree(args.base, Path(scratch) / "base"))
-        head = (
-            Build("head", args.head, build_tree(args.head, Path(scratch) / "head"))
-            if args.head
-            else Build("head", "working tree", REPO)
-        )
+        head_label = (args.head or "working tree") + "".join(f" {n}={v}" for n, v in head_env)
+        head_tree = build_tree(args.head, Path(scratch) / "head") if args.head else REPO
+        head = Build("head", head_label, head_tree, tuple(head_env))
         builds = [base, head]
         if not args.own_tactics:
             share_tactics(builds, head.tree / TACTICS_DB_NAME)

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Decode variants pinned by problem key for one process, served before any DB row: how one
+# variant is timed inside the step (``python -m benchmarks.compare_builds ... --head-env``).
+PINNED_ENV = "PREPKIT_DECODE_VARIANTS"
+
 
 def decode_kernel_version(kernel: Any) -> str:
     """The version a decode kernel's rows are stored under: its ``version`` attribute where it has
@@ -54,6 +58,9 @@ def decode_variant(
     """
     from prepkit.kernels.decode.variants import DecodeVariant
 
+    pinned = pinned_variants().get(problem.key())
+    if pinned is not None:
+        return pinned
     try:
         env = Environment.of(device) if device is not None else Environment.current()
     except DeviceError:
@@ -75,6 +82,28 @@ def decode_variant(
         except ValueError as err:
             log.warning("%s: decode variant of %s %s cannot be read (%s)", path, kernel.name, problem.key(), err)
     return kernel.default(problem)
+
+
+def pinned_variants(text: str | None = None) -> dict[str, DecodeVariant]:
+    """The variants pinned by :data:`PINNED_ENV` (or ``text``): ``KEY=VARIANT`` entries separated
+    by commas, ``KEY`` a problem's :meth:`~prepkit.kernels.decode.variants.DecodeProblem.key`.
+
+    Raises:
+        TacticsError: an entry that is not ``KEY=VARIANT`` with a variant name (the message names it).
+    """
+    from prepkit.kernels.decode.variants import DecodeVariant
+
+    text = os.environ.get(PINNED_ENV, "") if text is None else text
+    pinned: dict[str, DecodeVariant] = {}
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        key, sep, name = entry.partition("=")
+        try:
+            if not (sep and key.strip()):
+                raise ValueError("not KEY=VARIANT")
+            pinned[key.strip()] = DecodeVariant.parse(name.strip())
+        except ValueError as err:
+            raise TacticsError(f"{PINNED_ENV}: {entry!r}: {err}") from err
+    return pinned
 
 
 def _read_variant(path: Path, kernel: str, problem_key: str, version: str, env: Environment) -> str | None:

@@ -129,6 +129,37 @@ def test_rounds_alternate_the_builds_and_a_tactics_clash_stops_the_comparison(mo
     assert len(cb.compare(builds, [4, 2], args)[0]) == 2
 
 
+def test_head_env_reaches_the_heads_runs_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # --head-env pins what the head runs (a decode variant, say): it is set for the head's bench
+    # runs and named in its label, and the base's runs do not see it.
+    seen: dict[str, dict[str, str]] = {}
+
+    def fake_run(command: list[str], cwd: Path, env: dict[str, str], **kwargs: object) -> subprocess.CompletedProcess:
+        seen[str(cwd)] = env
+        return subprocess.CompletedProcess(command, 1, "", "stopped here")
+
+    monkeypatch.setattr(cb.subprocess, "run", fake_run)
+    monkeypatch.delenv("PREPKIT_DECODE_VARIANTS", raising=False)
+    args = argparse.Namespace(tg=16, repetitions=1, step="kernels", device=None)
+    head = cb.Build("head", "h", tmp_path / "head", (("PREPKIT_DECODE_VARIANTS", "k=n8-k8-w1-s1-p1"),))
+    for build in (cb.Build("base", "b", tmp_path / "base"), head):
+        with pytest.raises(SystemExit, match=f"{build.name} .* failed:\nstopped here"):
+            cb.bench(build, tmp_path, 2, args)
+    assert seen[str(tmp_path / "head")]["PREPKIT_DECODE_VARIANTS"] == "k=n8-k8-w1-s1-p1"
+    assert "PREPKIT_DECODE_VARIANTS" not in seen[str(tmp_path / "base")]
+
+    builds: list[cb.Build] = []
+    monkeypatch.setattr(cb, "share_tactics", lambda *a: None)
+    monkeypatch.setattr(cb, "compare", lambda b, *a: builds.extend(b) or ([], []))
+    monkeypatch.setattr(cb, "summarize", lambda rounds: {})
+    monkeypatch.setattr(cb, "table", lambda summary, b: "")
+    monkeypatch.setattr(cb, "build_tree", lambda rev, dest: dest)
+    assert cb.main(["f", "--base", "r1", "--head", "r1", "--head-env", "A=1=2", "--head-env", "B="]) == 0
+    assert builds[1].env == (("A", "1=2"), ("B", "")) and builds[1].label == "r1 A=1=2 B=" and builds[0].env == ()
+    with pytest.raises(SystemExit):
+        cb.main(["f", "--base", "r1", "--head-env", "no-equals"])
+
+
 @needs_git
 def test_head_against_itself_end_to_end(tiny_prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "compare.json"

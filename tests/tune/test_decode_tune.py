@@ -132,6 +132,26 @@ def test_sweep_stores_the_fastest_passing_variant_and_the_lookup_serves_it(fake:
     assert decode_variant(fake, PROBLEM, tmp_path / "none.db", device=H100) == default  # no DB
 
 
+def test_a_pinned_variant_is_served_before_any_row(fake: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # How one variant is timed inside the step: pinned by problem key for the process.
+    from prepkit.errors import TacticsError
+    from prepkit.tactics.decode_lookup import PINNED_ENV, pinned_variants
+
+    db = tmp_path / "t.db"
+    _store(db, sweep_decode(PROBLEM, fake, LocalWithCosts("cpu", kernels=dict(KERNELS))), fake)
+    pin = DecodeVariant(16, 16, 4)
+    other = DecodeProblem("fake_gemv", rows=48, cols=64, batch=4, fmt="bf16")
+    monkeypatch.setenv(PINNED_ENV, f" {PROBLEM.key()} = {pin.name()} , {other.key()}={WRONG.name()}")
+    assert pinned_variants() == {PROBLEM.key(): pin, other.key(): WRONG}
+    assert decode_variant(fake, PROBLEM, db, device=H100) == pin  # over the stored winner
+    assert decode_variant(fake, other, tmp_path / "none.db", device=H100) == WRONG  # over the default
+    monkeypatch.delenv(PINNED_ENV)
+    assert decode_variant(fake, PROBLEM, db, device=H100) == FASTEST
+    for text, named in (("just-a-key", "just-a-key"), (f"{PROBLEM.key()}=n8", "n8"), ("=n8-k8-w1-s1-p1", "=n8")):
+        with pytest.raises(TacticsError, match=f"{PINNED_ENV}: .*{named}"):
+            pinned_variants(text)
+
+
 def test_a_kernel_of_another_version_is_not_served_its_old_rows(fake: Any, tmp_path: Path) -> None:
     result = sweep_decode(PROBLEM, fake, LocalWithCosts("cpu", kernels=dict(KERNELS)))
     db = tmp_path / "t.db"
