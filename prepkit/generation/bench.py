@@ -31,7 +31,7 @@ from prepkit.generation import floor, loading
 from prepkit.generation.kernel_count import count_kernels
 from prepkit.generation.layer_fit import fit_layers, summary_line
 from prepkit.generation.sampling import SamplingParams
-from prepkit.generation.step_timeline import breakdown, kernels_per_layer
+from prepkit.generation.step_timeline import breakdown
 from prepkit.generation.step_timeline import table as timeline_table
 from prepkit.generation.steps import DecodeStep, default_step
 from prepkit.scale_stats import folded_upcast
@@ -117,9 +117,7 @@ def run_bench(request: BenchRequest, on_progress: ProgressFn | None = None) -> d
         reports.append(_measure(request, model, manifest, device, loaded.load_s, progress))
     report, fewer = reports
     report["fit"] = fit_layers(report, fewer, scale_to=request.scale_to, test=f"tg{max(request.gen_lengths)}")
-    report["layer_kernels"] = _layer_kernels(report, fewer)
-    if report["layer_kernels"]:  # the layers' own block, where the counts' slope caught a stray kernel
-        report["fit"]["kernels_per_layer"] = len(report["layer_kernels"]["per_layer"])
+    report["layer_kernels"] = _layer_kernels(report, report["fit"]["kernels_per_layer"])
     report["fewer_layers"] = fewer
     return report
 
@@ -141,11 +139,14 @@ def layer_counts(layers: Sequence[int], depth: int) -> list[int]:
     return counts
 
 
-def _layer_kernels(report: dict[str, Any], fewer: dict[str, Any]) -> dict[str, Any] | None:
-    """The larger run's kernels, per kernel of a layer and outside the layers
-    (:mod:`prepkit.generation.step_timeline`); ``None`` without timelines or a repeating block."""
+def _layer_kernels(report: dict[str, Any], period: float | None) -> dict[str, Any] | None:
+    """The larger run's kernels, per kernel of a layer (``period`` of them: the fit's count) and
+    outside the layers (:mod:`prepkit.generation.step_timeline`); ``None`` without timelines or a
+    repeating block."""
+    if period is None or period != int(period):
+        return None
     try:
-        found = breakdown(report, kernels_per_layer([report, fewer]))
+        found = breakdown(report, int(period))
     except (ValueError, KeyError, TypeError):
         return None
     return {"layers": found["layers"], **{key: [list(k) for k in found[key]] for key in ("per_layer", "fixed")}}

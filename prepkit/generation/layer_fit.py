@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from prepkit.generation.kernel_count import per_layer
+from prepkit.generation.step_timeline import kernels_per_layer
 from prepkit.recipes import recipe_depth
 
 
@@ -71,10 +72,15 @@ def fit_layers(
 
 
 def _kernels_per_layer(full: dict[str, Any], few: dict[str, Any]) -> float | None:
+    """The kernels of a layer (:func:`~prepkit.generation.step_timeline.kernels_per_layer`: the
+    layers' own block where the reports hold timelines), else the slope of the two counts."""
     a, b = full.get("step_launches"), few.get("step_launches")
     if not a or not b:
         return None
-    return per_layer({full["model"]["layers"]: a["kernels"], few["model"]["layers"]: b["kernels"]})
+    try:
+        return kernels_per_layer([full, few])
+    except ValueError:
+        return per_layer({full["model"]["layers"]: a["kernels"], few["model"]["layers"]: b["kernels"]})
 
 
 def summary_line(fit: dict[str, Any]) -> str:

@@ -35,6 +35,21 @@ def test_two_layer_counts_give_the_slope_the_fixed_part_and_the_scaled_floor() -
     assert "at 36 layers 105.3 tok/s" in line and "7 kernels a layer" in line
 
 
+def test_with_timelines_the_fit_counts_the_layers_own_block_not_a_stray_kernel() -> None:
+    # The profiler caught a fill in one layer and a copy after the head of the 4-layer step only:
+    # the counts' slope says 5 kernels a layer, the layers each run a block of 4.
+    from tests.generation.test_step_timeline import SHARES
+    from tests.generation.test_step_timeline import _report as timed
+
+    four, two = timed(4, SHARES, extra_in=1), timed(2, SHARES)
+    four["step_launches"]["timeline"].append({"kernel": "copy", "us": 1.0})
+    four["step_launches"]["kernels"] += 1
+    for report, ms in ((four, 1.5), (two, 1.0)):
+        report.update(_report(report["model"]["layers"], ms), step_launches=report["step_launches"])
+    fit = fit_layers(four, two, scale_to=36, test="tg16")
+    assert fit["kernels_per_layer"] == 4 and "; 4 kernels a layer" in summary_line(fit)
+
+
 def test_without_a_copy_bandwidth_the_floor_figures_are_none() -> None:
     fit = fit_layers(_report(3, 2.0, bandwidth=None), _report(1, 1.0, bandwidth=None), scale_to=3, test="tg16")
     assert fit["per_layer_us"] == pytest.approx(500.0) and fit["kernels_per_layer"] is None
