@@ -30,10 +30,6 @@ class StepKernels:
     def to_json(self) -> dict[str, object]:
         return {"kernels": self.kernels, "memory_ops": self.memory_ops}
 
-    def timeline(self) -> list[tuple[str, float]]:
-        """``(kernel name, share in us)`` in launch order."""
-        return list(zip(self.names, self.shares_us, strict=True))
-
 
 def count_kernels(run: Callable[[], None], device: torch.device) -> StepKernels | None:
     """The kernels ``run`` (e.g. one graph replay) launches on ``device``; None off CUDA."""

@@ -130,7 +130,7 @@ def mx_ahead(variant: DecodeVariant, rows: int, fmt: str) -> bool:
     ahead: variants of two stages. The codes cross the loop byte by byte (about 150 more
     instructions a step at 8 KB), which pays where a step's round trip, not its decode, is what
     the row waits on (mxfp8; docs/decode.md)."""
-    return rows == 1 and fmt != "bf16" and not defers(variant, rows, fmt) and variant.num_stages == 2
+    return rows == 1 and fmt != "bf16" and variant.num_stages == 2
 
 
 def _norm_row_block(k: int) -> int:
