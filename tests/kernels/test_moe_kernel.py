@@ -206,7 +206,9 @@ def test_routing_groups_every_local_pick_by_expert(device, T, expert_lo, local, 
     from prepkit.kernels.mx import route
 
     logits = torch.randn((T, E), generator=torch.Generator().manual_seed(T)).to(device)
-    r = route(logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=local, hidden=H)
+    # The routing launch itself, also at one token, where the GEMMs would route by default.
+    r = route(logits, top_k=top_k, expert_lo=expert_lo, num_local_experts=local, hidden=H, in_gemms=False)
+    assert r.logits is None
     ids = torch.topk(logits.float().cpu(), top_k, dim=-1).indices.flatten()
     assert torch.equal(r.topk_ids.cpu().flatten().long(), ids)
     is_local = (ids >= expert_lo) & (ids < expert_lo + local)
@@ -232,3 +234,74 @@ def test_routing_zeroes_every_output_column(device, T):
     out = torch.full((T, hidden), float("nan"), device=device)
     route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=hidden, out=out)
     assert bool((out == 0).all())
+
+
+ONE_TOKEN_PAIRS = [
+    (SMALL, SMALL),
+    (SMALL, GemmTactic(16, 32, 64, 4, 1, 4)),  # GEMM2 split in K: every split reads GEMM1's picks
+    (GemmTactic(64, 128, 64, 8, 1, 1), GemmTactic(64, 32, 64, 8, 1, 2, "dot_scaled")),
+    (
+        GemmTactic(16, 32, 128, 4, 2, 1, weight_load="tma", k_loop="masked", swapped_dot="joined"),
+        GemmTactic(16, 64, 64, 4, 2, 2, weight_load="tma", swapped_dot="joined"),
+    ),
+]
+
+
+def _one_token_logits(device: str, seed: int, ties: bool) -> torch.Tensor:
+    logits = torch.randn((1, E), generator=torch.Generator().manual_seed(seed))
+    if ties:  # the top values tie in pairs: the lower expert id comes first, as the routing launch has it
+        logits[0, 6] = logits[0, 1] = 3.0
+        logits[0, 5] = logits[0, 2] = 2.5
+    return logits.to(device)
+
+
+@pytest.mark.parametrize("pair", ONE_TOKEN_PAIRS, ids=["small", "split4", "m64", "tma-joined"])
+# EP 4 holds 2 experts a rank: fewer than the picks, which still get a row block each.
+@pytest.mark.parametrize(
+    "spec",
+    [None, RankSpec(tp_size=2, tp_rank=1), RankSpec(ep_size=2, ep_rank=1), RankSpec(ep_size=4, ep_rank=2)],
+    ids=["tp1", "tp2-rank1", "ep2-rank1", "ep4-rank2"],
+)
+@pytest.mark.parametrize("ties", [False, True])
+def test_one_token_is_routed_by_the_gemms(experts, device, pair, spec, ties):
+    """At one token GEMM1 picks the experts from the logits (no routing launch) and zeroes the
+    output: the same picks and weights, bit for bit, as the routing launch, and the same layer."""
+    from prepkit.kernels.mx import gemm1_swiglu, gemm2_combine, route
+
+    layer, plan = make_layer(experts, TOP_K, spec=spec, device=device)
+    x, _ = _inputs(1, seed=21, device=device)
+    logits = _one_token_logits(device, seed=22, ties=ties)
+    lo = layer.expert_range[0]
+    kwargs = dict(top_k=TOP_K, expert_lo=lo, num_local_experts=layer.num_local_experts, hidden=H)
+    launched = route(logits, **kwargs, in_gemms=False)
+    out = torch.full((1, H), float("nan"), device=device)
+    routing = route(logits, **kwargs, out=out)
+    assert routing.logits is logits and routing.expert_lo == lo
+    h1 = gemm1_swiglu(routing, x, layer.w13_blocks, layer.w13_scales, layer.w13_bias,
+                      valid_intermediate=layer.valid_intermediate, tactic=pair[0])  # fmt: skip
+    assert torch.equal(routing.topk_ids.cpu(), launched.topk_ids.cpu())
+    assert torch.equal(routing.topk_weights.cpu(), launched.topk_weights.cpu())
+    w2_bias = layer.w2_bias if layer.apply_down_bias else None
+    gemm2_combine(routing, h1, layer.w2_blocks, layer.w2_scales, w2_bias, tactic=pair[1])
+    ref = moe_reference(
+        x.cpu(), logits.cpu(), experts.as_dict(), top_k=TOP_K, expert_range=plan.expert_range,
+        intermediate_range=plan.intermediate_range, apply_down_bias=layer.apply_down_bias, dtype=torch.float64,
+    )  # fmt: skip
+    if not ref.any():  # an EP rank none of whose experts the token picked adds nothing
+        assert torch.equal(out.cpu(), torch.zeros(1, H))
+    else:
+        assert relative_error(out.cpu(), ref) < TOL
+
+
+def test_one_token_keeps_the_routing_launch_for_mx_activations(device):
+    """The MX policies quantize the token's row in the routing launch, so it stays."""
+    from prepkit.kernels.mx import route, routes_in_gemms
+
+    assert routes_in_gemms(1, "bf16") and not routes_in_gemms(2, "bf16")
+    assert not routes_in_gemms(1, "mxfp8") and not routes_in_gemms(1, "mxfp4")
+    logits = _one_token_logits(device, seed=3, ties=False)
+    x = torch.randn((1, H)).to(torch.bfloat16).to(device)
+    r = route(logits, top_k=TOP_K, expert_lo=0, num_local_experts=E, hidden=H, hidden_states=x, activations="mxfp8")
+    assert r.logits is None
+    ids = torch.topk(logits.float().cpu(), TOP_K, dim=-1).indices
+    assert torch.equal(r.topk_ids.cpu().long(), ids)

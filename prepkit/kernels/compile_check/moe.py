@@ -44,7 +44,9 @@ def compile_variants(
         route_done: set[int] = set()
         for i, cand in enumerate(todo):
             mine: list[CompileReport] = []
-            if routing and cand.num_tokens not in route_done:
+            # One token with bf16 activations has no routing launch: GEMM1 routes it.
+            launched = not kernels.routes_in_gemms(cand.num_tokens, activations)
+            if routing and launched and cand.num_tokens not in route_done:
                 route_done.add(cand.num_tokens)
                 mine.extend(tc.run(arch, activations, "route", None, f"T={cand.num_tokens}", _route_launch(
                     kernels, shape, activations, cand.num_tokens)))  # fmt: skip
@@ -114,7 +116,11 @@ def _gemm_launch(k: ModuleType, shape: RankLayer, activations: str, cand: Candid
         mx = activations != "bf16"
         x = torch.empty((T, H), dtype=torch.bfloat16)
         x_mx = k.MxRows.empty(T, H, activations, x.device) if mx else None
-        routing = k.Routing(T, shape.top_k, E, counts, picks, ids, weights, out, activations, x_mx)
+        # One token: the GEMMs route it themselves, from the router's bf16 logits.
+        one_token = k.routes_in_gemms(T, activations)
+        logits = torch.empty((T, shape.num_experts), dtype=torch.bfloat16) if one_token else None
+        routing = k.Routing(T, shape.top_k, E, counts, picks, ids, weights, out, activations, x_mx, logits,
+                            shape.expert_lo)  # fmt: skip
         if cand.gemm == "gemm1":
             k.gemm1_swiglu(
                 routing, x, w["w13_blocks"], w["w13_scales"], w["w13_bias"],

@@ -1,8 +1,8 @@
 """The bundled MX kernels in Triton: the MXFP4 MoE layer (routing, grouping, GEMM1 + SwiGLU, GEMM2 +
 combine) and the dense MX linear, which share one K loop.
 
-Four launches per layer (three when one routing program covers every token), all with static
-grids so a CUDA graph can capture them:
+Four launches per layer (three when one routing program covers every token, two at one token:
+see below), all with static grids so a CUDA graph can capture them:
 
 1. ``_route_kernel`` (token blocks x column chunks): top-k of the router logits, softmax over the
    k picks in fp32, an atomic per-expert counter whose old value is the pick's rank inside its
@@ -21,6 +21,12 @@ grids so a CUDA graph can capture them:
 
 Every GEMM program finds its (expert, row block) from the per-expert counters alone, so grids are
 sized by an upper bound and surplus programs return at once.
+
+One token with bf16 activations (a decode step at batch 1) launches only steps 3 and 4: there is
+nothing to group, so each GEMM1 program takes one of the token's picks from the router logits
+itself (the same picks and weights as step 1, bit for bit), the programs of the first pick write
+the picks and zero the output row between them, and GEMM2 reads the picks GEMM1 wrote
+(:func:`~prepkit.kernels.mx.launch.routes_in_gemms`).
 
 Weights are in the ``triton_moe_v3`` layout, whose shapes and byte order (K panels, nibble pairs,
 MMA fragment order) :mod:`prepkit.layouts.triton_moe` describes: per expert,
@@ -70,6 +76,7 @@ from prepkit.kernels.mx.launch import (
     joins_halves,
     max_row_blocks,
     route,
+    routes_in_gemms,
     swaps_operands,
     upcast_id,
     weight_descriptor,
@@ -102,6 +109,7 @@ __all__ = [
     "mx_linear",
     "plan_fused_moe",
     "route",
+    "routes_in_gemms",
     "swaps_operands",
     "to_mx_rows",
     "upcast_id",

@@ -14,7 +14,12 @@ from prepkit.kernels.mx._mx_rows import MxRows
 @dataclass
 class Routing:
     """Routing and grouping of one call: what both GEMMs read. ``out`` is zeroed fp32 ``[T, H]``;
-    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16."""
+    ``x_mx`` holds the token rows quantized for GEMM1 when ``activations`` is not bf16.
+
+    With ``logits`` (one token, :func:`~prepkit.kernels.mx.launch.routes_in_gemms`) nothing ran
+    yet: GEMM1 picks the experts from these logits, writes ``topk_ids`` and ``topk_weights`` and
+    zeroes ``out``, and GEMM2 reads the picks GEMM1 wrote; ``counts`` and ``sorted_picks`` are
+    not used."""
 
     num_tokens: int
     top_k: int
@@ -26,6 +31,8 @@ class Routing:
     out: torch.Tensor  # [T, H] fp32
     activations: ActivationPolicy = "bf16"
     x_mx: MxRows | None = None
+    logits: torch.Tensor | None = None  # [1, E_total]: the GEMMs route this one token themselves
+    expert_lo: int = 0  # the first local expert's global id (read with ``logits``)
 
     @property
     def num_picks(self) -> int:

@@ -1,5 +1,6 @@
 """The two GEMM kernels: GEMM1 + SwiGLU and GEMM2 + bias + routing weight + combine (launches 3
-and 4 of the layer), each over the row blocks of the grouped picks."""
+and 4 of the layer), each over the row blocks of the grouped picks, or (``ONE_TOKEN``) over one
+token's picks, which GEMM1 finds in the router logits itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from prepkit.kernels.mx._chain import _chain_enter
 from prepkit.kernels.mx._ids import W_MXFP4
 from prepkit.kernels.mx._mainloop import _mainloop, _zero_acc
 from prepkit.kernels.mx._mx import ACT_BF16, _store_mx
-from prepkit.kernels.mx._routing import _row_block
+from prepkit.kernels.mx._routing import _one_token_block, _one_token_pick, _row_block
 
 
 @triton.jit
@@ -38,6 +39,13 @@ def _gemm1_swiglu_kernel(
     K_PANELS,
     alpha,
     limit,
+    logits_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    out_ptr,
+    E_TOTAL,
+    E_LO,
+    H_OUT,
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -52,11 +60,24 @@ def _gemm1_swiglu_kernel(
     PANEL_K: tl.constexpr,
     ACT: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_TOKEN: tl.constexpr = False,
+    E_PAD_ALL: tl.constexpr = 16,
+    ZERO_BLOCK: tl.constexpr = 16,
 ):
     _chain_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
+    if ONE_TOKEN:
+        # No routing launch: every program finds its pick, and the programs of the first row
+        # block zero the output row GEMM2 adds into, ZERO_BLOCK columns each.
+        valid, e64, rows, m_mask, f, tok = _one_token_pick(
+            logits_ptr, topk_ids_ptr, topk_w_ptr, pid_m, pid_n == 0, E_TOTAL, E_LO, E_LOCAL, TOP_K, E_PAD_ALL, BLOCK_M
+        )
+        offs_z = pid_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        zero_end = tl.where(pid_m == 0, H_OUT, 0)
+        tl.store(out_ptr + offs_z, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs_z < zero_end)
+    else:
+        valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
     if valid:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
@@ -145,6 +166,8 @@ def _gemm2_combine_kernel(
     stride_ot,
     N_STORED,
     K_PANELS,
+    topk_ids_ptr,
+    E_LO,
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -161,12 +184,16 @@ def _gemm2_combine_kernel(
     PANEL_K: tl.constexpr,
     ACT: tl.constexpr,
     PDL: tl.constexpr,
+    ONE_TOKEN: tl.constexpr = False,
 ):
     _chain_enter(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
+    if ONE_TOKEN:
+        valid, e64, rows, m_mask, f, tok = _one_token_block(topk_ids_ptr, pid_m, E_LO, E_LOCAL, TOP_K, BLOCK_M)
+    else:
+        valid, e64, rows, m_mask, f, tok = _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K, E_PAD, BLOCK_M)
     if valid:
         gw = tl.load(topk_w_ptr + f, mask=m_mask, other=0.0)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -1,6 +1,7 @@
 """Routing and grouping: top-k of the router logits with the softmax over the picks, the per-expert
-counters, and the grouping of the picks by expert (launches 1 and 2 of the layer); and how a GEMM
-program finds its expert and rows from the counters alone."""
+counters, and the grouping of the picks by expert (launches 1 and 2 of the layer); how a GEMM
+program finds its expert and rows from the counters alone; and, for one token, how a GEMM program
+finds its pick from the logits themselves (no routing launch)."""
 
 from __future__ import annotations
 
@@ -169,3 +170,57 @@ def _row_block(counts_ptr, sorted_ptr, pid_m, E_LOCAL, TOP_K: tl.constexpr, E_PA
     rows = (row_start + offs_m).to(tl.int64)
     f = tl.load(sorted_ptr + rows, mask=m_mask, other=0)
     return valid, e.to(tl.int64), rows, m_mask, f, (f // TOP_K).to(tl.int64)
+
+
+@triton.jit
+def _one_token_pick(
+    logits_ptr,
+    topk_ids_ptr,
+    topk_w_ptr,
+    pid_m,
+    STORE,
+    E,
+    E_LO,
+    E_LOCAL,
+    TOP_K: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Row block ``pid_m`` of one token's picks, one pick a block, in pick order: (valid, local
+    expert as int64, rows, row mask, pick index, token index), as :func:`_row_block` gives them.
+    The picks and weights are those of ``_route_kernel`` (the same operations in the same order,
+    so the same bits); with ``STORE`` the program writes its pick's expert and weight."""
+    offs_e = tl.arange(0, E_PAD)
+    work = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
+    row_max = tl.max(work, axis=0)
+    denom = 0.0
+    expert = 0
+    mine = 0.0
+    for j in tl.static_range(TOP_K):
+        m = tl.max(work, axis=0)
+        idx = tl.min(tl.where(work == m, offs_e, E_PAD), axis=0)
+        denom += tl.exp(m - row_max)
+        expert = tl.where(pid_m == j, idx, expert)
+        mine = tl.where(pid_m == j, m, mine)
+        work = tl.where(offs_e == idx, float("-inf"), work)
+    is_pick = pid_m < TOP_K
+    tl.store(topk_ids_ptr + pid_m, expert, mask=STORE & is_pick)
+    tl.store(topk_w_ptr + pid_m, tl.exp(mine - row_max) / denom, mask=STORE & is_pick)
+    local = expert - E_LO
+    valid = is_pick & (local >= 0) & (local < E_LOCAL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < tl.where(valid, 1, 0)  # the pick's one row
+    rows = (pid_m + offs_m).to(tl.int64)
+    return valid, local.to(tl.int64), rows, m_mask, pid_m + offs_m * 0, (offs_m * 0).to(tl.int64)
+
+
+@triton.jit
+def _one_token_block(topk_ids_ptr, pid_m, E_LO, E_LOCAL, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """:func:`_one_token_pick` for GEMM2, from the picks GEMM1's programs stored."""
+    is_pick = pid_m < TOP_K
+    local = tl.load(topk_ids_ptr + pid_m, mask=is_pick, other=-1) - E_LO
+    valid = is_pick & (local >= 0) & (local < E_LOCAL)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < tl.where(valid, 1, 0)  # the pick's one row
+    rows = (pid_m + offs_m).to(tl.int64)
+    return valid, local.to(tl.int64), rows, m_mask, pid_m + offs_m * 0, (offs_m * 0).to(tl.int64)

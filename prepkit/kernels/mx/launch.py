@@ -36,6 +36,21 @@ def upcast_id(tactic: GemmTactic, small_scales: bool) -> int:
     return UPCAST_IDS[tactic.upcast]
 
 
+def routes_in_gemms(num_tokens: int, activations: ActivationPolicy) -> bool:
+    """Whether the GEMMs route the call themselves (no routing launch): one token with bf16
+    activations. Each GEMM program then takes one of the token's picks, so nothing needs grouping;
+    the MX policies keep the routing launch, which also quantizes the token's row."""
+    return num_tokens == 1 and activations == "bf16"
+
+
+def row_blocks(routing: Routing, block_m: int) -> int:
+    """The GEMMs' row-block programs for ``routing``: one per pick when the GEMMs route, else an
+    upper bound over the groups (:func:`max_row_blocks`)."""
+    if routing.logits is not None:
+        return routing.num_picks
+    return max_row_blocks(routing.num_picks, routing.num_local_experts, block_m)
+
+
 def max_row_blocks(num_picks: int, num_local_experts: int, block_m: int) -> int:
     """Upper bound of sum over experts of ceil(rows_e / block_m) when the rows sum to at most
     ``num_picks``: each non-empty expert wastes at most ``block_m - 1`` rows of its last block."""
@@ -106,10 +121,12 @@ def route(
     hidden_states: torch.Tensor | None = None,
     activations: ActivationPolicy = "bf16",
     workspace: Workspace | None = None,
+    in_gemms: bool = True,
 ) -> Routing:
     """Launch routing (top-k, softmax, counters, output zeroing) and grouping; with an MX
     ``activations`` policy the same launch quantizes ``hidden_states`` (contiguous bf16
-    ``[T, hidden]``) into ``Routing.x_mx``."""
+    ``[T, hidden]``) into ``Routing.x_mx``. Where :func:`routes_in_gemms` (and ``in_gemms``) it
+    launches nothing and leaves all of that to GEMM1 (:class:`Routing`)."""
     T, E_total = router_logits.shape
     device = router_logits.device
     if router_logits.stride(1) != 1:
@@ -144,6 +161,11 @@ def route(
     if act and x_mx is None:
         raise ValueError(f"activations {activations!r}: the workspace holds no rows to quantize into (x_mx)")
     routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
+    if in_gemms and routes_in_gemms(T, activations):
+        if e_pad_all > 4096:
+            raise ValueError(f"one-token routing holds up to 4096 experts in a program, got {E_total}")
+        routing.logits, routing.expert_lo = router_logits, expert_lo
+        return routing
     if T == 0:
         return routing
     block_h = 128
@@ -238,7 +260,9 @@ def gemm1_swiglu(
         return h1
     E_local = routing.num_local_experts
     n1 = 2 * valid_intermediate
-    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    grid = (row_blocks(routing, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    logits, out = routing.logits, routing.out
+    num_experts = 0 if logits is None else logits.shape[1]  # 0: the grouped path
     w_desc = weight_descriptor(w13_blocks, tactic, activations)
     x_mx = routing.x_mx if act else None
     if act and (x_mx is None or not isinstance(h1, MxRows)):
@@ -270,6 +294,13 @@ def gemm1_swiglu(
         w13_blocks.shape[1],
         swiglu_alpha,
         swiglu_limit,
+        logits,
+        routing.topk_ids,
+        routing.topk_weights,
+        out,
+        num_experts,
+        routing.expert_lo,
+        out.shape[1],
         TOP_K=routing.top_k,
         E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
@@ -286,6 +317,10 @@ def gemm1_swiglu(
         **chain_launch(device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
+        ONE_TOKEN=logits is not None,
+        E_PAD_ALL=max(16, next_pow2(num_experts)),
+        # The first row block's programs zero the output row between them.
+        ZERO_BLOCK=max(16, next_pow2(triton.cdiv(out.shape[1], grid[1]))) if logits is not None else 16,
     )
     return h1
 
@@ -302,8 +337,8 @@ def gemm2_combine(
     activations: ActivationPolicy = "bf16",
 ) -> torch.Tensor:
     """GEMM2 + bias + routing weight + sum over picks, accumulated into ``routing.out``. ``h1``
-    is what :func:`gemm1_swiglu` returned for the same ``activations``. ``small_scales``: see
-    :func:`upcast_id`."""
+    is what :func:`gemm1_swiglu` returned for the same ``activations`` and ``routing`` (whose
+    picks GEMM1 wrote where the GEMMs route). ``small_scales``: see :func:`upcast_id`."""
     act = ACT_IDS[check_policy(activations)]
     _check_tactic(tactic, "gemm2", activations)
     if isinstance(h1, MxRows) != bool(act) or (isinstance(h1, MxRows) and h1.activations != activations):
@@ -320,7 +355,7 @@ def gemm2_combine(
         raise ValueError(f"w2 is for hidden {w2_blocks.shape[2]}, the output has {H}")
     E_local = routing.num_local_experts
     has_bias = w2_bias is not None
-    grid = (max_row_blocks(TK, E_local, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
+    grid = (row_blocks(routing, tactic.block_m), triton.cdiv(H, tactic.block_n), tactic.split_k)
     w_desc = weight_descriptor(w2_blocks, tactic, activations)
     h_in = h1.codes if isinstance(h1, MxRows) else h1
     launch(
@@ -347,6 +382,8 @@ def gemm2_combine(
         out.stride(0),
         w2_blocks.shape[2],
         w2_blocks.shape[1],
+        routing.topk_ids,
+        routing.expert_lo,
         TOP_K=routing.top_k,
         E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
@@ -365,6 +402,7 @@ def gemm2_combine(
         **chain_launch(out.device),
         num_warps=tactic.num_warps,
         num_stages=tactic.num_stages,
+        ONE_TOKEN=routing.logits is not None,
     )
     return out
 
@@ -443,6 +481,8 @@ __all__ = [
     "gemm2_combine",
     "max_row_blocks",
     "route",
+    "routes_in_gemms",
+    "row_blocks",
     "upcast_id",
     "weight_descriptor",
 ]
