@@ -23,7 +23,7 @@ from prepkit.kernels.mx import _gemm as k
 
 PTRS = {"w_desc", "w_ptr", "s_ptr", "x_ptr", "h_ptr", "xs_ptr", "hs_ptr"}
 FP32 = {"b_ptr", "topk_w_ptr", "out_ptr"}
-I32 = {"counts_ptr", "sorted_ptr"}
+I32 = {"counts_ptr", "sorted_ptr", "topk_ids_ptr"}
 
 
 def compile_gemm(fn, consts, cap):
@@ -31,6 +31,10 @@ def compile_gemm(fn, consts, cap):
     for p in fn.params:
         if p.name in consts:
             sig[p.name], cst[p.name] = "constexpr", consts[p.name]
+        elif p.is_constexpr and p.has_default:  # the one-token path's constants: off, as MX runs
+            sig[p.name], cst[p.name] = "constexpr", p.default
+        elif p.name == "logits_ptr":
+            sig[p.name] = "*bf16"
         elif p.name in PTRS:
             sig[p.name] = "*u8"
         elif p.name in FP32:
