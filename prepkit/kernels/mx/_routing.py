@@ -178,7 +178,7 @@ def _one_token_pick(
     topk_ids_ptr,
     topk_w_ptr,
     pid_m,
-    STORE,
+    store,
     E,
     E_LO,
     E_LOCAL,
@@ -189,7 +189,7 @@ def _one_token_pick(
     """Row block ``pid_m`` of one token's picks, one pick a block, in pick order: (valid, local
     expert as int64, rows, row mask, pick index, token index), as :func:`_row_block` gives them.
     The picks and weights are those of ``_route_kernel`` (the same operations in the same order,
-    so the same bits); with ``STORE`` the program writes its pick's expert and weight."""
+    so the same bits); with ``store`` the program writes its pick's expert and weight."""
     offs_e = tl.arange(0, E_PAD)
     work = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
     row_max = tl.max(work, axis=0)
@@ -204,8 +204,8 @@ def _one_token_pick(
         mine = tl.where(pid_m == j, m, mine)
         work = tl.where(offs_e == idx, float("-inf"), work)
     is_pick = pid_m < TOP_K
-    tl.store(topk_ids_ptr + pid_m, expert, mask=STORE & is_pick)
-    tl.store(topk_w_ptr + pid_m, tl.exp(mine - row_max) / denom, mask=STORE & is_pick)
+    tl.store(topk_ids_ptr + pid_m, expert, mask=store & is_pick)
+    tl.store(topk_w_ptr + pid_m, tl.exp(mine - row_max) / denom, mask=store & is_pick)
     local = expert - E_LO
     valid = is_pick & (local >= 0) & (local < E_LOCAL)
     offs_m = tl.arange(0, BLOCK_M)
