@@ -206,12 +206,7 @@ def _one_token_pick(
     is_pick = pid_m < TOP_K
     tl.store(topk_ids_ptr + pid_m, expert, mask=store & is_pick)
     tl.store(topk_w_ptr + pid_m, tl.exp(mine - row_max) / denom, mask=store & is_pick)
-    local = expert - E_LO
-    valid = is_pick & (local >= 0) & (local < E_LOCAL)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < tl.where(valid, 1, 0)  # the pick's one row
-    rows = (pid_m + offs_m).to(tl.int64)
-    return valid, local.to(tl.int64), rows, m_mask, pid_m + offs_m * 0, (offs_m * 0).to(tl.int64)
+    return _pick_block(pid_m, is_pick, expert - E_LO, E_LOCAL, BLOCK_M)
 
 
 @triton.jit
@@ -219,6 +214,13 @@ def _one_token_block(topk_ids_ptr, pid_m, E_LO, E_LOCAL, TOP_K: tl.constexpr, BL
     """:func:`_one_token_pick` for GEMM2, from the picks GEMM1's programs stored."""
     is_pick = pid_m < TOP_K
     local = tl.load(topk_ids_ptr + pid_m, mask=is_pick, other=-1) - E_LO
+    return _pick_block(pid_m, is_pick, local, E_LOCAL, BLOCK_M)
+
+
+@triton.jit
+def _pick_block(pid_m, is_pick, local, E_LOCAL, BLOCK_M: tl.constexpr):
+    """Pick ``pid_m`` of one token (of local expert ``local``) as a row block of one row, in
+    :func:`_row_block`'s terms; not valid past the picks or for another rank's expert."""
     valid = is_pick & (local >= 0) & (local < E_LOCAL)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < tl.where(valid, 1, 0)  # the pick's one row

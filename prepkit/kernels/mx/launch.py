@@ -160,11 +160,14 @@ def route(
         zero(counts)
     if act and x_mx is None:
         raise ValueError(f"activations {activations!r}: the workspace holds no rows to quantize into (x_mx)")
-    routing = Routing(T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx)
-    if in_gemms and routes_in_gemms(T, activations):
-        if e_pad_all > 4096:
-            raise ValueError(f"one-token routing holds up to 4096 experts in a program, got {E_total}")
-        routing.logits, routing.expert_lo = router_logits, expert_lo
+    one_token = in_gemms and routes_in_gemms(T, activations)
+    if one_token and e_pad_all > 4096:
+        raise ValueError(f"one-token routing holds up to 4096 experts in a program, got {E_total}")
+    routing = Routing(
+        T, top_k, num_local_experts, counts, sorted_picks, topk_ids, topk_w, out, activations, x_mx,
+        router_logits if one_token else None, expert_lo,
+    )  # fmt: skip
+    if one_token:
         return routing
     if T == 0:
         return routing
