@@ -257,6 +257,48 @@ def test_one_mx_row_loaded_a_step_ahead_matches(device: str, fmt: str, variant: 
     assert torch.equal(got, in_step)
 
 
+def test_one_mx_row_takes_its_first_tile_early_except_in_a_long_stream() -> None:
+    one_stage = DecodeVariant(16, 512, 4)
+    for n in (5120, 2880, 128):  # q/k/v, o, the router
+        assert gemv.early_tile(one_stage, 1, "mxfp4", n) and gemv.early_tile(one_stage, 1, "mxfp8", n)
+    assert not gemv.early_tile(one_stage, 1, "mxfp4", 201088)  # the lm_head: many waves
+    assert not gemv.early_tile(one_stage, 2, "mxfp4", 5120)  # two rows
+    assert not gemv.early_tile(one_stage, 1, "bf16", 5120)  # bf16 loops have their own
+    assert not gemv.early_tile(DecodeVariant(16, 512, 4, 1, 2), 1, "mxfp8", 5120)  # a step ahead already
+
+
+EARLY_TILE_VARIANTS = [
+    DecodeVariant(8, 64, 4),  # 4 steps of 64, the last masked (224 = 3 x 64 + 32)
+    DecodeVariant(8, 64, 4, 2),  # K splits of 2 steps, the second split's last step masked
+    DecodeVariant(16, 128, 4, 3),  # three splits over two steps: the last split has none
+    DecodeVariant(32, 256, 4),  # one masked step, rows past N
+]
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("variant", EARLY_TILE_VARIANTS)
+def test_one_mx_row_with_its_first_tile_early_matches(
+    device: str, fmt: str, variant: DecodeVariant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first step's tile loaded before the wait, the rest in their steps: the same sums as every
+    # step loading its own, bit for bit, and the reference's values.
+    assert gemv.early_tile(variant, 1, fmt, 40)
+    for add in (1, 0):
+        inputs = _inputs("norm_linear", fmt, 1, 40, 224, device, seed=40 + add, add=add, bias=1, normed=1)
+        early = gemv.norm_linear(**inputs, variant=variant)
+        assert torch.equal(early[0], norm_linear_reference(**inputs)[0])
+        assert relative_error(early, norm_linear_reference(**inputs)) <= TOLERANCE, add
+        with monkeypatch.context() as m:
+            m.setattr(gemv, "early_tile", lambda *a: False)
+            in_step = gemv.norm_linear(**inputs, variant=variant)
+        assert all(torch.equal(a, b) for a, b in zip(early, in_step, strict=True))
+    inputs = _inputs("linear_residual", fmt, 1, 40, 224, device, seed=42, bias=1)
+    early_out = gemv.linear_residual(**inputs, variant=variant)
+    assert relative_error(early_out, linear_residual_reference(**inputs)) <= TOLERANCE
+    monkeypatch.setattr(gemv, "early_tile", lambda *a: False)
+    assert torch.equal(early_out, gemv.linear_residual(**inputs, variant=variant))
+
+
 def test_weights_of_few_rows_get_wide_k_steps_to_choose_from() -> None:
     # The router's 16 row blocks: candidates down to 2-row blocks and up to the whole row a step;
     # o's 360: down to 4-row blocks, steps up to 512; q/k/v's 640 keep the usual grid.

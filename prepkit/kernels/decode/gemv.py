@@ -133,6 +133,15 @@ def mx_ahead(variant: DecodeVariant, rows: int, fmt: str) -> bool:
     return rows == 1 and fmt != "bf16" and variant.num_stages == 2
 
 
+def early_tile(variant: DecodeVariant, rows: int, fmt: str, n: int) -> bool:
+    """Whether one row through an MX weight, in the loop that loads each step's codes in the step,
+    loads its first step's tile before the wait on the kernel before, so that the tile is on its
+    way while that kernel finishes and the norm's prologue runs. Not for a weight that streams
+    over many waves (the lm_head): only its first wave could gain, and measured, its launch was
+    slower (docs/decode.md)."""
+    return rows == 1 and fmt != "bf16" and not mx_ahead(variant, rows, fmt) and _row_count(n) != "stream"
+
+
 def _norm_row_block(k: int) -> int:
     """How many of a row's ``k`` values the norm's prologue loads at once."""
     return min(_pow2_at_least(k), MAX_ROW_BLOCK)
@@ -390,7 +399,7 @@ def _launch(
         WANT_NORMED=normed is not None, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         ASM=not interpreting(), SW_ROUND=interpreting(), DEFER=defers(variant, rows, fmt),
         OWN_ROW_LOOP=own_row_loop(variant, rows, fmt, norm is not None, k), ROW_BLOCK=_norm_row_block(k),
-        MX_AHEAD=mx_ahead(variant, rows, fmt),
+        MX_AHEAD=mx_ahead(variant, rows, fmt), EARLY_TILE=early_tile(variant, rows, fmt, n),
         num_warps=variant.num_warps, num_stages=variant.num_stages, **chain_launch(x.device),
     )  # fmt: skip
     return out

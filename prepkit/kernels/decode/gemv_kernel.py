@@ -20,8 +20,9 @@ first weight tile before the wait on the kernel before (programmatic dependent l
 MX weights sum each row's products per 32-value scale group in registers (chains of multiply-adds,
 no cross-thread sum in the loop) and scale each group sum once; one row of them can load each
 step's codes, scales and inputs a step ahead (``MX_AHEAD``, chosen by
-:func:`~prepkit.kernels.decode.gemv.mx_ahead`); the deferred loop, which scales every weight value,
-serves them only where it is chosen for tiles of a few groups.
+:func:`~prepkit.kernels.decode.gemv.mx_ahead`), or else its first step's tile before the wait on
+the kernel before (``EARLY_TILE``, :func:`~prepkit.kernels.decode.gemv.early_tile`); the deferred
+loop, which scales every weight value, serves them only where it is chosen for tiles of a few groups.
 
 K splits reduce in the same launch: each split stores its fp32 partial sums and the last split of
 an N tile to arrive (a counter per tile, reset by that split) adds them up and runs the epilogue.
@@ -218,8 +219,8 @@ def _gemv_kernel(
     B: tl.constexpr, B_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     WFMT: tl.constexpr, NORM: tl.constexpr, HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
-    DEFER: tl.constexpr, OWN_ROW_LOOP: tl.constexpr, MX_AHEAD: tl.constexpr, ROW_BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
+    DEFER: tl.constexpr, OWN_ROW_LOOP: tl.constexpr, MX_AHEAD: tl.constexpr, EARLY_TILE: tl.constexpr,
+    ROW_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (N tile, K split) of ``B`` rows. ``x``/``add``: ``[B, K]`` rows (``add`` fp32 or
     bf16); ``w``: bf16 ``[N, K]`` (row stride ``stride_wn``) or MX panels (``stride_wp`` bytes per
@@ -242,9 +243,12 @@ def _gemv_kernel(
         # The weight does not depend on the kernel before: its first tile is on its way while
         # this program waits for that kernel and computes the norm.
         first = _load_raw(w_ptr, w_ptr, offs_n, n_mask, k_lo, k_hi, stride_wn, 0, 0, BLOCK_N, BLOCK_K, WFMT_BF16)[0]
-    if MX_AHEAD:
+    if MX_AHEAD or EARLY_TILE:
         first_raw, first_sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k_lo, k_hi, 0, stride_wp, stride_sk, BLOCK_N,
                                         BLOCK_K, WFMT)  # fmt: skip
+    else:
+        first_raw = tl.zeros((1,), dtype=tl.uint8)  # no early tile: the loop loads every step itself
+        first_sc = first_raw
     _chain_enter(PDL)
     rstd = tl.zeros((B_PAD,), dtype=tl.float32)
     if NORM:
@@ -260,9 +264,9 @@ def _gemv_kernel(
                                   rstd, elem, k_lo, k_hi, K, stride_wp, stride_sk, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
                                   HAS_ADD, ASM, SW_ROUND)  # fmt: skip
     elif (WFMT != WFMT_BF16) and (not DEFER):
-        acc = _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
-                            stride_xb, stride_ab, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K, WFMT, NORM,
-                            HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+        acc = _group_k_loop(first_raw, first_sc, x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd,
+                            elem, k_lo, k_hi, K, stride_xb, stride_ab, stride_wp, stride_sk, B, B_PAD, BLOCK_N,
+                            BLOCK_K, WFMT, NORM, HAS_ADD, ASM, SW_ROUND, EARLY_TILE)  # fmt: skip
     elif DEFER:
         acc = _deferred_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                                stride_xb, stride_ab, stride_wn, stride_wp, stride_sk, B, B_PAD, BLOCK_N, BLOCK_K,
@@ -361,14 +365,18 @@ def _step_columns(nw_ptr, k0, elem, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.conste
 
 
 @triton.jit
-def _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
+def _group_k_loop(raw, sc, x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rstd, elem, k_lo, k_hi, K,
                   stride_xb, stride_ab, stride_wp, stride_sk, B: tl.constexpr, B_PAD: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr, NORM: tl.constexpr,
-                  HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+                  HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr,
+                  EARLY_TILE: tl.constexpr):  # fmt: skip
     """The K loop of MX weights: each row's products summed per 32-value scale group in registers
     (chains of multiply-adds, :func:`_group_sums`), scaled once a group into a ``[BLOCK_N,
     BLOCK_K/32]`` accumulator per row, which is summed once after the loop: one multiply-add per
-    weight value and row, no cross-thread sum in the loop, few registers. Returns ``[BLOCK_N, B_PAD]``."""
+    weight value and row, no cross-thread sum in the loop, few registers. With ``EARLY_TILE``,
+    ``raw`` and ``sc`` are the first step's tile as stored, loaded before the wait on the kernel
+    before; every other step loads its tile in the step (carried across the loop, the codes would
+    cross it a byte a register). Returns ``[BLOCK_N, B_PAD]``."""
     a0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
     a1 = a0
     a2 = a0
@@ -377,37 +385,56 @@ def _group_k_loop(x_ptr, add_ptr, nw_ptr, w_ptr, s_ptr, offs_n, n_mask, rows, rs
     a5 = a0
     a6 = a0
     a7 = a0
-    for k_step in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if EARLY_TILE:
+        a0, a1, a2, a3, a4, a5, a6, a7 = _group_step(a0, a1, a2, a3, a4, a5, a6, a7, raw, sc, x_ptr, add_ptr, nw_ptr,
+                                                     rows, rstd, elem, k_lo, K, stride_xb, stride_ab, B, BLOCK_N,
+                                                     BLOCK_K, WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
+        k_first = k_lo + BLOCK_K
+    for k_step in range(k_first, k_hi, BLOCK_K):
         k0 = tl.multiple_of(k_step, BLOCK_K)
-        raw, sc = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, 0, stride_wp, stride_sk, BLOCK_N, BLOCK_K, WFMT)
-        w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
-        offs_k, k_mask, nw = _step_columns(nw_ptr, k0, elem, K, BLOCK_N, BLOCK_K, WFMT, NORM)
-        a0 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab,
-                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 1:
-            a1 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 1, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 2:
-            a2 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 2, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 3:
-            a3 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 3, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 4:
-            a4 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 4, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 5:
-            a5 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 5, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 6:
-            a6 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 6, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
-        if B > 7:
-            a7 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb,
-                                               stride_ab, NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+        raw_step, sc_step = _load_raw(w_ptr, s_ptr, offs_n, n_mask, k0, k_hi, 0, stride_wp, stride_sk, BLOCK_N, BLOCK_K,
+                                      WFMT)  # fmt: skip
+        a0, a1, a2, a3, a4, a5, a6, a7 = _group_step(a0, a1, a2, a3, a4, a5, a6, a7, raw_step, sc_step, x_ptr, add_ptr,
+                                                     nw_ptr, rows, rstd, elem, k0, K, stride_xb, stride_ab, B, BLOCK_N,
+                                                     BLOCK_K, WFMT, NORM, HAS_ADD, ASM, SW_ROUND)  # fmt: skip
     s0, s1, s2, s3 = tl.sum(a0, axis=1), tl.sum(a1, axis=1), tl.sum(a2, axis=1), tl.sum(a3, axis=1)
     s4, s5, s6, s7 = tl.sum(a4, axis=1), tl.sum(a5, axis=1), tl.sum(a6, axis=1), tl.sum(a7, axis=1)
     return _gather_rows(s0, s1, s2, s3, s4, s5, s6, s7, rows, B)
+
+
+@triton.jit
+def _group_step(a0, a1, a2, a3, a4, a5, a6, a7, raw, sc, x_ptr, add_ptr, nw_ptr, rows, rstd, elem, k0, K, stride_xb,
+                stride_ab, B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFMT: tl.constexpr,
+                NORM: tl.constexpr, HAS_ADD: tl.constexpr, ASM: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
+    """One K step of :func:`_group_k_loop` on its tile as stored: the accumulators ``a0 .. a7``
+    (one a row) with the step's scaled group sums added."""
+    w, mult = _decode(raw, sc, BLOCK_N, BLOCK_K, WFMT, ASM)
+    offs_k, k_mask, nw = _step_columns(nw_ptr, k0, elem, K, BLOCK_N, BLOCK_K, WFMT, NORM)
+    a0 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 0, stride_xb, stride_ab, NORM,
+                                       HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 1:
+        a1 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 1, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 2:
+        a2 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 2, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 3:
+        a3 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 3, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 4:
+        a4 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 4, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 5:
+        a5 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 5, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 6:
+        a6 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 6, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    if B > 7:
+        a7 += mult * _group_sums(w, _x_row(x_ptr, add_ptr, nw, offs_k, k_mask, rstd, rows, 7, stride_xb, stride_ab,
+                                           NORM, HAS_ADD, SW_ROUND), BLOCK_N, BLOCK_K)  # fmt: skip
+    return a0, a1, a2, a3, a4, a5, a6, a7
 
 
 @triton.jit
