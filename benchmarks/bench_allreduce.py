@@ -1,6 +1,7 @@
 """Microseconds per all-reduce of the decode step's size (one row of gpt-oss's hidden size, 2,880
-bf16 values), eager and inside a CUDA graph, for NCCL and for torch's symmetric-memory one-shot
-all-reduce, through the collectives the model's ranks use (:mod:`prepkit.distributed.collectives`).
+bf16 values), eager and inside a CUDA graph, for NCCL, torch's symmetric-memory one-shot
+all-reduce and the project's one-kernel sum over symmetric memory (``lamport``), through the
+collectives the model's ranks use (:mod:`prepkit.distributed.collectives`).
 
     torchrun --nproc-per-node 2 benchmarks/bench_allreduce.py [--numel 2880] [--per-graph 72] [--json out.json]
 
@@ -99,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)  # the same input on every rank: the expected sum is known
     x = torch.randn(args.numel, device=device).to(torch.bfloat16)
     rows: list[dict[str, Any]] = []
-    kinds = [("nccl", False), ("symmetric", True)] if device.type == "cuda" else [("gloo", False)]
+    kinds = [("nccl", False), ("symmetric", True), ("lamport", True)] if device.type == "cuda" else [("gloo", False)]
     for name, symmetric in kinds:
-        comm = Collectives(device, symmetric=symmetric)
+        comm = Collectives(device, symmetric=symmetric, kind=name if symmetric else None)
         if comm.transport != name:
             rows.append({"transport": name, "mode": "-", "us": None, "note": "unavailable here"})
             continue

@@ -1,0 +1,120 @@
+"""The one-kernel all-reduce (prepkit.distributed.lamport) between processes that share their
+buffers: on the CPU, Triton's interpreter in each process and buffers in shared memory stand in
+for GPUs that map each other's memory. Every call's sum is checked, all ranks must get the same
+bits, and the ranks run out of step (one sleeps), so that a rank reads its rows before the others
+have written them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from prepkit.distributed.collectives import ALL_REDUCE_ENV, ALL_REDUCE_KINDS, all_reduce_kind
+from prepkit.distributed.lamport import LamportAllReduce, empty_buffer
+from prepkit.errors import LaunchError
+from tests.distributed.conftest import REPO, two_gpus
+
+MAX_NUMEL = 3000
+# Row lengths of successive calls: more calls than slots, tails of the kernel's block, one
+# decode row of gpt-oss (2,880 values).
+LENGTHS = (2880, 7, 1024, 2880, 1500, 2880, 5)
+
+
+def _inputs(rank: int, call: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * call + rank)
+    x = torch.randn(n, generator=g) * (rank + 1)
+    x[:: max(n // 3, 1)] = -0.0  # the empty mark's bits as a real input
+    return x
+
+
+def _rank(rank: int, buffers: list[torch.Tensor], counters: torch.Tensor, results: torch.Tensor, delays: tuple) -> None:
+    ar = LamportAllReduce(rank, buffers, MAX_NUMEL, counters[rank, 0:1], counters[rank, 1:2])
+    for call, n in enumerate(LENGTHS):
+        time.sleep(delays[rank][call])
+        results[rank, call, :n] = ar(_inputs(rank, call, n))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_get_the_same_sum_call_after_call(world: int) -> None:
+    buffers = [empty_buffer(world, MAX_NUMEL).share_memory_() for _ in range(world)]
+    counters = torch.zeros((world, 2), dtype=torch.int32).share_memory_()
+    results = torch.full((world, len(LENGTHS), MAX_NUMEL), float("nan")).share_memory_()
+    # Rank 0 falls behind on some calls, the last rank on others.
+    delays = tuple(
+        tuple(0.3 if (call + r) % 3 == 0 and r in (0, world - 1) else 0.0 for call in range(len(LENGTHS)))
+        for r in range(world)
+    )
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, buffers, counters, results, delays)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:  # a rank that waits for ever on a value: stop it, then fail
+        p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for call, n in enumerate(LENGTHS):
+        want = torch.zeros(n)
+        for r in range(world):
+            want += _inputs(r, call, n)
+        for r in range(world):
+            assert torch.equal(results[r, call, :n], results[0, call, :n]), (call, r)  # the same bits
+        assert torch.allclose(results[0, call, :n], want, atol=1e-5, rtol=1e-5), call
+    # Each call advanced the epoch once and left its arrival counter at zero.
+    assert counters[:, 0].tolist() == [len(LENGTHS)] * world and counters[:, 1].tolist() == [0] * world
+    # Every value a rank wrote was emptied by the rank that read it: the buffers are as they began.
+    marks = empty_buffer(world, MAX_NUMEL).view(torch.int32)
+    assert all(torch.equal(b.view(torch.int32), marks) for b in buffers)
+
+
+def test_a_buffer_too_small_or_a_bad_rank_is_refused() -> None:
+    good = [empty_buffer(2, 16), empty_buffer(2, 16)]
+    with pytest.raises(ValueError, match="buffer of rank 1 holds 32"):
+        LamportAllReduce(0, [good[0], empty_buffer(1, 16)], 16)
+    with pytest.raises(ValueError, match="rank 2 of 2"):
+        LamportAllReduce(2, good, 16)
+    ar = LamportAllReduce(0, good, 16)
+    with pytest.raises(ValueError, match="17 values"):
+        ar(torch.zeros(17))
+
+
+def test_the_sum_kind_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ALL_REDUCE_ENV, raising=False)
+    assert all_reduce_kind() == "symmetric"
+    for kind in ALL_REDUCE_KINDS:
+        monkeypatch.setenv(ALL_REDUCE_ENV, kind)
+        assert all_reduce_kind() == kind
+    monkeypatch.setenv(ALL_REDUCE_ENV, "ring")
+    with pytest.raises(LaunchError, match="PREPKIT_ALL_REDUCE='ring': expected one of symmetric, lamport, nccl"):
+        all_reduce_kind()
+
+
+@two_gpus
+def test_two_gpus_sum_through_it_and_generate_with_it(tp2: Path) -> None:
+    """The GPU twin: the benchmark checks each transport's sum (the one-kernel sum among them)
+    before it times it, and a TP 2 run generates with it inside the captured step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO)
+    bench = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/bench_allreduce.py"]
+    done = subprocess.run(
+        [*bench, "--replays", "3", "--repeats", "2", "--iters", "20"], env=env, cwd=REPO, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "lamport    graph" in done.stdout, done.stdout
+    command = [sys.executable, "-m", "prepkit", "generate", str(tp2), "--device", "cuda", "--nproc", "2", "-n", "3"]
+    done = subprocess.run(
+        [*command, "--json"], input="a prompt", env={**env, ALL_REDUCE_ENV: "lamport"}, cwd=REPO, capture_output=True,
+        text=True, timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["new_tokens"] == 3
