@@ -65,7 +65,13 @@ class Collectives:
             elif kind == "lamport":
                 from prepkit.distributed.lamport import rendezvous_lamport  # a Triton kernel: imported when asked for
 
-                self._lamport = rendezvous_lamport(self.group, device)
+                try:
+                    self._lamport = rendezvous_lamport(self.group, device)
+                except (ImportError, RuntimeError, AttributeError, TypeError) as err:
+                    raise LaunchError(
+                        f"{ALL_REDUCE_ENV}=lamport: the GPUs cannot map each other's memory ({err})",
+                        hint=f"unset {ALL_REDUCE_ENV} to sum with torch's one-shot op or NCCL",
+                    ) from err
 
     @property
     def transport(self) -> Transport:

@@ -118,3 +118,20 @@ def test_two_gpus_sum_through_it_and_generate_with_it(tp2: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["new_tokens"] == 3
+
+
+def test_gpus_that_cannot_map_each_other_end_in_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    import prepkit.distributed.lamport as lamport
+    from prepkit.distributed.collectives import Collectives
+
+    def refuse(group: object, device: torch.device) -> None:
+        raise RuntimeError("peer access is not supported between these devices")
+
+    monkeypatch.setattr(lamport, "rendezvous_lamport", refuse)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    with pytest.raises(LaunchError, match="PREPKIT_ALL_REDUCE=lamport: the GPUs cannot map each other's memory") as err:
+        Collectives(torch.device("cuda", 0), group=object(), kind="lamport")
+    assert err.value.hint is not None and "unset PREPKIT_ALL_REDUCE" in err.value.hint
