@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import triton
 
 from prepkit.kernels.allreduce import EMPTY_BITS, MAX_RANKS, SLOTS, _all_reduce_kernel
 from prepkit.kernels.mx._chain import chain_launch
@@ -52,6 +53,8 @@ class LamportAllReduce:
         own = buffers[rank]
         self.rank, self.world, self.max_numel = rank, world, max_numel
         self.buffers = list(buffers)
+        # The kernel takes MAX_RANKS buffers; those past the world are this rank's, never read.
+        self._peers = self.buffers + [own] * (MAX_RANKS - world)
         self.epoch = epoch if epoch is not None else torch.zeros(1, dtype=torch.int32, device=own.device)
         self.count = count if count is not None else torch.zeros(1, dtype=torch.int32, device=own.device)
 
@@ -65,18 +68,13 @@ class LamportAllReduce:
             raise ValueError(f"all-reduce: {x.numel()} values on {x.device}, room for {self.max_numel}")
         src = x.contiguous()
         out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-        peers = self.buffers + [self.buffers[self.rank]] * (MAX_RANKS - self.world)
-        grid = (triton_cdiv(src.numel(), BLOCK),)
+        grid = (triton.cdiv(src.numel(), BLOCK),)
         _all_reduce_kernel[grid](
-            src, out, self.buffers[self.rank], *peers, self.epoch, self.count,
+            src, out, self.buffers[self.rank], *self._peers, self.epoch, self.count,
             self.rank, src.numel(), self.max_numel,
             WORLD=self.world, BLOCK=BLOCK, num_warps=4, **chain_launch(x.device),
         )  # fmt: skip
         return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def rendezvous_lamport(group: Any, device: torch.device, max_numel: int = DEFAULT_MAX_NUMEL) -> LamportAllReduce:
