@@ -10,6 +10,7 @@ from prepkit import console
 from prepkit.cli._app import cli
 from prepkit.cli._options import json_option, quiet_option
 from prepkit.cli._run_options import as_ranks, other_rank, prepared_argument, run_options
+from prepkit.fsutil import write_atomic
 
 
 def _lengths(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
@@ -130,8 +131,8 @@ def bench(
     )  # fmt: skip
     with console.progress(enabled=not (quiet or other_rank()), transient=True, unit="count") as on_progress:
         report = run_bench(request, on_progress)
-    if out is not None:
-        out.write_text(console.json_text(report))
+    if out is not None and not other_rank():  # every rank holds the report; one writes it, whole
+        write_atomic(out, [console.json_text(report).encode()])
     if as_json:
         console.emit_json(report)
     else:

@@ -48,6 +48,21 @@ def _generate_prints_once(folder: Path, device: str, env: dict[str, str]) -> Non
     assert "Error" not in done.stderr
 
 
+@cpu_twin
+def test_bench_over_two_ranks_writes_one_whole_report(ep2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "prepkit", "bench", str(ep2), "--device", "cpu", "--nproc", "2"]
+    done = subprocess.run(
+        [*command, "--pp", "", "--tg", "2", "-r", "1", "--no-sampled", "--json", "--out", str(out)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_text() == done.stdout  # rank 0's report, whole: rank 1 wrote nothing
+    assert json.loads(done.stdout)["ranks"]["ep"] == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temp file left
+
+
 def test_a_rank_needs_its_experts_and_its_share_of_the_rest(tp1: Path, tp2: Path) -> None:
     one, two = Manifest.read(tp1), Manifest.read(tp2)
     shared = sum(two.files[rel].bytes for rel in two.shared_files)

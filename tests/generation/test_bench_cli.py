@@ -94,3 +94,25 @@ def test_layer_counts_that_cannot_be_fitted_are_refused_before_loading(tiny_prep
         assert code != 0 and message in err, (layers, err)
     code, _, err = run(str(tiny_prepared), "--pp", "4", "--tg", "", "--layers", "2,1")
     assert code != 0 and "needs a --tg test at batch 1" in err
+
+
+@pytest.mark.parametrize("rank0", [True, False])
+def test_only_rank_0_writes_the_report_file(
+    tiny_prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank0: bool
+) -> None:
+    # Every rank of a split run holds the report: two writers of one file would interleave it.
+    import sys
+
+    import prepkit.generation.bench as bench_module
+
+    report = {"tests": [], "rank_wrote": "yes"}
+    monkeypatch.setattr(bench_module, "run_bench", lambda request, on_progress: report)
+    monkeypatch.setattr(sys.modules["prepkit.cli.bench"], "other_rank", lambda: not rank0)
+    out = tmp_path / "bench.json"
+    code, stdout, err = run(str(tiny_prepared), "--json", "--out", str(out))
+    assert code == 0, err
+    if rank0:
+        assert out.read_text() == stdout and json.loads(stdout) == report
+    else:
+        assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == (["bench.json"] if rank0 else [])  # no temp file left
