@@ -79,7 +79,7 @@ class LamportAllReduce:
 
 def rendezvous_lamport(group: Any, device: torch.device, max_numel: int = DEFAULT_MAX_NUMEL) -> LamportAllReduce:
     """Allocate this rank's buffer in symmetric memory, map every peer's (a collective: every rank,
-    once), mark them empty and wait for all ranks to have done so.
+    once), mark them empty, wait for all ranks to have done so, and sum once (the kernel loaded).
 
     Raises:
         RuntimeError, ImportError, AttributeError: this torch or these GPUs cannot map each other's memory.
@@ -98,4 +98,8 @@ def rendezvous_lamport(group: Any, device: torch.device, max_numel: int = DEFAUL
     buffers = [own if r == rank else handle.get_buffer(r, (numel,), torch.float32) for r in range(world)]
     torch.cuda.synchronize(device)
     dist.barrier(group=group)
-    return LamportAllReduce(rank, buffers, max_numel)
+    summed = LamportAllReduce(rank, buffers, max_numel)
+    # One sum now: the kernel compiles and loads here, never first inside a graph's capture.
+    summed(torch.zeros(1, device=device))
+    torch.cuda.synchronize(device)
+    return summed

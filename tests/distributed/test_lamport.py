@@ -89,19 +89,106 @@ def test_a_buffer_too_small_or_a_bad_rank_is_refused() -> None:
 
 def test_the_sum_kind_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ALL_REDUCE_ENV, raising=False)
-    assert all_reduce_kind() == "symmetric"
+    assert all_reduce_kind() is None  # unset: the first the GPUs can run
+    assert ALL_REDUCE_KINDS[0] == "lamport"
     for kind in ALL_REDUCE_KINDS:
         monkeypatch.setenv(ALL_REDUCE_ENV, kind)
         assert all_reduce_kind() == kind
     monkeypatch.setenv(ALL_REDUCE_ENV, "ring")
-    with pytest.raises(LaunchError, match="PREPKIT_ALL_REDUCE='ring': expected one of symmetric, lamport, nccl"):
+    with pytest.raises(LaunchError, match="PREPKIT_ALL_REDUCE='ring': expected one of lamport, symmetric, nccl"):
         all_reduce_kind()
+
+
+class _FakeSum:
+    """Stands in for a mapped sum: records what it was handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[torch.dtype] = []
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(x.dtype)
+        return x * 2
+
+
+def _collectives(
+    monkeypatch: pytest.MonkeyPatch, *, lamport: bool, symmetric: bool, kind: str | None = None
+) -> tuple[object, list[str]]:
+    """Collectives of rank 0 of 2 on a CUDA device, with each sum's mapping granted or refused."""
+    import torch.distributed as dist
+
+    import prepkit.distributed.collectives as collectives
+    import prepkit.distributed.lamport as lamport_module
+
+    tried: list[str] = []
+
+    def map_lamport(group: object, device: torch.device) -> _FakeSum:
+        tried.append("lamport")
+        if not lamport:
+            raise RuntimeError("peer access is not supported between these devices")
+        return _FakeSum()
+
+    def map_symmetric(group: object, device: torch.device, dtype: torch.dtype) -> _FakeSum | None:
+        tried.append("symmetric")
+        return _FakeSum() if symmetric else None
+
+    monkeypatch.delenv(ALL_REDUCE_ENV, raising=False)
+    monkeypatch.setattr(lamport_module, "rendezvous_lamport", map_lamport)
+    monkeypatch.setattr(collectives, "try_symmetric", map_symmetric)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    return collectives.Collectives(torch.device("cuda", 0), group=object(), kind=kind), tried
+
+
+@pytest.mark.parametrize(
+    ("lamport", "symmetric", "transport", "tried"),
+    [
+        (True, True, "lamport", ["lamport"]),
+        (False, True, "symmetric", ["lamport", "symmetric"]),
+        (False, False, "nccl", ["lamport", "symmetric"]),
+    ],
+)
+def test_unset_the_first_sum_the_gpus_can_map_is_taken_without_error(
+    monkeypatch: pytest.MonkeyPatch, lamport: bool, symmetric: bool, transport: str, tried: list[str]
+) -> None:
+    comm, attempts = _collectives(monkeypatch, lamport=lamport, symmetric=symmetric)
+    assert comm.transport == transport and attempts == tried  # type: ignore[attr-defined]
+    # Only the one-kernel sum takes the MoE's fp32 output as it is.
+    assert comm.sums_fp32 is (transport == "lamport")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["lamport", "symmetric"])
+def test_a_named_sum_the_gpus_cannot_map_ends_in_one_clear_error(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    with pytest.raises(LaunchError, match=f"PREPKIT_ALL_REDUCE={kind}: the GPUs cannot map each other's memory") as err:
+        _collectives(monkeypatch, lamport=False, symmetric=False, kind=kind)
+    assert err.value.hint is not None and "unset PREPKIT_ALL_REDUCE" in err.value.hint
+
+
+def test_the_one_kernel_sum_serves_captured_calls_and_nccl_the_eager_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    comm, _ = _collectives(monkeypatch, lamport=True, symmetric=True)
+    lamport = comm._lamport  # type: ignore[attr-defined]
+    eager: list[torch.dtype] = []
+
+    def nccl(t: torch.Tensor, group: object = None) -> None:
+        eager.append(t.dtype)
+        t.mul_(3)
+
+    monkeypatch.setattr(dist, "all_reduce", nccl)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert comm.all_reduce(torch.ones(4)).tolist() == [3.0] * 4  # type: ignore[attr-defined]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert comm.all_reduce(torch.ones(4)).tolist() == [2.0] * 4  # type: ignore[attr-defined]
+    assert eager == [torch.float32] and lamport.calls == [torch.float32]
 
 
 @two_gpus
 def test_two_gpus_sum_through_it_and_generate_with_it(tp2: Path) -> None:
     """The GPU twin: the benchmark checks each transport's sum (the one-kernel sum among them)
-    before it times it, and a TP 2 run generates with it inside the captured step."""
+    before it times it, and a TP 2 run generates with it, the default, inside the captured step."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(REPO)
     bench = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/bench_allreduce.py"]
@@ -111,27 +198,17 @@ def test_two_gpus_sum_through_it_and_generate_with_it(tp2: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "lamport    graph" in done.stdout, done.stdout
-    command = [sys.executable, "-m", "prepkit", "generate", str(tp2), "--device", "cuda", "--nproc", "2", "-n", "3"]
-    done = subprocess.run(
-        [*command, "--json"], input="a prompt", env={**env, ALL_REDUCE_ENV: "lamport"}, cwd=REPO, capture_output=True,
-        text=True, timeout=240,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout)["new_tokens"] == 3
-
-
-def test_gpus_that_cannot_map_each_other_end_in_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.distributed as dist
-
-    import prepkit.distributed.lamport as lamport
-    from prepkit.distributed.collectives import Collectives
-
-    def refuse(group: object, device: torch.device) -> None:
-        raise RuntimeError("peer access is not supported between these devices")
-
-    monkeypatch.setattr(lamport, "rendezvous_lamport", refuse)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
-    with pytest.raises(LaunchError, match="PREPKIT_ALL_REDUCE=lamport: the GPUs cannot map each other's memory") as err:
-        Collectives(torch.device("cuda", 0), group=object(), kind="lamport")
-    assert err.value.hint is not None and "unset PREPKIT_ALL_REDUCE" in err.value.hint
+    # The default sum (the one-kernel sum, the MoE's fp32 output handed over as it is) and NCCL
+    # (the bf16 cast): the same greedy text.
+    command = [sys.executable, "-m", "prepkit", "generate", str(tp2), "--device", "cuda", "--nproc", "2"]
+    texts = {}
+    for kind in ("", "nccl"):
+        done = subprocess.run(
+            [*command, "-n", "6", "--greedy", "--json"], input="a prompt", env={**env, ALL_REDUCE_ENV: kind},
+            cwd=REPO, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        assert result["new_tokens"] == 6
+        texts[kind] = result["texts"]
+    assert texts[""] == texts["nccl"]
