@@ -17,4 +17,6 @@ def build_rank_decoder(model: Any, max_len: int, batch: int, step: DecodeStep) -
     comm = collectives_of(model)
     if comm is None:
         return build_decoder(model, max_len, batch, step)
-    return build_decoder(model, max_len, batch, step, reduce=comm.all_reduce, gather=comm.gather)
+    return build_decoder(
+        model, max_len, batch, step, reduce=comm.all_reduce, gather=comm.gather, reduce_fp32=comm.sums_fp32
+    )

@@ -301,9 +301,13 @@ def step_of_model(
     kernels: bool = False,
     reduce: Hook | None = None,
     gather: Hook | None = None,
+    reduce_fp32: bool = False,
 ) -> DecodeStep:
     """The decode step of a transformers gpt-oss ``model`` (its q/k/v fused on the way);
-    ``kernels``: ``ops`` are launches of their own (see :class:`DecodeStep`)."""
+    ``kernels``: ``ops`` are launches of their own (see :class:`DecodeStep`). With ``kernels``
+    the MoE hands its output on in fp32 (the next op rounds it to bf16 as it adds it, one launch
+    fewer): on one rank always, under ``reduce`` when ``reduce_fp32`` says the sum takes fp32 at
+    no extra cost."""
     config, base = model.config, model.model
     eps = float(base.norm.variance_epsilon)
     windows = {"full_attention": None, "sliding_attention": config.sliding_window}
@@ -311,8 +315,7 @@ def step_of_model(
         Layer(
             LayerWeights.of(layer),
             LayerShape(eps, float(layer.self_attn.scaling), windows[config.layer_types[index]]),
-            # fp32 for the next op to add; summed over ranks in bf16 (the low-latency sum's dtype).
-            moe_call(layer.mlp, torch.float32 if kernels and reduce is None else None),
+            moe_call(layer.mlp, torch.float32 if kernels and (reduce is None or reduce_fp32) else None),
         )
         for index, layer in enumerate(base.layers)
     ]

@@ -78,7 +78,8 @@ class PrepkitDecoder:
     one launch each, their variants from the tactics DBs), the MoE's output kept in fp32 for the
     next op to add, and compiles only the embedding and the sampler. ``ops`` replaces the step's layer ops
     (:class:`~prepkit.integrations.decode_ops.Ops`; default: the torch ones); ``reduce`` and
-    ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``).
+    ``gather`` are the step's tensor-parallel hooks (see ``DecodeStep``); ``reduce_fp32``: ``reduce``
+    takes the kernels' fp32 MoE output as it is (see ``step_of_model``).
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class PrepkitDecoder:
         ops: decode_ops.Ops | None = None,
         reduce: decode_step.Hook | None = None,
         gather: decode_step.Hook | None = None,
+        reduce_fp32: bool = False,
     ) -> None:
         config = model.config
         base = model.model
@@ -157,8 +159,9 @@ class PrepkitDecoder:
             limit = torch._dynamo.config.recompile_limit
             torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
         self.decode_step = decode_step.step_of_model(
-            model, ops=step_ops, compiled=compile, kernels=kernels, reduce=reduce, gather=gather
-        )
+            model, ops=step_ops, compiled=compile, kernels=kernels, reduce=reduce, gather=gather,
+            reduce_fp32=reduce_fp32,
+        )  # fmt: skip
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

@@ -95,19 +95,33 @@ def test_kernel_ops_sample_with_the_same_seed_alike(model: torch.nn.Module) -> N
     assert a.shape == (batch, ids.shape[1] + NEW)
 
 
-def test_kernel_ops_under_a_reduce_hook_give_the_torch_steps_tokens(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("reduce_fp32", [False, True])
+def test_kernel_ops_under_a_reduce_hook_give_the_torch_steps_tokens(model: torch.nn.Module, reduce_fp32: bool) -> None:
     # Identity hooks: one rank's view of the tensor-parallel path, whose output projection runs
-    # the decode kernel's projection alone (``linear``) and adds the residual after the sum.
+    # the decode kernel's projection alone (``linear``) and adds the residual after the sum. A sum
+    # that takes fp32 gets the MoE's output uncast, and the next norm rounds it as it adds it.
     ids, mask = _left_padded(LENGTHS, pad_id=0)
     length, batch = ids.shape[1] + NEW, len(LENGTHS)
+    seen: list[torch.dtype] = []
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.dtype)
+        return t
+
     ident = {"reduce": lambda t: t, "gather": lambda t: t}
     ref = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False, **ident)
-    fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False, kernels=True, **ident)
+    fast = PrepkitDecoder(
+        model, length, batch_size=batch, keep_logits=True, cuda_graph=False, kernels=True, reduce=reduce,
+        gather=ident["gather"], reduce_fp32=reduce_fp32,
+    )  # fmt: skip
     want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         err = (a.float() - b.float()).abs().max() / b.float().abs().max()
         assert err < TOL, f"step {i}: {err:.3g}"
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+    # Per layer and step: o's share (bf16), then the MoE's (fp32 where the sum takes it).
+    moe = torch.float32 if reduce_fp32 else torch.bfloat16
+    assert seen == [torch.bfloat16, moe] * (TINY["num_layers"] * (NEW - 1))
 
 
 def test_kernels_and_compile_are_one_choice(model: torch.nn.Module) -> None:
@@ -120,15 +134,26 @@ def test_kernels_and_compile_are_one_choice(model: torch.nn.Module) -> None:
 def test_a_layer_is_at_most_eight_launches(tmp_path: Path) -> None:
     from prepkit.generation.kernel_count import count_kernels, per_layer
 
-    counts = {}
-    for layers in (2, 4):
-        model = _model(tmp_path, "bf16", layers, device="cuda")
-        decoder = PrepkitDecoder(model, 32, kernels=True)
-        decoder.generate(torch.tensor([[3, 17, 42]]), 4)
-        graph = decoder.graph
-        assert graph is not None
-        counted = count_kernels(graph.replay, torch.device("cuda"))
-        assert counted is not None
-        counts[layers] = counted.kernels + counted.memory_ops
-    slope = per_layer(counts)
-    assert slope is not None and slope <= 8, counts
+    # One rank, and a rank's step under an identity sum: the MoE's fp32 output handed to a sum that
+    # takes fp32 costs no launch; cast to bf16 for any other sum, one a layer.
+    forms: dict[str, dict] = {
+        "one rank": {},
+        "fp32 hand-off": {"reduce": lambda t: t, "reduce_fp32": True},
+        "bf16 hand-off": {"reduce": lambda t: t, "reduce_fp32": False},
+    }
+    models = {layers: _model(tmp_path, "bf16", layers, device="cuda") for layers in (2, 4)}
+    slopes = {}
+    for form, hooks in forms.items():
+        counts = {}
+        for layers, model in models.items():
+            decoder = PrepkitDecoder(model, 32, kernels=True, **hooks)
+            decoder.generate(torch.tensor([[3, 17, 42]]), 4)
+            graph = decoder.graph
+            assert graph is not None
+            counted = count_kernels(graph.replay, torch.device("cuda"))
+            assert counted is not None
+            counts[layers] = counted.kernels + counted.memory_ops
+        slopes[form] = per_layer(counts)
+    assert slopes["one rank"] is not None and slopes["one rank"] <= 8, slopes
+    assert slopes["fp32 hand-off"] == slopes["one rank"], slopes
+    assert slopes["bf16 hand-off"] == slopes["one rank"] + 1, slopes
