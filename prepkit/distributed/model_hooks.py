@@ -41,6 +41,21 @@ def collectives_of(model: Any) -> Collectives | None:
     return comm if isinstance(comm, Collectives) else None
 
 
+def split_of(manifest: Any, model: Any) -> dict[str, Any]:
+    """The split a run decodes on (for reports): tp x ep of the prepared set and how the ranks sum
+    their outputs (``all_reduce``: None on one rank)."""
+    comm = collectives_of(model)
+    parallel = manifest.parallel
+    return {"tp": parallel.tp_size, "ep": parallel.ep_size, "all_reduce": comm.transport if comm else None}
+
+
+def split_label(split: dict[str, Any] | None) -> str:
+    """``tp2 ep1 (lamport)`` for a split run, empty on one rank."""
+    if not split or split.get("tp", 1) * split.get("ep", 1) == 1:
+        return ""
+    return f"tp{split['tp']} ep{split['ep']} ({split['all_reduce']})"
+
+
 def _reduce_output(comm: Collectives) -> Any:
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         return comm.all_reduce(output)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from prepkit.distributed.decoder import build_rank_decoder
-from prepkit.distributed.model_hooks import collectives_of
+from prepkit.distributed.model_hooks import split_label, split_of
 from prepkit.distributed.session import start_ranks
 from prepkit.errors import RecipeError
 from prepkit.generation import floor, loading
@@ -220,7 +220,7 @@ def _measure(
             "dense": manifest.dense_format,
         },
         "device": loading.device_name(device),
-        "ranks": _ranks_of(manifest, model),
+        "ranks": split_of(manifest, model),
         "activations": request.activations,
         # The decode step of the smallest batch; each tg row names its own.
         "step": steps[min(steps)] if steps else request.step or default_step(device),
@@ -241,13 +241,6 @@ def _measure(
         "tactics_dbs": env["tactics_dbs"],
         "mx_native": env["mx_native"] if request.activations != "bf16" else None,
     }
-
-
-def _ranks_of(manifest: Any, model: Any) -> dict[str, Any]:
-    """The split the figures were measured on: tp x ep and how the ranks sum their outputs."""
-    comm = collectives_of(model)
-    parallel = manifest.parallel
-    return {"tp": parallel.tp_size, "ep": parallel.ep_size, "all_reduce": comm.transport if comm else None}
 
 
 def keep_layers(model: Any, count: int) -> None:
@@ -339,9 +332,8 @@ def markdown(report: dict[str, Any]) -> str:
     """The report as llama-bench prints it: one table row a test, then the floor."""
     m = report["model"]
     name = f"{m['recipe']} {m['layers']}L dense {m['dense']}"
-    ranks = report.get("ranks") or {}
-    if ranks.get("tp", 1) * ranks.get("ep", 1) > 1:  # the figures are one rank's of a split set
-        name += f" tp{ranks['tp']} ep{ranks['ep']} ({ranks['all_reduce']})"
+    if split := split_label(report.get("ranks")):  # the figures are one rank's of a split set
+        name += f" {split}"
     lines = [
         "| model | device | act | step | test | batch | t/s | % floor |",
         "|---|---|---|---|---|---:|---:|---:|",

@@ -13,6 +13,7 @@ from typing import Any
 
 from prepkit.distributed.decoder import build_rank_decoder
 from prepkit.distributed.group import from_rank0
+from prepkit.distributed.model_hooks import split_label, split_of
 from prepkit.distributed.session import start_ranks
 from prepkit.generation import loading
 from prepkit.generation.sampling import SamplingParams, new_seed
@@ -55,12 +56,14 @@ class GenerateResult:
     step: str
     device: str
     finish: list[str] = field(default_factory=list)  # per row: "eos", "stop" or "length"
+    ranks: dict[str, Any] | None = None  # the split and its sum (model_hooks.split_of)
 
     def summary(self) -> str:
+        split = split_label(self.ranks)
         return (
             f"prompt {self.prompt_tokens} tokens, {self.new_tokens} new; prefill {self.prefill_tok_s:.1f} tok/s, "
             f"decode {self.decode_tok_s:.1f} tok/s ({self.sampling}, seed {self.seed}, {self.step} step, "
-            f"load {self.load_s:.1f} s, first step {self.first_step_s:.2f} s)"
+            f"{f'{split}, ' if split else ''}load {self.load_s:.1f} s, first step {self.first_step_s:.2f} s)"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,6 +137,7 @@ def generate_text(request: GenerateRequest, write: Callable[[str], None] | None 
         step=step,
         device=loading.device_name(device),
         finish=[why or "length" for why in stream.stopped],
+        ranks=split_of(manifest, model),
     )
 
 

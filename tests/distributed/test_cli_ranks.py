@@ -19,7 +19,16 @@ from tests.distributed.conftest import REPO, cpu_twin, two_gpus
 @cpu_twin
 def test_generate_over_two_ranks_prints_once(ep2: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    _generate_prints_once(ep2, "cpu", env)
+    result = _generate_prints_once(ep2, "cpu", env)
+    assert result["ranks"] == {"tp": 1, "ep": 2, "all_reduce": "gloo"}
+    # Without --json the summary on stderr names the split and its sum.
+    command = [sys.executable, "-m", "prepkit", "generate", str(ep2), "--device", "cpu", "--nproc", "2", "-n", "2"]
+    done = subprocess.run(
+        command, input="a prompt", env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tp1 ep2 (gloo)" in done.stderr
 
 
 @two_gpus
@@ -27,10 +36,11 @@ def test_generate_over_two_ranks_prints_once(ep2: Path) -> None:
 def test_generate_over_two_gpus_prints_once(split: str, request: pytest.FixtureRequest) -> None:
     """The GPU twin: NCCL between two GPUs, the kernels compiled, the default step."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    _generate_prints_once(request.getfixturevalue(split), "cuda", env)
+    result = _generate_prints_once(request.getfixturevalue(split), "cuda", env)
+    assert result["ranks"]["all_reduce"] in ("lamport", "symmetric", "nccl")
 
 
-def _generate_prints_once(folder: Path, device: str, env: dict[str, str]) -> None:
+def _generate_prints_once(folder: Path, device: str, env: dict[str, str]) -> dict:
     env = {**env, "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "prepkit", "generate", str(folder), "--device", device, "--nproc", "2"]
     done = subprocess.run(
@@ -46,6 +56,7 @@ def _generate_prints_once(folder: Path, device: str, env: dict[str, str]) -> Non
     result = json.loads(done.stdout)  # one document: rank 1 printed nothing
     assert result["new_tokens"] == 3 and result["prompt_tokens"] > 1
     assert "Error" not in done.stderr
+    return result
 
 
 @cpu_twin

@@ -36,6 +36,8 @@ def test_text_streams_to_stdout_and_the_summary_to_stderr(tiny_prepared: Path) -
     assert report["prompt_tokens"] == 5 and 1 <= report["new_tokens"] <= 6
     assert report["seed"] == 3 and report["finish"][0] in ("eos", "length", "stop")
     assert {"prefill_tok_s", "decode_tok_s", "load_s", "first_step_s", "sampling", "device"} <= set(report)
+    assert report["ranks"] == {"tp": 1, "ep": 1, "all_reduce": None}
+    assert " ep1" not in err  # one rank: no split in the summary
 
 
 def test_a_seed_repeats_a_run_and_greedy_ignores_it(tiny_prepared: Path) -> None:
