@@ -43,14 +43,17 @@ def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def write_checkpoint(root: Path, layers: int, seed: int) -> Path:
+def write_checkpoint(root: Path, layers: int, seed: int, dims: dict[str, int] | None = None) -> Path:
+    """A synthetic checkpoint with a tokenizer at ``dims`` (default: gpt-oss-120b's), or the one an
+    earlier run left in ``root``."""
     if (root / "tokenizer.json").is_file():  # kept from an earlier run on this machine
         return root
     from prepkit.synth import write_synthetic_checkpoint
     from tests.tokenizer_files import write_tokenizer_files
 
-    src = write_synthetic_checkpoint(root, num_layers=layers, seed=seed, **REAL, **ATTENTION)
-    write_tokenizer_files(src, REAL["vocab_size"])
+    dims = dims or {**REAL, **ATTENTION}
+    src = write_synthetic_checkpoint(root, num_layers=layers, seed=seed, **dims)
+    write_tokenizer_files(src, dims["vocab_size"])
     return src
 
 

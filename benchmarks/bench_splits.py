@@ -25,22 +25,17 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_generate import log, write_checkpoint  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
-REAL = {"num_experts": 128, "hidden": 2880, "intermediate": 2880, "top_k": 4, "vocab_size": 201088}
-ATTENTION = {"num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64}
 TINY = {"num_experts": 4, "hidden": 64, "intermediate": 64, "top_k": 2, "vocab_size": 256}
 SPLIT = re.compile(r"^(tp|ep)(\d+)$")
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 def parse_split(name: str) -> tuple[int, int]:
@@ -50,18 +45,6 @@ def parse_split(name: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"{name!r}: a split is tpN or epN")
     n = int(match[2])
     return (n, 1) if match[1] == "tp" else (1, n)
-
-
-def checkpoint(root: Path, layers: int, tiny: bool) -> Path:
-    if (root / "tokenizer.json").is_file():  # kept from an earlier run
-        return root
-    from prepkit.synth import write_synthetic_checkpoint
-    from tests.tokenizer_files import write_tokenizer_files
-
-    dims = TINY if tiny else {**REAL, **ATTENTION}
-    src = write_synthetic_checkpoint(root, num_layers=layers, seed=0, **dims)
-    write_tokenizer_files(src, dims["vocab_size"])
-    return src
 
 
 def prepared(src: Path, out: Path, tp: int, ep: int) -> Path:
@@ -136,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
         gpus = torch.cuda.device_count()
     log(f"checkpoint: {counts[0]} layers{' (tiny dims)' if args.tiny else ''}")
-    src = checkpoint(args.workdir / ("tiny" if args.tiny else "src"), counts[0], args.tiny)
+    src = write_checkpoint(args.workdir / ("tiny" if args.tiny else "src"), counts[0], 0, TINY if args.tiny else None)
     reports: dict[str, Any] = {}
     log("bench tp1")
     base = bench(prepared(src, args.workdir / "tp1", 1, 1), 1, "default", args)

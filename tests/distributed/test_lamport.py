@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from prepkit.distributed.collectives import ALL_REDUCE_ENV, ALL_REDUCE_KINDS, all_reduce_kind
+from prepkit.distributed.collectives import ALL_REDUCE_ENV, ALL_REDUCE_KINDS, Collectives, all_reduce_kind
 from prepkit.distributed.lamport import LamportAllReduce, empty_buffer
 from prepkit.errors import LaunchError
 from tests.distributed.conftest import REPO, two_gpus
@@ -115,7 +115,7 @@ class _FakeSum:
 
 def _collectives(
     monkeypatch: pytest.MonkeyPatch, *, lamport: bool, symmetric: bool, kind: str | None = None
-) -> tuple[object, list[str]]:
+) -> tuple[Collectives, list[str]]:
     """Collectives of rank 0 of 2 on a CUDA device, with each sum's mapping granted or refused."""
     import torch.distributed as dist
 
@@ -154,9 +154,9 @@ def test_unset_the_first_sum_the_gpus_can_map_is_taken_without_error(
     monkeypatch: pytest.MonkeyPatch, lamport: bool, symmetric: bool, transport: str, tried: list[str]
 ) -> None:
     comm, attempts = _collectives(monkeypatch, lamport=lamport, symmetric=symmetric)
-    assert comm.transport == transport and attempts == tried  # type: ignore[attr-defined]
+    assert comm.transport == transport and attempts == tried
     # Only the one-kernel sum takes the MoE's fp32 output as it is.
-    assert comm.sums_fp32 is (transport == "lamport")  # type: ignore[attr-defined]
+    assert comm.sums_fp32 is (transport == "lamport")
 
 
 @pytest.mark.parametrize("kind", ["lamport", "symmetric"])
@@ -170,7 +170,8 @@ def test_the_one_kernel_sum_serves_captured_calls_and_nccl_the_eager_ones(monkey
     import torch.distributed as dist
 
     comm, _ = _collectives(monkeypatch, lamport=True, symmetric=True)
-    lamport = comm._lamport  # type: ignore[attr-defined]
+    lamport = comm._lamport
+    assert isinstance(lamport, _FakeSum)
     eager: list[torch.dtype] = []
 
     def nccl(t: torch.Tensor, group: object = None) -> None:
@@ -179,9 +180,9 @@ def test_the_one_kernel_sum_serves_captured_calls_and_nccl_the_eager_ones(monkey
 
     monkeypatch.setattr(dist, "all_reduce", nccl)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    assert comm.all_reduce(torch.ones(4)).tolist() == [3.0] * 4  # type: ignore[attr-defined]
+    assert comm.all_reduce(torch.ones(4)).tolist() == [3.0] * 4
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert comm.all_reduce(torch.ones(4)).tolist() == [2.0] * 4  # type: ignore[attr-defined]
+    assert comm.all_reduce(torch.ones(4)).tolist() == [2.0] * 4
     assert eager == [torch.float32] and lamport.calls == [torch.float32]
 
 
