@@ -23,28 +23,36 @@ def _fp4_to_f32(code):
     return bits.to(tl.float32, bitcast=True)
 
 
-# Inline PTX that upcasts 4 bytes at once (sm_80+): bytes spread to 16-bit lanes with prmt, nibble
-# bits moved to bf16 position (mag e1 e0 m -> bits 8..6, sign -> bit 15: the value * 2^-126), then
-# bf16x2 FMAs with a -0.0 addend (keeps +0 and -0): * 2^126 and * the E8M0 scale ($5, $6), or,
-# when every scale is at most 2^1, one FMA by scale * 2^126 = 2^(s-1) (a power of two, so the
-# product is exact: the same bits as the two steps; tests/kernels/test_upcast_fold.py).
-# Output $i (bf16x2) from a 16-bit-lane word: magnitude bits (after ``shift``) to 8..6, sign to 15.
+# Inline PTX that upcasts 4 bytes at once (sm_80+): bytes spread to 16-bit lanes with prmt, each
+# nibble's bits moved to bf16 position (mag e1 e0 m -> bits 8..6, sign -> bit 15: the value *
+# 2^-126), then bf16x2 FMAs with a -0.0 addend (keeps +0 and -0): * 2^126 and * the E8M0 scale
+# ($5, $6), or, when every scale is at most 2^1, one FMA by scale * 2^126 = 2^(s-1) (a power of
+# two, so the product is exact: the same bits as the two steps; tests/kernels/test_upcast_fold.py).
+# One multiply places both copies a nibble needs: with the other nibble masked off, n * (2^a +
+# 2^(a+6)) puts n at bits a.. and a+6.. with no overlap and no carry, and a mask keeps the
+# magnitude of the first copy and the sign of the second. Three integer ops an output, not five.
+# Output $i (bf16x2) from a 16-bit-lane word: the nibble kept by ``keep``, times ``mul``.
 _ASM_LANE = """
-    shl.b32 a, {src}, {shift};
-    and.b32 a, a, 0x01C001C0;
-    shl.b32 b, {src}, {sign_shift};
-    and.b32 b, b, 0x80008000;
-    or.b32 ${out}, a, b;
+    and.b32 a, {src}, {keep};
+    mul.lo.u32 a, a, {mul};
+    and.b32 ${out}, a, 0x81C081C0;
 """
-# $0, $1: low nibbles of bytes 0-1 / 2-3 (t0 / t1); $2, $3: their high nibbles (4 bits further up).
+# $0, $1: low nibbles of bytes 0-1 / 2-3 (t0 / t1); $2, $3: their high nibbles.
 _ASM_SPREAD = """
-    .reg .b32 t0, t1, a, b, k, z;
+    .reg .b32 t0, t1, a, k, z;
     mov.b32 z, 0x80008000;
     prmt.b32 t0, $4, 0, 0x4140;
     prmt.b32 t1, $4, 0, 0x4342;
 """ + "".join(
-    _ASM_LANE.format(out=out, src=src, shift=shift, sign_shift=shift + 6)
-    for out, (src, shift) in enumerate((("t0", 6), ("t1", 6), ("t0", 2), ("t1", 2)))
+    _ASM_LANE.format(out=out, src=src, keep=keep, mul=mul)
+    for out, (src, keep, mul) in enumerate(
+        (
+            ("t0", "0x000F000F", "0x1040"),
+            ("t1", "0x000F000F", "0x1040"),
+            ("t0", "0x00F000F0", "0x104"),
+            ("t1", "0x00F000F0", "0x104"),
+        )
+    )
 )
 _ASM_TIMES_2_126 = "    mov.b32 k, 0x7E807E80;\n" + "".join(f"    fma.rn.bf16x2 ${i}, ${i}, k, z;\n" for i in range(4))
 # $5 scales bytes 0-1 ($0, $2), $6 bytes 2-3 ($1, $3).
