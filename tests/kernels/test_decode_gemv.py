@@ -192,15 +192,32 @@ def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
         for fmt in ("mxfp8", "mxfp4"):
             v = gemv.default_variant(n, k, 1, fmt)
             assert gemv.variant_reason(v, fmt) is None
-            ahead = fmt == "mxfp8" and n in (5120, 2880)  # q/k/v and o: wider steps, a step ahead
-            assert gemv.mx_ahead(v, 1, fmt) == ahead
+            wide = n in (5120, 2880)  # q/k/v and o: wider steps (mxfp8's loaded a step ahead)
+            assert gemv.mx_ahead(v, 1, fmt) == (wide and fmt == "mxfp8")
             step_bytes = v.block_k // (2 if fmt == "mxfp4" else 1)
-            assert step_bytes * (v.block_n if ahead else 1) == (gemv.MX_AHEAD_TILE_BYTES if ahead else 256)
+            tile_bytes = gemv.MX_AHEAD_TILE_BYTES * (2 if (fmt, n) == ("mxfp4", 2880) else 1)
+            assert step_bytes * (v.block_n if wide else 1) == (tile_bytes if wide else 256)
             programs = -(-n // v.block_n) * v.split_k
             steps = -(-k // v.block_k)
             assert steps >= 2 * v.split_k
             assert programs >= gemv.TARGET_PROGRAMS // 2 or v.split_k == 8 or steps < 4 * v.split_k, (n, k, fmt, v)
             assert (v.split_k > 1) == (n == 128)  # only the router splits
+
+
+def test_one_mxfp4_row_takes_the_step_winners() -> None:
+    # The fastest of the wide-step variants inside the captured step on an H200 (docs/decode.md):
+    # 16-row blocks; q/k/v 8 KB of codes a step on 4 warps, o 16 KB on 8 (180 programs, one wave).
+    assert gemv.default_variant(5120, 2880, 1, "mxfp4") == DecodeVariant(16, 1024, 4, 1)  # q/k/v
+    assert gemv.default_variant(2880, 4096, 1, "mxfp4") == DecodeVariant(16, 2048, 8, 1)  # o
+    # The router, the lm_head and more rows keep the general rule; short rows cap the step.
+    assert gemv.default_variant(128, 2880, 1, "mxfp4").block_n == 8
+    assert gemv.default_variant(201088, 2880, 1, "mxfp4") == DecodeVariant(16, 512, 4, 1)
+    assert gemv.default_variant(5120, 2880, 2, "mxfp4").block_k == 512
+    assert gemv.default_variant(3000, 96, 1, "mxfp4") == DecodeVariant(16, 128, 8, 1)
+    for n, k in ((5120, 2880), (2880, 4096), (3000, 96), (1200, 4096)):
+        v = gemv.default_variant(n, k, 1, "mxfp4")
+        assert gemv.variant_reason(v, "mxfp4") is None
+        assert v in gemv.candidate_variants(n, k, 1, "mxfp4")  # the tuner can confirm or beat it
 
 
 def test_one_bf16_row_takes_the_sweeps_winners() -> None:
@@ -272,6 +289,7 @@ EARLY_TILE_VARIANTS = [
     DecodeVariant(8, 64, 4, 2),  # K splits of 2 steps, the second split's last step masked
     DecodeVariant(16, 128, 4, 3),  # three splits over two steps: the last split has none
     DecodeVariant(32, 256, 4),  # one masked step, rows past N
+    DecodeVariant(16, 1024, 8),  # the wide one-row mxfp4 default's form: one masked step, 8 warps
 ]
 
 
