@@ -59,29 +59,32 @@ def test_layer_checks_its_scales_once():
     assert not scales_are_small(torch.empty((2, 3), dtype=torch.uint8, device="meta"))
 
 
+# Each output of the PTX upcast, in order: (source lane word, nibble mask, multiplier).
+_MODEL_LANES = (("t0", 0x000F000F, 0x1040), ("t1", 0x000F000F, 0x1040), ("t0", 0x00F000F0, 0x104),
+                ("t1", 0x00F000F0, 0x104))  # fmt: skip
+
+
 def _spread_model(w: torch.Tensor) -> list[torch.Tensor]:
     """The integer steps of the PTX upcast (``_ASM_SPREAD``) on 32-bit words ``w`` (int64 holding
     uint32): prmt 0x4140 / 0x4342 (bytes to the low byte of 16-bit lanes), then per output the
     nibble masked, multiplied (32-bit, wrapping) and masked again."""
     full = 0xFFFFFFFF
     byte = [(w >> (8 * i)) & 0xFF for i in range(4)]
-    t0 = byte[0] | (byte[1] << 16)
-    t1 = byte[2] | (byte[3] << 16)
-    lanes = ((t0, 0x000F000F, 0x1040), (t1, 0x000F000F, 0x1040), (t0, 0x00F000F0, 0x104), (t1, 0x00F000F0, 0x104))
-    return [(((t & keep) * mul) & full) & 0x81C081C0 for t, keep, mul in lanes]
+    words = {"t0": byte[0] | (byte[1] << 16), "t1": byte[2] | (byte[3] << 16)}
+    return [(((words[src] & keep) * mul) & full) & 0x81C081C0 for src, keep, mul in _MODEL_LANES]
 
 
-def _asm_constants() -> list[tuple[str, str]]:
-    """(keep mask, multiplier) of each output, read from the PTX the kernels compile."""
+def _asm_lanes() -> list[tuple[str, int, int]]:
+    """(source, nibble mask, multiplier) of each output, read from the PTX the kernels compile."""
     from prepkit.kernels.mx import _upcast
 
-    return re.findall(r"and\.b32 a, t[01], (0x[0-9A-F]+);\s*mul\.lo\.u32 a, a, (0x[0-9A-F]+);", _upcast._ASM_SPREAD)
+    found = re.findall(r"and\.b32 a, (t[01]), (0x[0-9A-F]+);\s*mul\.lo\.u32 a, a, (0x[0-9A-F]+);", _upcast._ASM_SPREAD)
+    return [(src, int(keep, 16), int(mul, 16)) for src, keep, mul in found]
 
 
 def test_model_uses_the_ptx_constants():
-    # The model above and the PTX must not drift apart: same masks, multipliers, output order.
-    assert _asm_constants() == [("0x000F000F", "0x1040"), ("0x000F000F", "0x1040"), ("0x00F000F0", "0x104"),
-                                ("0x00F000F0", "0x104")]  # fmt: skip
+    # The model above and the PTX must not drift apart: same sources, masks, multipliers, order.
+    assert _asm_lanes() == list(_MODEL_LANES)
 
 
 def test_ptx_bit_placement_isolates_every_nibble():

@@ -279,10 +279,10 @@ def _one_mxfp4_row(n: int, k: int) -> DecodeVariant:
     warps. Some (o, under 2 x :data:`TARGET_PROGRAMS` 8-row blocks): twice that on 8 warps, whose
     registers leave two programs an SM, which still fit one wave there (the fastest in the step
     at gpt-oss-120b's shapes on an H200, docs/decode.md)."""
-    rows = 16
-    tile_bytes = MX_AHEAD_TILE_BYTES * (2 if _row_count(n) == "some" else 1)
+    rows, some = 16, _row_count(n) == "some"
+    tile_bytes = MX_AHEAD_TILE_BYTES * (2 if some else 1)
     block_k = min(2 * tile_bytes // rows, max(MIN_BLOCK_K["mxfp4"], _pow2_at_least(k)))
-    return DecodeVariant(rows, block_k, 8 if _row_count(n) == "some" else 4, 1)
+    return DecodeVariant(rows, block_k, 8 if some else 4, 1)
 
 
 def _row_count(n: int) -> str:
