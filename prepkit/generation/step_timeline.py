@@ -55,15 +55,17 @@ def _repeats(report: dict[str, Any], period: int) -> bool:
 
 
 def layer_block(names: list[str], period: int) -> list[str]:
-    """The block of ``period`` kernel names the layers repeat, as the most frequent window of that
-    length (the earliest-starting one among equals); which of its rotations starts a layer is
-    :func:`breakdown`'s choice."""
-    windows: dict[tuple[str, ...], list[int]] = {}
+    """The block of ``period`` kernel names the layers repeat: the window of that length that
+    :func:`match_layers` finds most often, a kernel one layer alone adds allowed inside (the
+    earliest-starting window among equals). Counting exact windows instead, a fill inside one of
+    two layers leaves every window once, and the earliest (the embedding's) wins. Which of its
+    rotations starts a layer is :func:`breakdown`'s choice."""
+    first: dict[tuple[str, ...], int] = {}
     for i in range(len(names) - period + 1):
-        windows.setdefault(tuple(names[i : i + period]), []).append(i)
-    if not windows:
+        first.setdefault(tuple(names[i : i + period]), i)
+    if not first:
         return []
-    best, _ = max(windows.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))
+    best, _ = max(first.items(), key=lambda kv: (len(match_layers(names, list(kv[0]))), -kv[1]))
     return list(best)
 
 

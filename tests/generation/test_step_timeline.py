@@ -15,15 +15,16 @@ from prepkit.generation import step_timeline as st
 BLOCK = ["proj", "attend", "proj", "moe"]  # a name may repeat inside the block
 
 
-def _report(layers: int, shares: list[list[float]], extra_in: int | None = None) -> dict:
+def _report(layers: int, shares: list[list[float]], extra_in: int | None = None, head: str = "proj") -> dict:
     timeline = [{"kernel": "embed", "us": 3.0}]
     for layer in range(layers):
         for j, name in enumerate(BLOCK):
             timeline.append({"kernel": name, "us": shares[layer][j]})
             if layer == extra_in and j == 0:
                 timeline.append({"kernel": "fill", "us": 0.5})
-    # The head runs the projection kernel too: read from "attend" on, it would pass for a layer's.
-    timeline += [{"kernel": "proj", "us": 400.0}, {"kernel": "argmax", "us": 5.0}]
+    # By default the head runs the projection kernel too: read from "attend" on, it would pass for
+    # a layer's.
+    timeline += [{"kernel": head, "us": 400.0}, {"kernel": "argmax", "us": 5.0}]
     return {"model": {"layers": layers}, "step_launches": {"kernels": len(timeline), "timeline": timeline}}
 
 
@@ -42,6 +43,16 @@ def test_two_layers_are_told_from_the_head() -> None:
     # With two layers a median is a mean: the head's kernel must not be read as a layer's.
     found = st.breakdown(_report(2, SHARES), 4)
     assert found["per_layer"][0] == ("proj", 11.0) and ("proj", 400.0) in found["fixed"]
+
+
+def test_two_layers_one_with_a_fill_and_a_head_of_its_own_are_found() -> None:
+    # No window of the layers' length then runs twice exactly (the fill sits inside the second
+    # layer, the head shares no layer kernel's name): the block is the window most layers match.
+    two = _report(2, SHARES, extra_in=1, head="dense")
+    found = st.breakdown(two, 4)
+    assert found["per_layer"] == [("proj", 11.0), ("attend", 4.5), ("proj", 9.25), ("moe", 30.5)]
+    assert found["fixed"] == [("embed", 3.0), ("fill", 0.5), ("dense", 400.0), ("argmax", 5.0)]
+    assert st.kernels_per_layer([_report(4, SHARES, extra_in=1, head="dense"), two]) == 4
 
 
 def test_kernels_per_layer_is_the_slope_of_two_reports() -> None:
