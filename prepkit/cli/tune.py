@@ -124,7 +124,8 @@ def _parse_gpus(spec: str | None) -> tuple[int, ...]:
     is_flag=True,
     help="Also tune the decode kernels (q/k/v, o, router and lm_head projections, decode attention) at the "
     "model's decode shapes, batch 1 to 8, after the rest, with a budget of their own; with --compile-only, "
-    "compile their defaults for --arch.",
+    "compile their defaults for --arch. An mxfp4 lm_head is a --dense-formats problem: the step runs it on "
+    "the dense MX kernel.",
 )
 @click.option("--tokens", help="Token counts, e.g. 1-8,16,64 (default: 1-8, 12, 16, 24 ... 8192).")
 @db_option("Tactics DB to fill (default: $PREPKIT_TACTICS_DB or ~/.cache/prepkit/tactics.db).")

@@ -4,7 +4,9 @@ projection with its residual, and the norm and router.
 
 Each call's variant is chosen once per problem (shape, weight format, batch) and kept, so a graph
 capture records the same launches the warm-up ran. ``choose`` picks it: by default the tactics
-DBs' decode winner for this device, else the kernel's built-in default.
+DBs' decode winner for this device, else the kernel's built-in default. An mxfp4 lm_head runs on
+the dense MX kernel's tensor cores after a norm-only launch
+(:func:`~prepkit.kernels.decode.problems.on_tensor_cores`), its variant the dense problem's.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from prepkit.integrations.decode_ops import Ops, Weight
-from prepkit.kernels.decode.problems import projection_problem, step_attention_problem
+from prepkit.integrations.decode_ops import MxWeight, Ops, Weight
+from prepkit.kernels.decode.problems import on_tensor_cores, projection_problem, step_attention_problem
 from prepkit.kernels.decode.variants import DecodeKernel, DecodeProblem, DecodeVariant
 
 Chooser = Callable[[DecodeKernel, DecodeProblem], DecodeVariant]
@@ -71,8 +73,30 @@ class KernelOps:
         bias: torch.Tensor | None,
         want_normed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        rows, _ = self._gemv.weight_shape(weight)
+        if on_tensor_cores(rows, self._gemv.weight_format(weight)):
+            return self._norm_then_tensor_cores(hidden, add, norm_weight, eps, weight, bias, want_normed)
         variant = self._variant(self._registry.NORM_LINEAR, self._projection("norm_linear", weight, hidden))
         return self._gemv.norm_linear(hidden, add, norm_weight, eps, weight, bias, want_normed, variant=variant)
+
+    def _norm_then_tensor_cores(
+        self,
+        hidden: torch.Tensor,
+        add: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: Weight,
+        bias: torch.Tensor | None,
+        want_normed: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:meth:`norm_linear` in two launches: the norm alone, then the dense MX kernel with bf16
+        activations (as the GEMV multiplies them), its variant the dense tactics DBs'."""
+        from prepkit.runtime.dense import mx_linear
+
+        assert isinstance(weight, MxWeight)  # on_tensor_cores holds for MX weights only
+        summed, normed = self._gemv.add_norm(hidden, add, norm_weight, eps)
+        out = mx_linear(normed, weight.blocks, weight.scales, bias, weight.fmt, "bf16")
+        return summed, out, normed if want_normed else None
 
     def rope_cache_attend(
         self,

@@ -12,7 +12,8 @@ one registered kernel (:data:`SITE_KERNELS`):
   128 slots are also what a sliding-window layer reads at any context.
 
 The projections run in each dense weight format the source holds (a model: bf16 and every MX
-format; a shard set: the one its manifest records). Shapes are a whole model's (TP 1).
+format; a shard set: the one its manifest records), but for an mxfp4 lm_head, which the step runs
+on the dense MX kernel (a dense problem). Shapes are a whole model's (TP 1).
 Standard library only: the kernels are looked up by name, never imported here.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prepkit.errors import RecipeError
-from prepkit.kernels.decode.problems import DECODE_CONTEXTS, attention_problem, projection_problem
+from prepkit.kernels.decode.problems import DECODE_CONTEXTS, attention_problem, on_tensor_cores, projection_problem
 from prepkit.kernels.decode.variants import DecodeProblem
 
 # The registered kernel (prepkit.kernels.decode.variants.KERNELS) that serves each site.
@@ -92,6 +93,8 @@ def decode_problems(
     for site, (rows, cols, fmts) in shapes.items():
         kernel = SITE_KERNELS[site]
         for fmt in fmts:
+            if on_tensor_cores(rows, fmt):
+                continue  # the dense MX kernel runs it: a dense problem (tune --dense-formats)
             for b in batches:
                 p = projection_problem(kernel, rows, cols, b, fmt)
                 out.append(DecodeTarget(site, p, f"decode {site} {kernel} {fmt} {rows}x{cols} b{b}"))

@@ -18,8 +18,10 @@ pytest.importorskip("transformers", reason="needs transformers (pip install 'pre
 pytest.importorskip("triton")
 
 from prepkit.generation.sampling import SamplingParams  # noqa: E402
+from prepkit.integrations import kernel_ops  # noqa: E402
 from prepkit.integrations.static_decode import PrepkitDecoder  # noqa: E402
 from prepkit.integrations.transformers import from_prepared  # noqa: E402
+from prepkit.kernels.decode import gemv  # noqa: E402
 from prepkit.synth import write_synthetic_checkpoint  # noqa: E402
 
 from .test_decode_rows import _left_padded  # noqa: E402
@@ -77,6 +79,56 @@ def test_kernel_ops_give_the_torch_steps_logits_and_tokens(model: torch.nn.Modul
         err = (a.float() - b.float()).abs().max() / b.float().abs().max()
         assert err < TOL, f"step {i}: {err:.3g}"
         assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+
+
+def test_an_lm_head_on_tensor_cores_gives_the_torch_steps_logits(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tiny vocabulary is no stream; the rule is widened to it so that the norm-only launch and
+    # the dense MX kernel run this lm_head, as they run the real mxfp4 one.
+    if not hasattr(model.lm_head, "weight_blocks"):
+        pytest.skip("a bf16 lm_head stays on the GEMV")
+    vocab = model.lm_head.out_features
+    norms: list[int] = []
+    add_norm = gemv.add_norm
+
+    def counted(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        norms.append(1)
+        return add_norm(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kernel_ops, "on_tensor_cores", lambda n, fmt: fmt == "mxfp4" and n == vocab)
+    monkeypatch.setattr(gemv, "add_norm", counted)
+    ids, mask = _left_padded(LENGTHS, pad_id=0)
+    length, batch = ids.shape[1] + NEW, len(LENGTHS)
+    ref = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False)
+    fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False, kernels=True)
+    want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
+    assert len(norms) == NEW - 1  # one lm_head a step, and only the lm_head
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+        assert err < TOL, f"step {i}: {err:.3g}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the CPU twin: the test above)")
+def test_the_real_mxfp4_lm_head_runs_on_tensor_cores_and_matches() -> None:
+    from prepkit.integrations.decode_ops import MxWeight
+    from prepkit.kernels.decode.gemv_registry import TOLERANCE, norm_linear_reference, relative_error
+    from prepkit.kernels.decode.variants import KERNELS, DecodeProblem
+
+    # gpt-oss's lm_head in mxfp4 at one row, by the rule itself (no widening): the norm alone,
+    # then the dense MX kernel; the GEMV is never asked.
+    problem = DecodeProblem("norm_linear", 201088, 2880, 1, "mxfp4", (("normed", 1),))
+    inputs = KERNELS["norm_linear"].inputs(problem, "cuda", seed=61)
+    stored = inputs["weight"]
+    weight = MxWeight(stored.blocks, stored.scales, "mxfp4", "bf16")
+    ops = kernel_ops.KernelOps()
+    got = ops.norm_linear(inputs["hidden"], inputs["add"], inputs["norm_weight"], inputs["eps"], weight, None, True)
+    want = norm_linear_reference(**{**inputs, "bias": None})
+    assert torch.equal(got[0], want[0])
+    assert relative_error(got[1], want[1]) <= TOLERANCE and relative_error(got[2], want[2]) <= TOLERANCE
+    assert not ops.chosen  # no GEMV variant was looked up
 
 
 def test_kernel_ops_sample_with_the_same_seed_alike(model: torch.nn.Module) -> None:

@@ -24,6 +24,7 @@ from prepkit.kernels.decode.gemv_registry import (
     random_weight,
     relative_error,
 )
+from prepkit.kernels.decode.problems import STREAMING_BLOCKS, on_tensor_cores, row_count
 from prepkit.kernels.decode.variants import KERNELS, DecodeProblem, DecodeVariant
 
 FORMATS = ("bf16", "mxfp8", "mxfp4")
@@ -51,6 +52,31 @@ def test_norm_linear_matches_the_reference(device: str, fmt: str, batch: int, ad
         assert got_normed is not None and relative_error(got_normed, want[2]) <= TOLERANCE
     else:
         assert got_normed is None
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("add", [1, 0])
+def test_add_norm_writes_the_norm_linear_rows_bit_for_bit(device: str, batch: int, add: int) -> None:
+    # The norm alone (before a weight the tensor cores run) against the fused prologue's rows; K 96
+    # is one norm block, and 40 x 96 random values make a mismatch anywhere visible.
+    inputs = _inputs("norm_linear", "bf16", batch, 40, 96, device, seed=20 + batch, add=add, normed=1)
+    summed, _, normed = gemv.norm_linear(**inputs)
+    got = gemv.add_norm(inputs["hidden"], inputs["add"], inputs["norm_weight"], inputs["eps"])
+    assert normed is not None and torch.equal(got[0], summed) and torch.equal(got[1], normed)
+    want = norm_linear_reference(**inputs)
+    assert torch.equal(got[0], want[0]) and relative_error(got[1], want[2]) <= TOLERANCE
+    with pytest.raises(ValueError, match="norm_weight: shape"):
+        gemv.add_norm(inputs["hidden"], inputs["add"], inputs["norm_weight"][:5], inputs["eps"])
+
+
+def test_only_an_mxfp4_stream_runs_on_tensor_cores() -> None:
+    # The lm_head (201,088 rows, and its halves under TP 2) in mxfp4; not mxfp8, whose GEMV streams
+    # at the copy bandwidth, nor q/k/v, o or the router.
+    assert on_tensor_cores(201088, "mxfp4") and on_tensor_cores(100544, "mxfp4")
+    assert not on_tensor_cores(201088, "mxfp8") and not on_tensor_cores(201088, "bf16")
+    for n in (5120, 2880, 128):
+        assert not on_tensor_cores(n, "mxfp4")
+    assert row_count(8 * STREAMING_BLOCKS) == "many" and row_count(8 * STREAMING_BLOCKS + 1) == "stream"
 
 
 ONE_ROW_VARIANTS = [
@@ -218,6 +244,19 @@ def test_one_mxfp4_row_takes_the_step_winners() -> None:
         v = gemv.default_variant(n, k, 1, "mxfp4")
         assert gemv.variant_reason(v, "mxfp4") is None
         assert v in gemv.candidate_variants(n, k, 1, "mxfp4")  # the tuner can confirm or beat it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CPU twins: the small problems here)")
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4"])
+def test_one_mx_row_defaults_at_gpt_oss_shapes_match_the_reference(fmt: str) -> None:
+    # The wide one-row defaults at the real q/k/v and o shapes: full steps, no tails.
+    for kernel, (n, k) in (("norm_linear", (5120, 2880)), ("linear_residual", (2880, 4096))):
+        problem = DecodeProblem(kernel, n, k, 1, fmt, (("normed", 1),) if kernel == "norm_linear" else ())
+        impl = KERNELS[kernel]
+        inputs = impl.inputs(problem, "cuda", seed=60)
+        got = impl.launch(inputs, impl.default(problem))
+        assert relative_error(got, impl.reference(inputs)) <= TOLERANCE, (kernel, impl.default(problem).name())
 
 
 def test_one_bf16_row_takes_the_sweeps_winners() -> None:

@@ -23,15 +23,19 @@ def test_decode_candidates_are_each_ops_distinct_defaults() -> None:
     cands = cc.decode_candidates(SHAPES)
     keys = [(c.op, c.fmt, c.batch, c.variant) for c in cands]
     assert len(keys) == len(set(keys))
-    assert {c.op for c in cands} == {"norm_linear", "linear_residual", "linear"}
+    assert {c.op for c in cands} == {"norm_linear", "linear_residual", "linear", "add_norm"}
     assert {c.fmt for c in cands} == {"bf16", "mxfp8", "mxfp4"}
     assert {c.batch for c in cands} == {1, 8}
     # The router's few rows take K splits; the big projections do not.
-    assert any(c.variant.split_k > 1 and "router" in c.origin for c in cands)
+    assert any(c.variant is not None and c.variant.split_k > 1 and "router" in c.origin for c in cands)
+    # The norm alone, once a batch, for the mxfp4 lm_head the tensor cores run.
+    norms = [c for c in cands if c.op == "add_norm"]
+    assert [(c.fmt, c.k, c.batch, c.variant) for c in norms] == [("mxfp4", 2880, 1, None), ("mxfp4", 2880, 8, None)]
+    assert not [c for c in cc.decode_candidates(SHAPES, formats=("bf16", "mxfp8")) if c.op == "add_norm"]
     for c in cands:
-        assert (
-            c.origin.startswith(f"default {c.op} {c.fmt} ") and DecodeVariant.parse(c.origin.split()[-1]) == c.variant
-        )
+        assert c.origin.startswith(f"default {c.op} {c.fmt} ")
+        if c.variant is not None:
+            assert DecodeVariant.parse(c.origin.split()[-1]) == c.variant
 
 
 def _sass(lines: list[str]) -> str:
@@ -80,7 +84,9 @@ def test_decode_projections_compile(arch: str) -> None:
     code = (
         "import json\n"
         "from prepkit.kernels import compile_check as cc\n"
-        "cands = cc.decode_candidates({'qkv': (5120, 2880), 'router': (128, 2880)}, batches=(1, 8))\n"
+        "cands = cc.decode_candidates({'qkv': (5120, 2880), 'router': (128, 2880), 'lm_head': (201088, 2880)},\n"
+        "    batches=(1, 8))\n"
+        "cands = [c for c in cands if 'lm_head' not in c.origin or c.op == 'add_norm']\n"
         f"r = cc.compile_decode({arch!r}, cands)\n"
         "print(json.dumps({'reports': [x.to_dict() for x in r], 'failures': cc.check_failures(r)}))\n"
     )
@@ -89,9 +95,10 @@ def test_decode_projections_compile(arch: str) -> None:
     res = json.loads(out.stdout.splitlines()[-1])
     assert res["failures"] == []
     reports = res["reports"]
-    assert {r["origin"].split()[1] for r in reports} == {"norm_linear", "linear_residual", "linear"}
+    assert {r["origin"].split()[1] for r in reports} == {"norm_linear", "linear_residual", "linear", "add_norm"}
     for r in reports:
-        assert r["status"] == "compiled" and r["kernel"] == "_gemv_kernel", r
+        norm = r["origin"].split()[1] == "add_norm"
+        assert r["status"] == "compiled" and r["kernel"] == ("_add_norm_kernel" if norm else "_gemv_kernel"), r
         assert r["spill_bytes"] == 0, r
-        assert r["k_step_instructions"] and r["k_step_mma"] == 0, r
+        assert norm or (r["k_step_instructions"] and r["k_step_mma"] == 0), r
         assert r["ptx_target"] == arch.replace("sm", "sm_") + "a"

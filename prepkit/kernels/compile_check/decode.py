@@ -1,9 +1,11 @@
 """Compiling the decode projections (:mod:`prepkit.kernels.decode.gemv`): one launch of each op
 (``norm_linear``, ``linear_residual``, ``linear``) per weight format, batch and distinct default
-variant of the model's projection shapes, inside the stand-in target (stage ``decode``).
+variant of the model's projection shapes, and the norm alone (``add_norm``, before a weight the
+tensor cores run) per batch, inside the stand-in target (stage ``decode``).
 
 The ops take no tactic of the GEMM kind, so a report's ``tactic`` is empty and its ``origin`` names
-the op, weight format, shape, rows and the decode variant (``n..-k..-w..-s..-p..``)."""
+the op, weight format, shape, rows and the decode variant (``n..-k..-w..-s..-p..``; none for the
+norm alone)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from prepkit.kernels.decode.variants import DecodeVariant
 from prepkit.mx_formats import MX_FORMATS, PANEL_BYTES
 
 DECODE_OPS = ("norm_linear", "linear_residual", "linear")
+NORM_OP = "add_norm"  # the norm alone, before a weight the dense MX kernel runs
 DECODE_FORMATS = ("bf16", *MX_FORMATS)
 DECODE_BATCHES: tuple[int, ...] = (1, 8)
 
@@ -31,7 +34,7 @@ class DecodeCandidate:
     n: int
     k: int
     batch: int
-    variant: DecodeVariant
+    variant: DecodeVariant | None  # None: the norm alone
     origin: str
 
 
@@ -42,10 +45,12 @@ def decode_candidates(
     ops: Iterable[str] = DECODE_OPS,
 ) -> list[DecodeCandidate]:
     """Each op's distinct default launches over ``shapes`` (name -> ``(n, k)``), ``formats`` and
-    ``batches``: one per (op, format, rows, variant), the first shape that picks it."""
+    ``batches``: one per (op, format, rows, variant), the first shape that picks it; and the norm
+    alone at each batch where a shape runs on the tensor cores in one of ``formats``."""
     from prepkit.kernels.decode.gemv import default_variant
+    from prepkit.kernels.decode.problems import on_tensor_cores
 
-    seen: dict[tuple[str, str, int, DecodeVariant], DecodeCandidate] = {}
+    seen: dict[tuple[str, str, int, DecodeVariant | None], DecodeCandidate] = {}
     for op in ops:
         for fmt in formats:
             for batch in batches:
@@ -55,6 +60,13 @@ def decode_candidates(
                     if key not in seen:
                         origin = f"default {op} {fmt} {name} B={batch} {v.name()}"
                         seen[key] = DecodeCandidate(op, fmt, n, k, batch, v, origin)
+    normed = [(name, n, k, fmt) for name, (n, k) in shapes.items() for fmt in formats if on_tensor_cores(n, fmt)]
+    if normed:
+        name, n, k, fmt = normed[0]
+        for batch in batches:
+            seen[(NORM_OP, fmt, batch, None)] = DecodeCandidate(
+                NORM_OP, fmt, n, k, batch, None, f"default {NORM_OP} {fmt} {name} B={batch}"
+            )
     return list(seen.values())
 
 
@@ -77,6 +89,12 @@ def _decode_launch(cand: DecodeCandidate) -> Any:
 
     def launch() -> None:
         bf16 = torch.bfloat16
+        x = torch.empty((cand.batch, cand.k), dtype=bf16)
+        add = torch.empty((cand.batch, cand.k), dtype=torch.float32)
+        norm_weight = torch.empty(cand.k, dtype=bf16)
+        if cand.op == NORM_OP:
+            gemv.add_norm(x, add, norm_weight, 1e-5)
+            return
         weight: gemv.Weight
         if cand.fmt == "bf16":
             weight = torch.empty((cand.n, cand.k), dtype=bf16)
@@ -87,11 +105,8 @@ def _decode_launch(cand: DecodeCandidate) -> Any:
                 torch.empty((cand.k // 32, cand.n), dtype=torch.uint8),
                 cand.fmt,
             )
-        x = torch.empty((cand.batch, cand.k), dtype=bf16)
         bias = torch.empty(cand.n, dtype=bf16)
         if cand.op == "norm_linear":
-            add = torch.empty((cand.batch, cand.k), dtype=torch.float32)
-            norm_weight = torch.empty(cand.k, dtype=bf16)
             gemv.norm_linear(x, add, norm_weight, 1e-5, weight, bias, True, variant=cand.variant)
         elif cand.op == "linear_residual":
             residual = torch.empty((cand.batch, cand.n), dtype=bf16)

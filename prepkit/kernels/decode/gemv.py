@@ -20,23 +20,19 @@ from typing import Protocol
 
 import torch
 
-from prepkit.kernels.decode.gemv_kernel import WFMT_BF16, WFMT_MXFP4, WFMT_MXFP8, _gemv_kernel
+from prepkit.kernels.decode.gemv_kernel import WFMT_BF16, WFMT_MXFP4, WFMT_MXFP8, _add_norm_kernel, _gemv_kernel
+from prepkit.kernels.decode.problems import TARGET_PROGRAMS, row_count
 from prepkit.kernels.decode.variants import DecodeVariant
 from prepkit.kernels.mx._chain import chain_launch
 from prepkit.kernels.mx._target import interpreting
 from prepkit.kernels.mx.dense import check_weights, split_counters
 
 MAX_ROWS = 8  # the most rows (tokens of one decode step) one launch takes
-# Programs a launch aims for: two per SM of an H100 (132), so that the tail wave is short.
-TARGET_PROGRAMS = 264
 _WFMT_IDS = {"bf16": WFMT_BF16.value, "mxfp8": WFMT_MXFP8.value, "mxfp4": WFMT_MXFP4.value}
 # Per weight format: the narrowest K step a variant may take (mxfp4: 32 code bytes, what the
 # nibble widener handles) and the default one (256 weight bytes a row and step).
 MIN_BLOCK_K = {"bf16": 16, "mxfp8": 32, "mxfp4": 64}
 DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
-# Row blocks beyond which a one-row bf16 launch is a long stream (the lm_head's 25,136), which
-# 4 warps a program keep at the copy bandwidth; shorter launches gain from 8 (:func:`_one_bf16_row`).
-STREAMING_BLOCKS = 16 * TARGET_PROGRAMS
 # The widest block of one row's activations the norm's prologue loads at once: gpt-oss rows
 # (2,880) in one load, longer ones in a loop.
 MAX_ROW_BLOCK = 4096
@@ -140,7 +136,7 @@ def early_tile(variant: DecodeVariant, rows: int, fmt: str, n: int) -> bool:
     way while that kernel finishes and the norm's prologue runs. Not for a weight that streams
     over many waves (the lm_head): only its first wave could gain, and measured, its launch was
     slower (docs/decode.md)."""
-    return rows == 1 and fmt != "bf16" and not mx_ahead(variant, rows, fmt) and _row_count(n) != "stream"
+    return rows == 1 and fmt != "bf16" and not mx_ahead(variant, rows, fmt) and row_count(n) != "stream"
 
 
 def _norm_row_block(k: int) -> int:
@@ -165,17 +161,35 @@ def norm_linear(
     Raises:
         ValueError: shapes, dtypes, devices or a variant that do not fit (the message names the tensor).
     """
-    rows, h = _check_rows(hidden, "hidden")
     n, k = weight_shape(weight)
-    if k != h:
-        raise ValueError(f"weight: K {k} is not hidden's width {h}")
-    if add is not None:
-        _check_like(add, "add", (rows, h), (torch.float32, torch.bfloat16), hidden.device)
-    _check_like(norm_weight, "norm_weight", (h,), None, hidden.device)
+    rows, h = _check_norm_inputs(hidden, add, norm_weight, k)
     summed = torch.empty((rows, h), dtype=torch.bfloat16, device=hidden.device)
     normed = torch.empty((rows, h), dtype=torch.bfloat16, device=hidden.device) if want_normed else None
     out = _launch(hidden, weight, bias, n, variant, add=add, norm=(norm_weight, eps, summed, normed))
     return summed, out, normed
+
+
+def add_norm(
+    hidden: torch.Tensor, add: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(summed, normed)`` exactly as :func:`norm_linear` computes them, in one launch with no
+    projection: the norm before a weight the tensor cores run
+    (:func:`~prepkit.kernels.decode.problems.on_tensor_cores`).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not fit (the message names the tensor).
+    """
+    rows, h = _check_norm_inputs(hidden, add, norm_weight)
+    summed = torch.empty((rows, h), dtype=torch.bfloat16, device=hidden.device)
+    normed = torch.empty_like(summed)
+    add_t = add if add is not None else hidden
+    _add_norm_kernel[(rows,)](
+        hidden, add_t, norm_weight, summed, normed, h, float(eps),
+        hidden.stride(0), add_t.stride(0), summed.stride(0), normed.stride(0),
+        HAS_ADD=add is not None, ROW_BLOCK=_norm_row_block(h), SW_ROUND=interpreting(), num_warps=4,
+        **chain_launch(hidden.device),
+    )  # fmt: skip
+    return summed, normed
 
 
 def linear_residual(
@@ -219,9 +233,9 @@ def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     router, small heads)."""
     if fmt == "bf16" and batch == 1:
         return _one_bf16_row(n, k)
-    if fmt == "mxfp8" and batch == 1 and _row_count(n) in ("some", "many"):
+    if fmt == "mxfp8" and batch == 1 and row_count(n) in ("some", "many"):
         return _one_mx_row(n, k)
-    if fmt == "mxfp4" and batch == 1 and _row_count(n) in ("some", "many"):
+    if fmt == "mxfp4" and batch == 1 and row_count(n) in ("some", "many"):
         return _one_mxfp4_row(n, k)
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
     # bf16: at most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where
@@ -249,13 +263,13 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
     - fewer than :data:`TARGET_PROGRAMS` / 2 (the router): 2-row blocks, the whole row in one K
       step, since each of the few programs would wait out one memory round trip a step;
     - fewer than 2 x :data:`TARGET_PROGRAMS` (o): 4-row blocks of 512-wide steps, for more programs;
-    - more than :data:`STREAMING_BLOCKS` (the lm_head): 8-row blocks of 256, 4 warps, a long
-      stream at the copy bandwidth that 8 warps slow down;
+    - a stream (:func:`~prepkit.kernels.decode.problems.row_count`, the lm_head): 8-row blocks
+      of 256, 4 warps, a long stream at the copy bandwidth that 8 warps slow down;
     - otherwise (q/k/v): 8-row blocks of 256-wide steps, 8 warps. 16-row blocks of 4 warps fit
       one wave and win alone, but lost in the step.
     """
     row = max(MIN_BLOCK_K["bf16"], _pow2_at_least(k))
-    rows = _row_count(n)
+    rows = row_count(n)
     if rows == "few":
         return DecodeVariant(2, min(MAX_ROW_BLOCK, row), 8, 1)
     if rows == "some":
@@ -279,23 +293,10 @@ def _one_mxfp4_row(n: int, k: int) -> DecodeVariant:
     warps. Some (o, under 2 x :data:`TARGET_PROGRAMS` 8-row blocks): twice that on 8 warps, whose
     registers leave two programs an SM, which still fit one wave there (the fastest in the step
     at gpt-oss-120b's shapes on an H200, docs/decode.md)."""
-    rows, some = 16, _row_count(n) == "some"
+    rows, some = 16, row_count(n) == "some"
     tile_bytes = MX_AHEAD_TILE_BYTES * (2 if some else 1)
     block_k = min(2 * tile_bytes // rows, max(MIN_BLOCK_K["mxfp4"], _pow2_at_least(k)))
     return DecodeVariant(rows, block_k, 8 if some else 4, 1)
-
-
-def _row_count(n: int) -> str:
-    """How a weight of ``n`` rows stands against the programs a launch aims for, counted in
-    8-row blocks: ``"few"`` below :data:`TARGET_PROGRAMS` / 2 (the router), ``"some"`` below
-    2 x :data:`TARGET_PROGRAMS` (o), ``"stream"`` above :data:`STREAMING_BLOCKS` (the lm_head),
-    else ``"many"``. The one-row defaults and the tuner's candidates both follow it."""
-    blocks = -(-n // 8)
-    if blocks < TARGET_PROGRAMS // 2:
-        return "few"
-    if blocks < 2 * TARGET_PROGRAMS:
-        return "some"
-    return "stream" if blocks > STREAMING_BLOCKS else "many"
 
 
 def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVariant]:
@@ -312,7 +313,7 @@ def candidate_variants(n: int, k: int, batch: int, fmt: str) -> list[DecodeVaria
     base = DEFAULT_BLOCK_K[fmt] // 2
     widths: tuple[int, ...] = (base, base * 2, base * 4)
     blocks: tuple[int, ...] = (8, 16, 32, 64)
-    rows = _row_count(n)
+    rows = row_count(n)
     if rows == "few":
         widths, blocks = widths + (base * 8, base * 16, base * 32, base * 64), (2, 4) + blocks
     elif rows == "some":
@@ -349,6 +350,19 @@ def _check_rows(x: torch.Tensor, name: str) -> tuple[int, int]:
     if x.stride(1) != 1 and x.shape[1] > 1:
         raise ValueError(f"{name}: strides {x.stride()}, the last dim must be contiguous")
     return x.shape[0], x.shape[1]
+
+
+def _check_norm_inputs(
+    hidden: torch.Tensor, add: torch.Tensor | None, norm_weight: torch.Tensor, k: int | None = None
+) -> tuple[int, int]:
+    """``(rows, width)`` of the norm's inputs, checked; ``k``: the weight's K, when one follows."""
+    rows, h = _check_rows(hidden, "hidden")
+    if k is not None and k != h:
+        raise ValueError(f"weight: K {k} is not hidden's width {h}")
+    if add is not None:
+        _check_like(add, "add", (rows, h), (torch.float32, torch.bfloat16), hidden.device)
+    _check_like(norm_weight, "norm_weight", (h,), None, hidden.device)
+    return rows, h
 
 
 def _check_like(

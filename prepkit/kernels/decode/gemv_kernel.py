@@ -624,6 +624,22 @@ def _epilogue(acc, bias_ptr, res_ptr, out_ptr, offs_n, n_mask, rows, mask, strid
 
 
 @triton.jit
+def _add_norm_kernel(
+    x_ptr, add_ptr, nw_ptr, summed_ptr, normed_ptr, K, eps, stride_xb, stride_ab, stride_sb, stride_nb,
+    HAS_ADD: tl.constexpr, ROW_BLOCK: tl.constexpr, SW_ROUND: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program ``b``: row ``b``'s ``summed`` and ``normed`` values, the same as the norm prologue
+    of :func:`_gemv_kernel` writes them, with no projection (a weight the tensor cores run)."""
+    b = tl.program_id(0)
+    _chain_enter(PDL)
+    x_row = x_ptr + b * stride_xb
+    add_row = add_ptr + b * stride_ab
+    rstd = _row_rstd(x_row, add_row, K, eps, ROW_BLOCK, HAS_ADD, SW_ROUND)
+    _write_rows(x_row, add_row, nw_ptr, summed_ptr + b * stride_sb, normed_ptr + b * stride_nb, K, rstd, ROW_BLOCK,
+                HAS_ADD, True, SW_ROUND)  # fmt: skip
+
+
+@triton.jit
 def _write_rows(x_row, add_row, nw_ptr, summed_row, normed_row, K, rstd, ROW_BLOCK: tl.constexpr,
                 HAS_ADD: tl.constexpr, WANT_NORMED: tl.constexpr, SW_ROUND: tl.constexpr):  # fmt: skip
     """Store one row's ``summed`` and (``WANT_NORMED``) ``normed`` values, ``ROW_BLOCK`` at a time."""

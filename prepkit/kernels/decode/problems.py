@@ -11,6 +11,32 @@ ATTENTION_KERNEL = "rope_cache_attend"
 # Cache slots attention is tuned at: a sliding-window layer's 128, and a few full-attention contexts.
 DECODE_CONTEXTS: tuple[int, ...] = (128, 1024, 4096, 16384)
 CACHE_FORMAT = "bf16"  # the dtype the KV cache is kept in (the attention problem's format)
+# Programs a projection's launch aims for: two per SM of an H100 (132), so that the tail wave is short.
+TARGET_PROGRAMS = 264
+# 8-row blocks beyond which a projection is a long stream over many waves (the lm_head's 25,136).
+STREAMING_BLOCKS = 16 * TARGET_PROGRAMS
+
+
+def row_count(n: int) -> str:
+    """How a weight of ``n`` rows stands against the programs a launch aims for, counted in
+    8-row blocks: ``"few"`` below :data:`TARGET_PROGRAMS` / 2 (the router), ``"some"`` below
+    2 x :data:`TARGET_PROGRAMS` (o), ``"stream"`` above :data:`STREAMING_BLOCKS` (the lm_head),
+    else ``"many"``. The GEMV's one-row defaults and the tuner's candidates both follow it."""
+    blocks = -(-n // 8)
+    if blocks < TARGET_PROGRAMS // 2:
+        return "few"
+    if blocks < 2 * TARGET_PROGRAMS:
+        return "some"
+    return "stream" if blocks > STREAMING_BLOCKS else "many"
+
+
+def on_tensor_cores(n: int, fmt: str) -> bool:
+    """Whether the step's projection through an ``[n, K]`` ``fmt`` weight runs on the dense MX
+    kernel (tensor cores; its tactics are the dense problem's) after a norm-only launch, rather
+    than on the decode GEMV: an mxfp4 weight that streams (the lm_head). The GEMV decodes fp4 on
+    the CUDA cores and is bound by their instructions there, at about 40 % of the copy bandwidth;
+    the MMA path spends fewer instructions a weight byte, at any batch (docs/decode.md)."""
+    return fmt == "mxfp4" and row_count(n) == "stream"
 
 
 def projection_problem(kernel: str, rows: int, cols: int, batch: int, fmt: str) -> DecodeProblem:
