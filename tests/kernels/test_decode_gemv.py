@@ -5,6 +5,7 @@ K and N tails, and every candidate variant of a small problem."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -218,10 +219,10 @@ def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
         for fmt in ("mxfp8", "mxfp4"):
             v = gemv.default_variant(n, k, 1, fmt)
             assert gemv.variant_reason(v, fmt) is None
-            wide = n in (5120, 2880)  # q/k/v and o: wider steps (mxfp8's loaded a step ahead)
-            assert gemv.mx_ahead(v, 1, fmt) == (wide and fmt == "mxfp8")
+            wide = n in (5120, 2880)  # q/k/v and o: wider steps, each loaded in its step
+            assert not gemv.mx_ahead(v, 1, fmt)
             step_bytes = v.block_k // (2 if fmt == "mxfp4" else 1)
-            tile_bytes = gemv.MX_AHEAD_TILE_BYTES * (2 if (fmt, n) == ("mxfp4", 2880) else 1)
+            tile_bytes = gemv.MX_WIDE_STEP_BYTES // (2 if (fmt, n) == ("mxfp4", 5120) else 1)
             assert step_bytes * (v.block_n if wide else 1) == (tile_bytes if wide else 256)
             programs = -(-n // v.block_n) * v.split_k
             steps = -(-k // v.block_k)
@@ -230,20 +231,22 @@ def test_defaults_spread_the_real_shapes_over_the_gpu() -> None:
             assert (v.split_k > 1) == (n == 128)  # only the router splits
 
 
-def test_one_mxfp4_row_takes_the_step_winners() -> None:
-    # The fastest of the wide-step variants inside the captured step on an H200 (docs/decode.md):
-    # 16-row blocks; q/k/v 8 KB of codes a step on 4 warps, o 16 KB on 8 (180 programs, one wave).
-    assert gemv.default_variant(5120, 2880, 1, "mxfp4") == DecodeVariant(16, 1024, 4, 1)  # q/k/v
+def test_one_mx_row_takes_the_step_winners() -> None:
+    # The fastest of the wide-step variants on an H200 (docs/decode.md): q/k/v 16 rows of 1,024
+    # values a step on 4 warps, o 16 KB of codes a step on 8 (mxfp4: 180 programs, one wave).
+    for fmt in ("mxfp4", "mxfp8"):
+        assert gemv.default_variant(5120, 2880, 1, fmt) == DecodeVariant(16, 1024, 4, 1)  # q/k/v
     assert gemv.default_variant(2880, 4096, 1, "mxfp4") == DecodeVariant(16, 2048, 8, 1)  # o
+    assert gemv.default_variant(2880, 4096, 1, "mxfp8") == DecodeVariant(8, 2048, 8, 1)
     # The router, the lm_head and more rows keep the general rule; short rows cap the step.
     assert gemv.default_variant(128, 2880, 1, "mxfp4").block_n == 8
     assert gemv.default_variant(201088, 2880, 1, "mxfp4") == DecodeVariant(16, 512, 4, 1)
     assert gemv.default_variant(5120, 2880, 2, "mxfp4").block_k == 512
     assert gemv.default_variant(3000, 96, 1, "mxfp4") == DecodeVariant(16, 128, 8, 1)
-    for n, k in ((5120, 2880), (2880, 4096), (3000, 96), (1200, 4096)):
-        v = gemv.default_variant(n, k, 1, "mxfp4")
-        assert gemv.variant_reason(v, "mxfp4") is None
-        assert v in gemv.candidate_variants(n, k, 1, "mxfp4")  # the tuner can confirm or beat it
+    for (n, k), fmt in itertools.product(((5120, 2880), (2880, 4096), (3000, 96), (1200, 4096)), ("mxfp4", "mxfp8")):
+        v = gemv.default_variant(n, k, 1, fmt)
+        assert gemv.variant_reason(v, fmt) is None
+        assert v in gemv.candidate_variants(n, k, 1, fmt)  # the tuner can confirm or beat it
 
 
 @pytest.mark.gpu

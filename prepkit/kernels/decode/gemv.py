@@ -36,9 +36,9 @@ DEFAULT_BLOCK_K = {"bf16": 128, "mxfp8": 256, "mxfp4": 512}
 # The widest block of one row's activations the norm's prologue loads at once: gpt-oss rows
 # (2,880) in one load, longer ones in a loop.
 MAX_ROW_BLOCK = 4096
-# Code bytes of a K step of one MX row's default tiles: mxfp8's, loaded a step ahead
-# (:func:`_one_mx_row`), and mxfp4's q/k/v (:func:`_one_mxfp4_row`; o takes twice that).
-MX_AHEAD_TILE_BYTES = 8192
+# Code bytes of a K step of one MX row's default tiles where the weight has some row blocks (o):
+# 2,048 values a row (:func:`_one_mx_row`).
+MX_WIDE_STEP_BYTES = 16384
 # The most accumulator registers a thread spends on deferred row sums (:func:`defers`).
 DEFERRED_VALUES = 32
 
@@ -226,17 +226,14 @@ def linear(
 
 def default_variant(n: int, k: int, batch: int, fmt: str) -> DecodeVariant:
     """The untuned variant of ``batch`` rows through an ``[n, k]`` ``fmt`` weight. One bf16 row:
-    :func:`_one_bf16_row`; one MX row of some or many row blocks: :func:`_one_mx_row` (mxfp8),
-    :func:`_one_mxfp4_row`. Otherwise 256 weight bytes a row per K step, the widest row block
-    (32 .. 8; the rows' products at most :data:`DEFERRED_VALUES` values a thread) that still gives
-    :data:`TARGET_PROGRAMS` programs, and K splits where even 8-row blocks give too few (the
-    router, small heads)."""
+    :func:`_one_bf16_row`; one MX row of some or many row blocks: :func:`_one_mx_row`. Otherwise
+    256 weight bytes a row per K step, the widest row block (32 .. 8; the rows' products at most
+    :data:`DEFERRED_VALUES` values a thread) that still gives :data:`TARGET_PROGRAMS` programs,
+    and K splits where even 8-row blocks give too few (the router, small heads)."""
     if fmt == "bf16" and batch == 1:
         return _one_bf16_row(n, k)
-    if fmt == "mxfp8" and batch == 1 and row_count(n) in ("some", "many"):
-        return _one_mx_row(n, k)
-    if fmt == "mxfp4" and batch == 1 and row_count(n) in ("some", "many"):
-        return _one_mxfp4_row(n, k)
+    if fmt != "bf16" and batch == 1 and row_count(n) in ("some", "many"):
+        return _one_mx_row(n, k, fmt)
     block_k = min(DEFAULT_BLOCK_K[fmt], max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
     # bf16: at most DEFERRED_VALUES weight values a thread (4 warps) for all rows together where
     # 8-row blocks allow it, so that the K loop sums once (:func:`defers`). MX weights sum scale
@@ -277,25 +274,17 @@ def _one_bf16_row(n: int, k: int) -> DecodeVariant:
     return DecodeVariant(8, min(256, row), 4 if rows == "stream" else 8, 1)
 
 
-def _one_mx_row(n: int, k: int) -> DecodeVariant:
-    """One row through an mxfp8 weight of some or many row blocks (o, q/k/v): steps of
-    :data:`MX_AHEAD_TILE_BYTES` code bytes loaded a step ahead, 16-row blocks where they still give
-    :data:`TARGET_PROGRAMS` programs, else 8 (the fastest at gpt-oss-120b's shapes, docs/decode.md)."""
-    block_n = 16 if -(-n // 16) >= TARGET_PROGRAMS else 8
-    block_k = min(MX_AHEAD_TILE_BYTES // block_n, max(MIN_BLOCK_K["mxfp8"], _pow2_at_least(k)))
-    return DecodeVariant(block_n, block_k, 4, 1, 2)
-
-
-def _one_mxfp4_row(n: int, k: int) -> DecodeVariant:
-    """One row through an mxfp4 weight of some or many row blocks (o, q/k/v): 16-row blocks of
-    wide K steps, so that each program has more code bytes in flight per memory round trip, which
-    is what a one-row launch waits on. Many blocks (q/k/v): :data:`MX_AHEAD_TILE_BYTES` a step, 4
-    warps. Some (o, under 2 x :data:`TARGET_PROGRAMS` 8-row blocks): twice that on 8 warps, whose
-    registers leave two programs an SM, which still fit one wave there (the fastest in the step
-    at gpt-oss-120b's shapes on an H200, docs/decode.md)."""
-    rows, some = 16, row_count(n) == "some"
-    tile_bytes = MX_AHEAD_TILE_BYTES * (2 if some else 1)
-    block_k = min(2 * tile_bytes // rows, max(MIN_BLOCK_K["mxfp4"], _pow2_at_least(k)))
+def _one_mx_row(n: int, k: int, fmt: str) -> DecodeVariant:
+    """One row through an MX weight of some or many row blocks (o, q/k/v): wide K steps, each
+    loaded in its step, so that each program has more code bytes in flight per memory round
+    trip, which is what a one-row launch waits on. Many blocks (q/k/v): 16 rows of 1,024 values
+    a step on 4 warps. Some (o, under 2 x :data:`TARGET_PROGRAMS` 8-row blocks): steps of 2,048
+    values and :data:`MX_WIDE_STEP_BYTES` code bytes (mxfp4 16 rows, mxfp8 8) on 8 warps, whose
+    registers leave two programs an SM, which still fit one wave there (the fastest at
+    gpt-oss-120b's shapes on an H200, docs/decode.md)."""
+    some = row_count(n) == "some"
+    block_k = min(2048 if some else 1024, max(MIN_BLOCK_K[fmt], _pow2_at_least(k)))
+    rows = MX_WIDE_STEP_BYTES * (2 if fmt == "mxfp4" else 1) // 2048 if some else 16
     return DecodeVariant(rows, block_k, 8 if some else 4, 1)
 
 
