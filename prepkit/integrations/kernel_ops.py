@@ -73,30 +73,18 @@ class KernelOps:
         bias: torch.Tensor | None,
         want_normed: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        rows, _ = self._gemv.weight_shape(weight)
-        if on_tensor_cores(rows, self._gemv.weight_format(weight)):
-            return self._norm_then_tensor_cores(hidden, add, norm_weight, eps, weight, bias, want_normed)
-        variant = self._variant(self._registry.NORM_LINEAR, self._projection("norm_linear", weight, hidden))
+        problem = self._projection("norm_linear", weight, hidden)
+        if on_tensor_cores(problem.rows, problem.fmt):
+            # The norm alone, then the dense MX kernel (its variant the dense tactics DBs') with
+            # bf16 activations, as the GEMV multiplies them.
+            from prepkit.runtime.dense import mx_linear
+
+            assert isinstance(weight, MxWeight)  # on_tensor_cores holds for MX weights only
+            summed, normed = self._gemv.add_norm(hidden, add, norm_weight, eps)
+            out = mx_linear(normed, weight.blocks, weight.scales, bias, weight.fmt, "bf16")
+            return summed, out, normed if want_normed else None
+        variant = self._variant(self._registry.NORM_LINEAR, problem)
         return self._gemv.norm_linear(hidden, add, norm_weight, eps, weight, bias, want_normed, variant=variant)
-
-    def _norm_then_tensor_cores(
-        self,
-        hidden: torch.Tensor,
-        add: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: Weight,
-        bias: torch.Tensor | None,
-        want_normed: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """:meth:`norm_linear` in two launches: the norm alone, then the dense MX kernel with bf16
-        activations (as the GEMV multiplies them), its variant the dense tactics DBs'."""
-        from prepkit.runtime.dense import mx_linear
-
-        assert isinstance(weight, MxWeight)  # on_tensor_cores holds for MX weights only
-        summed, normed = self._gemv.add_norm(hidden, add, norm_weight, eps)
-        out = mx_linear(normed, weight.blocks, weight.scales, bias, weight.fmt, "bf16")
-        return summed, out, normed if want_normed else None
 
     def rope_cache_attend(
         self,

@@ -68,6 +68,14 @@ def _logits_per_step(decoder: PrepkitDecoder, ids: torch.Tensor, mask: torch.Ten
     return seen
 
 
+def _assert_same_steps(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Each step's logits within TOL of the torch step's (relative to its largest), the same greedy tokens."""
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
+        assert err < TOL, f"step {i}: {err:.3g}"
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+
+
 def test_kernel_ops_give_the_torch_steps_logits_and_tokens(model: torch.nn.Module) -> None:
     ids, mask = _left_padded(LENGTHS, pad_id=0)
     length, batch = ids.shape[1] + NEW, len(LENGTHS)
@@ -75,10 +83,7 @@ def test_kernel_ops_give_the_torch_steps_logits_and_tokens(model: torch.nn.Modul
     fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False, kernels=True)
     want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
     assert len(got) == len(want) == NEW - 1
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
-        assert err < TOL, f"step {i}: {err:.3g}"
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+    _assert_same_steps(got, want)
 
 
 def test_an_lm_head_on_tensor_cores_gives_the_torch_steps_logits(
@@ -104,10 +109,7 @@ def test_an_lm_head_on_tensor_cores_gives_the_torch_steps_logits(
     fast = PrepkitDecoder(model, length, batch_size=batch, keep_logits=True, cuda_graph=False, kernels=True)
     want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
     assert len(norms) == NEW - 1  # one lm_head a step, and only the lm_head
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
-        assert err < TOL, f"step {i}: {err:.3g}"
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+    _assert_same_steps(got, want)
 
 
 @pytest.mark.gpu
@@ -167,10 +169,7 @@ def test_kernel_ops_under_a_reduce_hook_give_the_torch_steps_tokens(model: torch
         gather=ident["gather"], reduce_fp32=reduce_fp32,
     )  # fmt: skip
     want, got = _logits_per_step(ref, ids, mask), _logits_per_step(fast, ids, mask)
-    for i, (a, b) in enumerate(zip(got, want, strict=True)):
-        err = (a.float() - b.float()).abs().max() / b.float().abs().max()
-        assert err < TOL, f"step {i}: {err:.3g}"
-        assert torch.equal(a.argmax(-1), b.argmax(-1)), f"step {i}: another greedy token"
+    _assert_same_steps(got, want)
     # Per layer and step: o's share (bf16), then the MoE's (fp32 where the sum takes it).
     moe = torch.float32 if reduce_fp32 else torch.bfloat16
     assert seen == [torch.bfloat16, moe] * (TINY["num_layers"] * (NEW - 1))
