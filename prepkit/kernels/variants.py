@@ -100,9 +100,10 @@ def invalid_reason(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: A
         # such variants return wrong rows that change from launch to launch (docs/kernel-notes.md;
         # the GPU launch-stability test catches it). Three stages and more are exact.
         return "weight_load 'tma' needs at least 3 stages (with 2 the single TMA buffer races)"
-    if gemm == "gemm1" and t.split_k != 1:
-        # SwiGLU needs the whole K sum of gate and up before it can be applied.
-        return "gemm1 cannot split K (the fused SwiGLU needs complete sums)"
+    if gemm == "gemm1" and t.split_k != 1 and (t.block_m > MAX_SWAPPED_ROWS or activations != "bf16"):
+        # SwiGLU needs the whole K sum: the splits' partial sums wait in a buffer of every pick's
+        # row, worth it only where few row tiles leave SMs idle. Tested with bf16 activations.
+        return f"gemm1 splits K only with bf16 activations and row tiles of at most {MAX_SWAPPED_ROWS} rows"
     smem = shared_mem_bytes(t, activations)
     if smem > device.max_shared_mem:
         return f"needs ~{smem} B of shared memory, device allows {device.max_shared_mem}"
@@ -145,7 +146,7 @@ def policy_variant(t: GemmTactic, gemm: Gemm, device: DeviceInfo, activations: A
         return t
     cand = replace(t, upcast="dot_scaled", swapped_dot="split")
     if gemm == "gemm1":
-        cand = replace(cand, block_n=max(cand.block_n, 64))
+        cand = replace(cand, block_n=max(cand.block_n, 64), split_k=1)
     for stages in dict.fromkeys((cand.num_stages, 3, 2, 1)):
         for load in dict.fromkeys((cand.weight_load, "ptr")):
             fit = replace(cand, num_stages=stages, weight_load=load)
@@ -210,7 +211,7 @@ def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTac
         # experts, too few tiles for 128-row programs) and pointer loads keep 64 x 256.
         tma_tiles = load == "tma" and problem.num_tokens > 1
         bn, bk, stages = (128, 128, 4) if tma_tiles else (64, 256, 3)
-        g1 = GemmTactic(16, bn, bk, 4, stages, 1, upcast, load)
+        g1 = GemmTactic(16, bn, bk, 4, stages, _one_token_gemm1_split(problem, active, bn, device), upcast, load)
         tiles = active * -(-problem.hidden // bn)
         split = max(1, min(4, next_pow2(-(-2 * device.sm_count // tiles))))
         g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load)
@@ -221,6 +222,20 @@ def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTac
         few_rows = rows <= 24 and device.capability >= (9, 0)
         g1 = GemmTactic(32, 256, 64, 4, 4, 1, upcast, "tma") if few_rows else g2
     return _fit(g1, "gemm1", device), _fit(g2, "gemm2", device)
+
+
+def _one_token_gemm1_split(problem: MoeProblem, active: int, block_n: int, device: DeviceInfo) -> int:
+    """GEMM1's K split at one token: the four picks' N tiles of a TP rank leave SMs idle, so split
+    K (at most 4) while the programs stay within one wave at three an SM. On an H200 at one token,
+    the layer of a TP 2 rank took 26.0 -> 21.6 us with 2 splits; TP 1 (360 tiles) lost with any
+    split; a TP 4 rank was level with 4 (docs/kernel-history.md)."""
+    if problem.num_tokens != 1:
+        return 1
+    tiles = active * -(-2 * problem.intermediate // block_n)
+    split = 1
+    while split < 4 and tiles * split * 2 <= 3 * device.sm_count:
+        split *= 2
+    return split
 
 
 def _sm12x_defaults(

@@ -138,6 +138,40 @@ def test_full_size_ranks(checkpoint, tp_size, ep_size):
         assert err < TOL, f"{spec}: relative error {err:.3g}"
 
 
+@pytest.mark.parametrize(
+    "tp_size, keys",
+    [
+        (2, None),  # the one-token default splits GEMM1's K on a TP 2 rank (and 4 ways on TP 4)
+        (4, None),
+        (1, ("m16n64k256w4s4sk2uasmltmakmaskeddjoined", "m16n64k256w4s4sk2uasmltmakmasked")),
+        (2, ("m16n64k256w4s4sk8uasmltmakmasked", "m16n64k256w4s3sk2uasmltmakmasked")),
+    ],
+    ids=["tp2-default", "tp4-default", "tp1-joined-split2", "tp2-split8"],
+)
+def test_full_size_one_token_gemm1_k_splits(checkpoint, tp_size, keys):
+    """GEMM1 with K splits at one token (the GEMMs route it): the last split of each tile sums the
+    partials and applies SwiGLU, for the first and the last TP rank."""
+    from prepkit.kernels.reference import relative_error
+    from prepkit.kernels.variants import default_tactics
+    from prepkit.layouts.base import RankSpec
+    from prepkit.runtime import moe
+
+    x, logits = _inputs(1, seed=70 + tp_size)
+    specs = RankSpec.all_ranks(tp_size, 1)
+    for spec in (specs[0], specs[-1]):
+        layer, plan = _layer(checkpoint, spec)
+        if keys is None:
+            from prepkit.kernels.device import H100
+
+            tactics = default_tactics(layer.problem(1), H100)
+            assert tactics[0].split_k > 1
+        else:
+            tactics = (_parse(keys[0]), _parse(keys[1]))
+        out = moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32)
+        err = relative_error(out, _reference(checkpoint, x, logits, plan, spec.tp_rank))
+        assert err < TOL, f"{spec} {tactics[0].key()}: relative error {err:.3g}"
+
+
 def test_sample_of_every_enumerated_variant():
     """A stride through the whole variant space on small shapes: a failing variant is a failure."""
     from prepkit.kernels.device import DeviceInfo

@@ -6,6 +6,8 @@ CUDA on the GPU. Every variant family (upcast mode, split-K, tile sizes) is cove
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -244,6 +246,9 @@ ONE_TOKEN_PAIRS = [
         GemmTactic(16, 32, 128, 4, 2, 1, weight_load="tma", k_loop="masked", swapped_dot="joined"),
         GemmTactic(16, 64, 64, 4, 2, 2, weight_load="tma", swapped_dot="joined"),
     ),
+    # GEMM1 split in K: only the first split's programs store the picks and zero the output
+    (GemmTactic(16, 32, 64, 4, 1, 2), SMALL),
+    (GemmTactic(16, 64, 64, 4, 3, 4, weight_load="tma", k_loop="masked", swapped_dot="joined"), SMALL),
 ]
 
 
@@ -255,7 +260,9 @@ def _one_token_logits(device: str, seed: int, ties: bool) -> torch.Tensor:
     return logits.to(device)
 
 
-@pytest.mark.parametrize("pair", ONE_TOKEN_PAIRS, ids=["small", "split4", "m64", "tma-joined"])
+@pytest.mark.parametrize(
+    "pair", ONE_TOKEN_PAIRS, ids=["small", "split4", "m64", "tma-joined", "gemm1-split2", "gemm1-tma-split4"]
+)
 # EP 4 holds 2 experts a rank: fewer than the picks, which still get a row block each.
 @pytest.mark.parametrize(
     "spec",
@@ -305,3 +312,42 @@ def test_one_token_keeps_the_routing_launch_for_mx_activations(device):
     assert r.logits is None
     ids = torch.topk(logits.float().cpu(), TOP_K, dim=-1).indices
     assert torch.equal(r.topk_ids.cpu().long(), ids)
+
+
+# Four 64-wide K steps in GEMM1 (hidden 256): every split of 2 and 4 sums real steps.
+WIDE_H = 256
+
+
+@pytest.fixture(scope="module")
+def wide_experts():
+    return random_experts(E, WIDE_H, I, seed=4)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize(
+    "g1",
+    [
+        GemmTactic(16, 32, 64, 4, 1, 2),
+        GemmTactic(16, 64, 64, 4, 3, 4, weight_load="tma", k_loop="masked", swapped_dot="joined"),
+        GemmTactic(32, 32, 128, 4, 2, 2, swapped_dot="joined"),  # the last split's step is partial
+    ],
+    ids=["split2", "tma-joined-split4", "m32-split2"],
+)
+def test_gemm1_split_k_matches_the_unsplit_layer(wide_experts, device, T, g1):
+    """GEMM1 with K splits (one token routed by the GEMMs, and grouped picks): the last split of
+    each tile sums every split's partials and applies SwiGLU; the layer matches the unsplit one
+    and the reference, and every tile's counter is back at zero for the next call."""
+    from prepkit.kernels.mx.dense import split_counters
+
+    layer, plan = make_layer(wide_experts, TOP_K, device=device)
+    x, logits = random_inputs(T, E, WIDE_H, seed=40 + T, device=device)
+    g2 = GemmTactic(16, 32, 64, 4, 1, 1)
+    split = moe(layer, x, logits, tactics=(g1, g2), out_dtype=torch.float32)
+    whole = moe(layer, x, logits, tactics=(replace(g1, split_k=1), g2), out_dtype=torch.float32)
+    ref = moe_reference(
+        x.cpu(), logits.cpu(), wide_experts.as_dict(), top_k=TOP_K, expert_range=plan.expert_range,
+        intermediate_range=plan.intermediate_range, apply_down_bias=True, dtype=torch.float64,
+    )  # fmt: skip
+    assert relative_error(split.cpu(), ref) < TOL
+    assert relative_error(split.cpu(), whole.cpu().double()) < 1e-5
+    assert not bool(split_counters(x.device, 1).any())

@@ -51,8 +51,9 @@ def test_enumerated_variants_are_valid_and_cover_every_family(device):
         assert joined and all(t.block_m <= 32 and t.upcast != "dot_scaled" for t in joined)
         assert {t.block_m for t in joined} == {16, 32}
         assert len(joined) == sum(1 for t in tactics if t.block_m <= 32 and t.upcast != "dot_scaled") // 2
-        splits = {t.split_k for t in tactics}
-        assert splits == ({1} if gemm == "gemm1" else {1, 2, 4, 8})
+        assert {t.split_k for t in tactics} == {1, 2, 4, 8}
+        # GEMM1's splits hold every pick's partial sums: row tiles of few rows only.
+        assert all(t.block_m <= 32 for t in tactics if gemm == "gemm1" and t.split_k > 1)
 
 
 def test_small_shared_memory_prunes_more():
@@ -65,7 +66,8 @@ def test_problem_prunes_oversized_row_tiles():
 
 
 def test_invalid_reasons_name_the_knob():
-    assert "split" in invalid_reason(GemmTactic(split_k=2), "gemm1", H100)
+    assert "split" in invalid_reason(GemmTactic(block_m=64, split_k=2), "gemm1", H100)
+    assert invalid_reason(GemmTactic(split_k=2), "gemm1", H100) is None
     assert "block_m" in invalid_reason(GemmTactic(block_m=24), "gemm1", H100)
     assert "shared memory" in invalid_reason(GemmTactic(128, 256, 256, 8, 4), "gemm1", GB10)
     old = DeviceInfo("old", (7, 5), 40, 65536)
@@ -423,3 +425,18 @@ def test_a_tuned_pair_that_no_longer_compiles_falls_back_to_the_default(monkeypa
     assert launched[-1] == default
     with pytest.raises(OutOfResources):  # the caller's own pair is never replaced
         moe_module.moe(layer, x, logits, tactics=tuned)
+
+
+@pytest.mark.parametrize(("tp", "split"), [(1, 1), (2, 2), (4, 4), (8, 4)])
+def test_one_token_default_splits_gemm1_of_a_tp_rank(tp, split):
+    """At one token the four picks' GEMM1 tiles of a TP rank leave SMs idle: the default splits
+    K while the programs fit one wave at three an SM (TP 1's 360 tiles do not split), and keeps
+    whole K for more tokens and for MX activations."""
+    from prepkit.layouts.base import RankSpec
+
+    dims = ModelDims(1, 128, 2880, 2880, 4)
+    layer = rank_layer(dims, RankSpec(tp_size=tp, tp_rank=0))
+    g1, _ = default_tactics(layer.problem(1), H200)
+    assert g1.split_k == split and invalid_reason(g1, "gemm1", H200) is None
+    assert default_tactics(layer.problem(2), H200)[0].split_k == 1
+    assert default_tactics(layer.problem(1), H200, "mxfp8")[0].split_k == 1

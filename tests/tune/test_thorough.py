@@ -142,7 +142,12 @@ def stored(db: Path, sql: str) -> list[tuple[Any, ...]]:
 @pytest.mark.parametrize("activations", ["bf16", "mxfp8"])
 def test_a_thorough_search_takes_up_every_valid_variant_and_prunes_none(activations: str) -> None:
     for role, p in problems(activations).items():
-        valid = [canon(t) for t in enumerate_tactics(role, H100_INFO, moe_problem(p, 8192), activations=activations)]
+        # every valid variant but GEMM1's K splits, whose partial sums grow with the tokens
+        valid = [
+            canon(t)
+            for t in enumerate_tactics(role, H100_INFO, moe_problem(p, 8192), activations=activations)
+            if role == "gemm2" or t.split_k == 1
+        ]
         plan = tune_run.search_candidates(TuneOptions(thorough=True), p, H100_INFO, [])
         assert plan == valid and len(set(plan)) == len(plan)
         pruned = tune_run.search_candidates(TuneOptions(), p, H100_INFO, [])

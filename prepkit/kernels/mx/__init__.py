@@ -33,7 +33,8 @@ MMA fragment order) :mod:`prepkit.layouts.triton_moe` describes: per expert,
 ``w13_blocks [ceil(H/256), 2*Ip, 128]``, ``w13_scales [H/32, 2*Ip]``, ``w13_bias [2*Ip]`` fp32,
 ``w2_blocks [ceil(Ip/256), H, 128]``, ``w2_scales [Ip/32, H]``, ``w2_bias [H]`` fp32.
 
-Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2 only), the upcast
+Variant knobs (``GemmTactic``): tile sizes, warps, stages, split-K (GEMM2; GEMM1 too with bf16
+activations and tiles of at most 32 rows: a tile's last split sums the partials and applies SwiGLU), the upcast
 (``asm``: inline PTX, CUDA only, the default; ``bits``: Triton integer ops, runs in the CPU
 interpreter; ``dot_scaled``: ``tl.dot_scaled``) and how weight tiles are loaded (``ptr``: pointer
 loads the compiler pipelines; ``tma``: the Hopper/Blackwell tensor memory accelerator, one copy per

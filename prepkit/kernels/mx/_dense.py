@@ -18,6 +18,7 @@ import triton.language as tl
 from prepkit.kernels.mx._chain import _chain_enter
 from prepkit.kernels.mx._mainloop import _mainloop, _zero_acc
 from prepkit.kernels.mx._mx import _store_mx
+from prepkit.kernels.mx._split import _split_range, _split_sum
 
 
 @triton.jit
@@ -69,10 +70,7 @@ def _dense_kernel(
     m_mask = rows < T
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
-    # Split boundaries on BLOCK_K multiples keep every scale group inside one split.
-    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_lo = pid_k * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
+    k_lo, k_hi = _split_range(K, pid_k, BLOCK_K, SPLIT_K)
     acc = _zero_acc(BLOCK_M, BLOCK_N, SWAP)
     a_rows = x_ptr + rows * stride_xt
     as_rows = xs_ptr + rows * (K // 32)
@@ -88,25 +86,11 @@ def _dense_kernel(
         ptrs = y_ptr + rows[:, None] * stride_yt + offs_n[None, :]
         mask = m_mask[:, None] & n_mask[None, :]
     if SPLIT_K > 1:
-        # Serial reduction in this launch: each split stores its partial sums; the last of the
-        # tile's splits to arrive adds them up and writes the output, then resets the tile's
-        # counter for the next call. No zeroed buffer, no cast launch after.
-        if SWAP:
-            part = part_ptr + rows[None, :] * N + offs_n[:, None]
-        else:
-            part = part_ptr + rows[:, None] * N + offs_n[None, :]
-        split_stride = (pid_k.to(tl.int64) * 0 + T) * N  # T may be a specialized constant
-        tl.store(part + pid_k * split_stride, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partials issued before the release below
         tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT_K):
-                acc += tl.load(part + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        last, acc = _split_sum(acc, part_ptr, rows, m_mask, offs_n, n_mask, pid_k, T, N, count_ptr, tile, SWAP, SPLIT_K)
+        if last:
             acc = _add_bias(acc, b_ptr, offs_n, n_mask, SWAP, HAS_BIAS)
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(count_ptr + tile, 0)
     else:
         acc = _add_bias(acc, b_ptr, offs_n, n_mask, SWAP, HAS_BIAS)
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

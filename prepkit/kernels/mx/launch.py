@@ -17,6 +17,7 @@ from prepkit.kernels.mx._record import launch, zero
 from prepkit.kernels.mx._routing import _route_kernel, _scatter_kernel
 from prepkit.kernels.mx._target import interpreting, launch_capability
 from prepkit.kernels.mx._upcast import UPCAST_ASM_FOLDED
+from prepkit.kernels.mx.dense import split_counters
 from prepkit.kernels.tactic import GemmTactic
 from prepkit.kernels.variants import invalid_reason, joins_halves, next_pow2, swaps_operands
 from prepkit.layouts.triton_moe import PANEL_BYTES, PANEL_K
@@ -246,8 +247,6 @@ def gemm1_swiglu(
     _check_tactic(tactic, "gemm1", activations)
     if routing.activations != activations:
         raise ValueError(f"gemm1 runs activations {activations!r}, the routing quantized for {routing.activations!r}")
-    if tactic.split_k != 1:
-        raise ValueError("gemm1 cannot split K: the fused SwiGLU needs complete sums")
     T, H = hidden_states.shape
     _check_panels(w13_blocks, H, "w13_blocks")
     if w13_scales.shape[1] * 32 != H:
@@ -263,7 +262,11 @@ def gemm1_swiglu(
         return h1
     E_local = routing.num_local_experts
     n1 = 2 * valid_intermediate
-    grid = (row_blocks(routing, tactic.block_m), triton.cdiv(n1, tactic.block_n))
+    split = tactic.split_k
+    grid = (row_blocks(routing, tactic.block_m), triton.cdiv(n1, tactic.block_n), split)
+    # The splits' partial sums, [split, picks, n1] fp32: splits pay at a few tokens only.
+    part = torch.empty((split, TK, n1), dtype=torch.float32, device=device) if split > 1 else None
+    counts = split_counters(device, grid[0] * grid[1]) if split > 1 else None
     logits, out = routing.logits, routing.out
     num_experts = 0 if logits is None else logits.shape[1]  # 0: the grouped path
     w_desc = weight_descriptor(w13_blocks, tactic, activations)
@@ -304,6 +307,9 @@ def gemm1_swiglu(
         num_experts,
         routing.expert_lo,
         out.shape[1],
+        part,
+        counts,
+        TK,
         TOP_K=routing.top_k,
         E_PAD=max(16, next_pow2(E_local)),
         BLOCK_M=tactic.block_m,
@@ -324,6 +330,7 @@ def gemm1_swiglu(
         E_PAD_ALL=max(16, next_pow2(num_experts)),
         # The first row block's programs zero the output row between them.
         ZERO_BLOCK=max(16, next_pow2(triton.cdiv(out.shape[1], grid[1]))) if logits is not None else 16,
+        SPLIT_K=split,
     )
     return h1
 
