@@ -227,7 +227,7 @@ def test_lookup_is_used_and_default_warns_once():
 
 
 @pytest.mark.parametrize("with_db", [False, True], ids=["no-lookup", "empty-db"])
-def test_a_missed_tactic_warns_once_per_layer(tmp_path, with_db):
+def test_a_missed_tactic_warns_once_per_layer(tmp_path, with_db, device):
     """A layer without tuned tactics, called at several token counts, says so once; a second layer
     of the same shape says so once more (its own warning), whether the miss is the layer's (no
     lookup) or the tactics DB's."""
@@ -241,12 +241,12 @@ def test_a_missed_tactic_warns_once_per_layer(tmp_path, with_db):
         lookup = make_tactic_lookup(
             resolver=TacticResolver(user_db=tmp_path / "none.db", bundled_db=False), kernel_version=1
         )
-    layers = [make_layer(w, 2, tactic_lookup=lookup)[0] for _ in range(2)]
+    layers = [make_layer(w, 2, tactic_lookup=lookup, device=device)[0] for _ in range(2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for layer in layers:
             for T in (1, 3, 9):
-                x, logits = random_inputs(T, 4, 64, seed=T)
+                x, logits = random_inputs(T, 4, 64, seed=T, device=device)
                 out = moe(layer, x, logits)
                 assert out.shape == (T, 64) and out.abs().sum() > 0
     missed = [str(c.message) for c in caught if "no tuned tactic" in str(c.message)]
