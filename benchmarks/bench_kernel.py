@@ -35,7 +35,7 @@ from prepkit.kernels.device import DeviceInfo, lowers_natively  # noqa: E402
 from prepkit.kernels.reference import moe_reference, relative_error  # noqa: E402
 from prepkit.kernels.tactic import GemmTactic  # noqa: E402
 from prepkit.kernels.variants import default_tactics, policy_variant  # noqa: E402
-from prepkit.layouts.base import ExpertWeights  # noqa: E402
+from prepkit.layouts.base import ExpertWeights, RankSpec  # noqa: E402
 from prepkit.runtime.moe import MoeLayer, moe  # noqa: E402
 
 E, H, I, TOP_K = 128, 2880, 2880, 4
@@ -60,10 +60,12 @@ def flops_per_token(hidden: int = H, intermediate: int = I, top_k: int = TOP_K) 
 SCALE_BYTES = {"small": (119, 124), "wide": (119, 136)}
 
 
-def synth_layer(device: torch.device, seed: int = 0, scales: str = "small") -> tuple[MoeLayer, ExpertWeights]:
+def synth_layer(
+    device: torch.device, seed: int = 0, scales: str = "small", tp: int = 1
+) -> tuple[MoeLayer, ExpertWeights]:
     """A random layer in checkpoint form, its scale bytes from :data:`SCALE_BYTES`, built
-    into the kernel's layout by the layout itself; returns (layer, checkpoint experts), the latter
-    for the fp32 reference."""
+    into the kernel's layout by the layout itself (rank 0 of a ``tp`` split); returns (layer,
+    checkpoint experts), the latter for the fp32 reference."""
     lo, hi = SCALE_BYTES[scales]
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -78,7 +80,7 @@ def synth_layer(device: torch.device, seed: int = 0, scales: str = "small") -> t
         down_proj_scales=u8((E, H, I // 32), lo, hi),
         down_proj_bias=(torch.randn((E, H), generator=g, device=device) * 0.1).to(torch.bfloat16),
     )
-    layer, _ = MoeLayer.from_experts(source, top_k=TOP_K)
+    layer, _ = MoeLayer.from_experts(source, top_k=TOP_K, rank=RankSpec(tp_size=tp))
     return layer, source
 
 
@@ -335,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", dest="json_out", help="write the results here")
     parser.add_argument("--scales", choices=sorted(SCALE_BYTES), default="small", help="E8M0 scale byte range")
     parser.add_argument(
+        "--tp", type=int, default=1, help="time rank 0 of this tensor-parallel split (its share of every expert)"
+    )
+    parser.add_argument(
         "--activations",
         default="bf16",
         help=f"comma-separated precision policies, side by side ({', '.join(ACTIVATION_POLICIES)})",
@@ -358,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {info.name} (sm_{info.capability[0]}{info.capability[1]}, {info.sm_count} SMs); "
         f"copy {copy_gbs:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s"
     )
-    layer, source = synth_layer(device, scales=args.scales)
+    layer, source = synth_layer(device, scales=args.scales, tp=args.tp)
+    if args.tp > 1:
+        log(f"TP rank 0 of {args.tp}: {layer.valid_intermediate} of {I} intermediate rows an expert")
     log(f"scales: {args.scales} (E8M0 bytes {SCALE_BYTES[args.scales]}), folded upcast {layer.small_scales}")
     pinned = {}
     if args.tactics:
@@ -384,22 +391,23 @@ def main(argv: list[str] | None = None) -> int:
         inputs = make_inputs(T, rotation_sets(T), device, seed=1000 + T)
         us = time_layer_graph(layer, inputs, tactics)
         hit = distinct_experts(inputs)
-        nbytes = hit * expert_bytes()
+        nbytes = hit * expert_bytes() / args.tp  # a TP rank holds its share of each expert
         gbs = nbytes / us / 1e3
         tflops = T * flops_per_token() / us / 1e6
         base_us = float("nan")
         x, logits = inputs[0]
-        if args.baseline:
+        if args.baseline and args.tp == 1:
             base_us = (
                 events_median(lambda x=x, logits=logits: torch_baseline(layer, x, logits), iters=3, warmup=1) * 1e3
             )
         err = float("nan")
-        if len(policies) > 1 or policy != "bf16":
+        if (len(policies) > 1 or policy != "bf16") and args.tp == 1:  # the reference is of the whole layer
             torch.backends.cuda.matmul.allow_tf32 = False
             ref = moe_reference(x, logits, source.as_dict(), top_k=TOP_K)
             err = relative_error(moe(layer, x, logits, tactics=tactics, out_dtype=torch.float32), ref)
         row = {
             "tokens": T,
+            "tp": args.tp,
             "activations": policy,
             "rel_err": err,
             "experts_hit": hit,
