@@ -208,13 +208,17 @@ def _measured_defaults(problem: MoeProblem, device: DeviceInfo) -> tuple[GemmTac
     if rows <= 12:
         load = "tma" if device.capability >= (9, 0) else "ptr"
         # With TMA weight loads 128 x 128 tiles with 4 stages won at 8 and 64 tokens; one token (four
-        # experts, too few tiles for 128-row programs) and pointer loads keep 64 x 256.
+        # experts, too few tiles for 128-row programs) and pointer loads keep 64 x 256. At one token
+        # with TMA, the tuned H100 and H200 picks: 4 stages, every K step masked, GEMM1 joined.
         tma_tiles = load == "tma" and problem.num_tokens > 1
-        bn, bk, stages = (128, 128, 4) if tma_tiles else (64, 256, 3)
-        g1 = GemmTactic(16, bn, bk, 4, stages, _one_token_gemm1_split(problem, active, bn, device), upcast, load)
+        one_token = load == "tma" and problem.num_tokens == 1
+        bn, bk, stages = (128, 128, 4) if tma_tiles else (64, 256, 4 if one_token else 3)
+        k_loop = "masked" if one_token else "tail"
+        split1 = _one_token_gemm1_split(problem, active, bn, device)
+        g1 = GemmTactic(16, bn, bk, 4, stages, split1, upcast, load, k_loop, "joined" if one_token else "split")
         tiles = active * -(-problem.hidden // bn)
         split = max(1, min(4, next_pow2(-(-2 * device.sm_count // tiles))))
-        g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load)
+        g2 = GemmTactic(16, bn, bk, 4, stages, split, upcast, load, k_loop)
     else:
         # Measured with pointer loads only (TMA is left to the tuner here).
         g2 = GemmTactic(64, 256, 64, 4, 3, 1, upcast, "ptr")
