@@ -225,3 +225,39 @@ def test_dense_defaults_compile_for_sm12x(arch: str, weights: str, activations: 
         assert r["status"] == "compiled" and r["spill_bytes"] == 0, r
         assert r["ptx_target"] == arch.replace("sm", "sm_") + "a"
         assert mma in r["mma_instruction"], r["mma_instruction"]
+
+
+@pytest.mark.slow
+def test_gemm1_k_split_compiles_for_every_target() -> None:
+    """GEMM1 with a K split (partials, arrival counter, the last split's SwiGLU) compiles for
+    sm_90, sm_120 and sm_121 without spills (a fresh process: this one interprets)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tactic = (
+        '{"block_k":256,"block_m":16,"block_n":64,"k_loop":"masked","num_stages":3,"num_warps":4,'
+        '"split_k":2,"swapped_dot":"joined","upcast":"asm","weight_load":"ptr"}'
+    )
+    code = (
+        "import json\n"
+        "from prepkit.kernels.compile_check import moe\n"
+        "from prepkit.kernels.compile_check.candidates import Candidate\n"
+        "from prepkit.kernels.tactic import GemmTactic\n"
+        "from prepkit.layer import resolve_layer\n"
+        "shape = resolve_layer(model='gpt-oss-120b', shards=None, tp=2).layer\n"
+        f"t = GemmTactic.from_json({tactic!r})\n"
+        "out = []\n"
+        "for arch in ('sm90', 'sm120', 'sm121'):\n"
+        "    r = moe.compile_variants(arch, shape, 'bf16', [Candidate('gemm1', t, 'split', 1)], routing=False)\n"
+        "    out += [x.to_dict() for x in r]\n"
+        "print(json.dumps(out))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr
+    reports = json.loads(out.stdout.splitlines()[-1])
+    assert [r["ptx_target"] for r in reports] == ["sm_90a", "sm_120a", "sm_121a"]
+    for r in reports:
+        assert r["status"] == "compiled" and r["spill_bytes"] == 0, r
