@@ -6,7 +6,10 @@
 Each build runs ``prepkit bench FOLDER --pp '' --tg N --no-sampled`` at two layer counts, the
 builds alternating inside every round (so drift between the first and the last minute falls on
 both), and each round is fitted per layer and fixed part and scaled to the recipe's depth (36 layers
-for gpt-oss-120b) by ``prepkit.generation.layer_fit``; the table gives the median over the rounds.
+for gpt-oss-120b) by ``prepkit.generation.layer_fit``; the table gives the median over the rounds,
+then each round's head/base ratios, and a verdict: the head is faster (slower) only where its tok/s
+is above (below) the base's at both layer counts in every round, since the per-layer fit of one
+build moves by several percent between runs.
 
 ``--head-env NAME=VALUE`` sets a variable for the head's runs alone: with ``--head`` the same as
 ``--base`` and ``PREPKIT_DECODE_VARIANTS=KEY=VARIANT``, it times one decode kernel's variant inside
@@ -149,6 +152,8 @@ def compare(
                 + "\n(--allow-different-tactics to compare anyway)"
             )
         rounds.append({b.name: fit_round(got[(b.name, counts[0])], got[(b.name, counts[1])], args.tg) for b in builds})
+        for b in builds:
+            rounds[-1][b.name]["tok_s_at"] = {n: 1e3 / tg_ms(got[(b.name, n)], f"tg{args.tg}") for n in counts}
         reports.append({f"{name} L{n}": report for (name, n), report in got.items()})
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     return rounds, reports
@@ -181,11 +186,41 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, fl
     return out
 
 
+def round_lines(rounds: list[dict[str, dict[str, Any]]]) -> list[str]:
+    """Each round's head/base ratios: the fitted time a layer, and tok/s at each layer count."""
+    lines = []
+    for i, r in enumerate(rounds, 1):
+        base, head = r["base"], r["head"]
+        counts = ", ".join(f"{n} layers {_ratio(head['tok_s_at'][n], base['tok_s_at'][n])}" for n in base["tok_s_at"])
+        lines.append(
+            f"round {i}: head/base per layer {_ratio(head['per_layer_us'], base['per_layer_us'])}; tok/s {counts}"
+        )
+    return lines
+
+
+def verdict(rounds: list[dict[str, dict[str, Any]]]) -> str:
+    """How the head stands against the base: "faster" ("slower") where its tok/s is above (below)
+    the base's at both layer counts in every round, else "not told apart". A per-layer fit is the
+    difference of two counts' times, so the drift of one count moves it by several percent between
+    runs of one build (docs/decode.md): its ratio alone does not tell two builds apart."""
+    signs = set()
+    for r in rounds:
+        base, head = r["base"]["tok_s_at"], r["head"]["tok_s_at"]
+        signs |= {(head[n] > base[n]) - (head[n] < base[n]) for n in base}
+    if signs == {1}:
+        return "faster"
+    if signs == {-1}:
+        return "slower"
+    return "not told apart"
+
+
 def _figure(value: float | None, form: str) -> str:
     return "-" if value is None else format(value, form)
 
 
-def table(summary: dict[str, dict[str, float | None]], builds: list[Build]) -> str:
+def table(
+    summary: dict[str, dict[str, float | None]], builds: list[Build], rounds: list[dict[str, dict[str, Any]]]
+) -> str:
     lines = [
         f"| build | per layer (floor) | fixed | {summary['base']['scaled_layers']} layers | % of floor |",
         "|---|---:|---:|---:|---:|",
@@ -203,6 +238,8 @@ def table(summary: dict[str, dict[str, float | None]], builds: list[Build]) -> s
         f"head/base per layer: {_ratio(head['per_layer_us'], base['per_layer_us'])}; "
         f"tok/s at {summary['base']['scaled_layers']} layers: {_ratio(head['scaled_tok_s'], base['scaled_tok_s'])}"
     )
+    lines += round_lines(rounds)
+    lines.append(f"head against base: {verdict(rounds)} (faster or slower only at both layer counts in every round)")
     return "\n".join(lines)
 
 
@@ -257,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compare_builds: {clash}", file=sys.stderr)
             return 1
     summary = summarize(rounds)
-    print(table(summary, builds))
+    print(table(summary, builds, rounds))
     if args.out:
         args.out.write_text(json.dumps({"summary": summary, "rounds": rounds, "reports": reports}, indent=1))
     return 0

@@ -122,11 +122,39 @@ def test_rounds_alternate_the_builds_and_a_tactics_clash_stops_the_comparison(mo
     )
     assert summary["head"]["fixed_ms"] == pytest.approx(1.0)
     assert len(reports) == 2 and set(reports[0]) == {"base L4", "head L4", "base L2", "head L2"}
+    # Each round keeps both counts' tok/s: the head is faster at both in both rounds.
+    assert rounds[1]["head"]["tok_s_at"] == {4: pytest.approx(1e3 / 1.4), 2: pytest.approx(1e3 / 1.2)}
+    assert cb.verdict(rounds) == "faster"
+    assert cb.round_lines(rounds)[0] == "round 1: head/base per layer 0.500; tok/s 4 layers 1.286, 2 layers 1.167"
     args.base_t = "default: y"
     with pytest.raises(cb.TacticsDiffer, match="1 tokens: base 'default: y'"):
         cb.compare(builds, [4, 2], args)
     args.allow_different_tactics = True
     assert len(cb.compare(builds, [4, 2], args)[0]) == 2
+
+
+def _round(base: dict[int, float], head: dict[int, float]) -> dict[str, dict]:
+    return {"base": {"per_layer_us": 50.0, "tok_s_at": base}, "head": {"per_layer_us": 49.0, "tok_s_at": head}}
+
+
+def test_a_head_is_faster_or_slower_only_at_both_counts_in_every_round() -> None:
+    # The per-layer fit of one build drifts between runs: a better fit alone is no verdict.
+    faster = _round({4: 2800.0, 2: 4000.0}, {4: 2810.0, 2: 4005.0})
+    slower = _round({4: 2800.0, 2: 4000.0}, {4: 2790.0, 2: 3990.0})
+    mixed = _round({4: 2800.0, 2: 4000.0}, {4: 2840.0, 2: 3999.0})
+    assert cb.verdict([faster, faster]) == "faster"
+    assert cb.verdict([slower]) == "slower"
+    assert cb.verdict([faster, slower]) == "not told apart"
+    assert cb.verdict([mixed]) == "not told apart"
+    assert cb.verdict([_round({4: 2800.0, 2: 4000.0}, {4: 2800.0, 2: 4001.0})]) == "not told apart"
+    summary = cb.summarize([{k: {**v, **FIT} for k, v in r.items()} for r in (faster, slower)])
+    builds = [cb.Build("base", "b", Path("/b")), cb.Build("head", "h", Path("/h"))]
+    text = cb.table(summary, builds, [faster, slower])
+    assert "round 2: head/base per layer 0.980; tok/s 4 layers 0.996, 2 layers 0.998" in text
+    assert text.splitlines()[-1].startswith("head against base: not told apart (faster or slower only")
+
+
+FIT = {"fixed_ms": 0.2, "scaled_layers": 36, "scaled_tok_s": 500.0, "pct_of_floor": 40.0, "floor_per_layer_us": 19.0}
 
 
 def test_head_env_reaches_the_heads_runs_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -152,7 +180,7 @@ def test_head_env_reaches_the_heads_runs_alone(monkeypatch: pytest.MonkeyPatch, 
     monkeypatch.setattr(cb, "share_tactics", lambda *a: None)
     monkeypatch.setattr(cb, "compare", lambda b, *a: builds.extend(b) or ([], []))
     monkeypatch.setattr(cb, "summarize", lambda rounds: {})
-    monkeypatch.setattr(cb, "table", lambda summary, b: "")
+    monkeypatch.setattr(cb, "table", lambda *a: "")
     monkeypatch.setattr(cb, "build_tree", lambda rev, dest: dest)
     assert cb.main(["f", "--base", "r1", "--head", "r1", "--head-env", "A=1=2", "--head-env", "B="]) == 0
     assert builds[1].env == (("A", "1=2"), ("B", "")) and builds[1].label == "r1 A=1=2 B=" and builds[0].env == ()
