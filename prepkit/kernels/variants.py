@@ -254,7 +254,10 @@ def _sm12x_defaults(
     Up to 12 rows per expert: 16 x 128 x 128 swapped tiles, 3 stages (25 KiB of shared memory for
     bf16, 21 KiB for mxfp8: three or four programs fit an SM); 16 x 64 x 256 when the 128-wide GEMM1
     tiles of the active experts are fewer than the SMs (one token on an RTX PRO 6000: the same bytes
-    per stage, twice the programs); GEMM2 splits K until its programs are twice the SMs (at most 4).
+    per stage, twice the programs); GEMM2 splits K until its programs are twice the SMs (at most 4);
+    at one token with bf16 activations GEMM1 splits K by the Hopper rule
+    (:func:`_one_token_gemm1_split`: a TP rank of an RTX PRO 6000, 180 tiles of 16 x 64 on 188 SMs,
+    splits in two; not timed on SM12x, and ``prepkit tune`` keeps it only where it is fastest).
     Up to 32 rows: 32 x 128 x 128, 3 stages. More: 64 x 128 x 64, 3 stages, 4 warps (230 registers
     and 41 KiB: two programs per SM; the sm90 default 64 x 256 x 64 needs 255 registers and 65 KiB,
     one program of 4 warps per SM). Pointer loads throughout: on sm_120a the K step has the same
@@ -266,7 +269,8 @@ def _sm12x_defaults(
     upcast = "asm" if activations == "bf16" else "dot_scaled"
     if rows <= 12:
         bn, bk = (128, 128) if active * -(-2 * problem.intermediate // 128) >= device.sm_count else (64, 256)
-        g1 = GemmTactic(16, bn, bk, 4, 3, 1, upcast, "ptr")
+        split1 = _one_token_gemm1_split(problem, active, bn, device) if activations == "bf16" else 1
+        g1 = GemmTactic(16, bn, bk, 4, 3, split1, upcast, "ptr")
         tiles = active * -(-problem.hidden // bn)
         split = max(1, min(4, next_pow2(-(-2 * device.sm_count // tiles))))
         g2 = GemmTactic(16, bn, bk, 4, 3, split, upcast, "ptr")

@@ -230,7 +230,8 @@ def test_dense_defaults_compile_for_sm12x(arch: str, weights: str, activations: 
 @pytest.mark.slow
 def test_gemm1_k_split_compiles_for_every_target() -> None:
     """GEMM1 with a K split (partials, arrival counter, the last split's SwiGLU) compiles for
-    sm_90, sm_120 and sm_121 without spills (a fresh process: this one interprets)."""
+    sm_90, sm_120 and sm_121 without spills (a fresh process: this one interprets), and so does
+    the one-token default of an RTX PRO 6000's TP 2 rank on the SM12x targets."""
     import json
     import os
     import subprocess
@@ -249,15 +250,25 @@ def test_gemm1_k_split_compiles_for_every_target() -> None:
         "from prepkit.layer import resolve_layer\n"
         "shape = resolve_layer(model='gpt-oss-120b', shards=None, tp=2).layer\n"
         f"t = GemmTactic.from_json({tactic!r})\n"
+        "from prepkit.kernels.device import RTX_PRO_6000\n"
+        "from prepkit.kernels.variants import default_tactics\n"
+        "from prepkit.layer import rank_layer\n"
+        "from prepkit.layouts.base import RankSpec\n"
+        "from prepkit.dims import ModelDims\n"
+        "rank = rank_layer(ModelDims(1, 128, 2880, 2880, 4), RankSpec(tp_size=2, tp_rank=0))\n"
+        "d = default_tactics(rank.problem(1), RTX_PRO_6000)[0]\n"
+        "assert d.split_k == 2, d\n"
         "out = []\n"
         "for arch in ('sm90', 'sm120', 'sm121'):\n"
-        "    r = moe.compile_variants(arch, shape, 'bf16', [Candidate('gemm1', t, 'split', 1)], routing=False)\n"
+        "    cands = [Candidate('gemm1', t, 'split', 1)]\n"
+        "    cands += [Candidate('gemm1', d, 'default', 1)] if arch != 'sm90' else []\n"
+        "    r = moe.compile_variants(arch, shape, 'bf16', cands, routing=False)\n"
         "    out += [x.to_dict() for x in r]\n"
         "print(json.dumps(out))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stderr
     reports = json.loads(out.stdout.splitlines()[-1])
-    assert [r["ptx_target"] for r in reports] == ["sm_90a", "sm_120a", "sm_121a"]
+    assert [r["ptx_target"] for r in reports] == ["sm_90a", "sm_120a", "sm_120a", "sm_121a", "sm_121a"]
     for r in reports:
         assert r["status"] == "compiled" and r["spill_bytes"] == 0, r

@@ -440,3 +440,22 @@ def test_one_token_default_splits_gemm1_of_a_tp_rank(tp, split):
     assert g1.split_k == split and invalid_reason(g1, "gemm1", H200) is None
     assert default_tactics(layer.problem(2), H200)[0].split_k == 1
     assert default_tactics(layer.problem(1), H200, "mxfp8")[0].split_k == 1
+
+
+@pytest.mark.parametrize(
+    ("device", "tp", "split"),
+    [(RTX_PRO_6000, 1, 1), (RTX_PRO_6000, 2, 2), (RTX_PRO_6000, 4, 4), (GB10, 1, 1), (GB10, 2, 1), (GB10, 8, 2)],
+)
+def test_sm12x_one_token_default_splits_gemm1_by_the_same_rule(device, tp, split):
+    """SM12x's one-token GEMM1 splits K by the Hopper rule (programs in one wave at three an SM),
+    with bf16 activations only: an RTX PRO 6000's TP ranks split, a GB10's tiles fill its 48 SMs
+    up to TP 4 (TP 2 over two DGX Sparks does not split)."""
+    from prepkit.layouts.base import RankSpec
+
+    dims = ModelDims(1, 128, 2880, 2880, 4)
+    layer = rank_layer(dims, RankSpec(tp_size=tp, tp_rank=0))
+    g1, g2 = default_tactics(layer.problem(1), device)
+    assert g1.split_k == split and g1.weight_load == "ptr" and invalid_reason(g1, "gemm1", device) is None
+    assert default_tactics(layer.problem(2), device)[0].split_k == 1
+    for policy in ("mxfp8", "mxfp4"):
+        assert default_tactics(layer.problem(1), device, policy)[0].split_k == 1
