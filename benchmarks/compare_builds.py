@@ -127,9 +127,14 @@ def bench(build: Build, folder: Path, layers: int, args: argparse.Namespace) -> 
         raise SystemExit(f"compare_builds: {build.name} ({build.label}) at {layers} layers failed:\n{tail}")
     report = json.loads(done.stdout)
     report["source"] = str(build.tree)
-    rate = 1e3 / tg_ms(report, f"tg{args.tg}")
+    rate = tok_s(report, args.tg)
     print(f"{build.name} ({build.label}), {layers} layers: {rate:.1f} tok/s", file=sys.stderr, flush=True)
     return report
+
+
+def tok_s(report: dict[str, Any], tg: int) -> float:
+    """Decoded tokens a second of ``report``'s ``tg`` test (its median)."""
+    return 1e3 / tg_ms(report, f"tg{tg}")
 
 
 class TacticsDiffer(Exception):
@@ -153,7 +158,7 @@ def compare(
             )
         rounds.append({b.name: fit_round(got[(b.name, counts[0])], got[(b.name, counts[1])], args.tg) for b in builds})
         for b in builds:
-            rounds[-1][b.name]["tok_s_at"] = {n: 1e3 / tg_ms(got[(b.name, n)], f"tg{args.tg}") for n in counts}
+            rounds[-1][b.name]["tok_s_at"] = {n: tok_s(got[(b.name, n)], args.tg) for n in counts}
         reports.append({f"{name} L{n}": report for (name, n), report in got.items()})
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     return rounds, reports

@@ -454,7 +454,7 @@ def test_sm12x_one_token_default_splits_gemm1_by_the_same_rule(device, tp, split
 
     dims = ModelDims(1, 128, 2880, 2880, 4)
     layer = rank_layer(dims, RankSpec(tp_size=tp, tp_rank=0))
-    g1, g2 = default_tactics(layer.problem(1), device)
+    g1, _ = default_tactics(layer.problem(1), device)
     assert g1.split_k == split and g1.weight_load == "ptr" and invalid_reason(g1, "gemm1", device) is None
     assert default_tactics(layer.problem(2), device)[0].split_k == 1
     for policy in ("mxfp8", "mxfp4"):
