@@ -68,6 +68,7 @@ def _gemm1_swiglu_kernel(
     E_PAD_ALL: tl.constexpr = 16,
     ZERO_BLOCK: tl.constexpr = 16,
     SPLIT_K: tl.constexpr = 1,
+    PICK_COPIES: tl.constexpr = 1,
 ):
     """Program (row block, N tile, K split). With K splits, ``part`` holds their fp32 partial
     sums ``[SPLIT_K, TK, N]`` (TK: the picks) and ``count`` one arrival counter per (row block,
@@ -82,7 +83,7 @@ def _gemm1_swiglu_kernel(
         first_split = pid_k == 0
         valid, e64, rows, m_mask, f, tok = _one_token_pick(
             logits_ptr, topk_ids_ptr, topk_w_ptr, pid_m, (pid_n == 0) & first_split, E_TOTAL, E_LO, E_LOCAL, TOP_K,
-            E_PAD_ALL, BLOCK_M,
+            E_PAD_ALL, BLOCK_M, PICK_COPIES,
         )  # fmt: skip
         offs_z = pid_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
         zero_end = tl.where((pid_m == 0) & first_split, H_OUT, 0)

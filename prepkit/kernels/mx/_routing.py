@@ -185,27 +185,35 @@ def _one_token_pick(
     TOP_K: tl.constexpr,
     E_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    PICK_COPIES: tl.constexpr,
 ):
     """Row block ``pid_m`` of one token's picks, one pick a block, in pick order: (valid, local
     expert as int64, rows, row mask, pick index, token index), as :func:`_row_block` gives them.
     The picks and weights are those of ``_route_kernel`` (the same operations in the same order,
-    so the same bits); with ``store`` the program writes its pick's expert and weight."""
-    offs_e = tl.arange(0, E_PAD)
+    so the same bits); with ``store`` the program writes its pick's expert and weight.
+    ``PICK_COPIES``: the launch's warps (another count gives the same picks, through shared memory)."""
+    # Every warp holds the whole row (one copy a row of the tile): the top-4's reductions stay
+    # inside a warp, in shuffles; only taking copy 0 at the end crosses warps.
+    copies = tl.arange(0, PICK_COPIES)
+    offs_e = tl.arange(0, E_PAD)[None, :] + copies[:, None] * 0
     work = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
-    row_max = tl.max(work, axis=0)
-    denom = 0.0
-    expert = 0
-    mine = 0.0
+    row_max = tl.max(work, axis=1)
+    denom = tl.zeros([PICK_COPIES], dtype=tl.float32)
+    expert = tl.zeros([PICK_COPIES], dtype=tl.int32)
+    mine = tl.zeros([PICK_COPIES], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        m = tl.max(work, axis=0)
-        idx = tl.min(tl.where(work == m, offs_e, E_PAD), axis=0)
+        m = tl.max(work, axis=1)
+        idx = tl.min(tl.where(work == m[:, None], offs_e, E_PAD), axis=1)
         denom += tl.exp(m - row_max)
         expert = tl.where(pid_m == j, idx, expert)
         mine = tl.where(pid_m == j, m, mine)
-        work = tl.where(offs_e == idx, float("-inf"), work)
+        work = tl.where(offs_e == idx[:, None], float("-inf"), work)
+    # The copies agree; copy 0's values as scalars.
+    expert = tl.sum(tl.where(copies == 0, expert, 0), axis=0)
+    weight = tl.sum(tl.where(copies == 0, tl.exp(mine - row_max) / denom, 0.0), axis=0)
     is_pick = pid_m < TOP_K
     tl.store(topk_ids_ptr + pid_m, expert, mask=store & is_pick)
-    tl.store(topk_w_ptr + pid_m, tl.exp(mine - row_max) / denom, mask=store & is_pick)
+    tl.store(topk_w_ptr + pid_m, weight, mask=store & is_pick)
     return _pick_block(pid_m, is_pick, expert - E_LO, E_LOCAL, BLOCK_M)
 
 

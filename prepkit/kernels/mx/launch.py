@@ -331,6 +331,8 @@ def gemm1_swiglu(
         # The first row block's programs zero the output row between them.
         ZERO_BLOCK=max(16, next_pow2(triton.cdiv(out.shape[1], grid[1]))) if logits is not None else 16,
         SPLIT_K=split,
+        # One copy of the logits a warp: the top-4 reduces inside each warp.
+        PICK_COPIES=tactic.num_warps if logits is not None else 1,
     )
     return h1
 
