@@ -177,6 +177,36 @@ def kernel_defaults(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], 
     return default_for
 
 
+# Token counts up to which a tune times GEMM1's K splits (:func:`gemm1_split_siblings`): decode
+# batches, whose few picks leave a rank's SMs idle.
+SPLIT_SIBLING_MAX_TOKENS = 8
+
+
+def gemm1_split_siblings(problem: ProblemKey, device: DeviceInfo) -> Callable[[int], list[str]] | None:
+    """For a MoE GEMM1 with bf16 activations: ``m ->`` the default's valid siblings with another
+    K split, at up to :data:`SPLIT_SIBLING_MAX_TOKENS` tokens; ``None`` for other problems.
+    GEMM1's splits stay out of the swept space (:func:`kernel_space`); the default's own split
+    comes from a rule measured on Hopper, so a tune times each split next to it, at its point
+    only, on the GPU at hand (an SM12x GPU's TP rank included)."""
+    from dataclasses import replace
+
+    from prepkit.kernels.tactic import GemmTactic
+    from prepkit.kernels.variants import SPLIT_K, invalid_reason
+
+    if problem.role != "gemm1" or problem.act_dtype != "bf16":
+        return None
+    default_for = kernel_defaults(problem, device)
+
+    def siblings(m: int) -> list[str]:
+        if m > SPLIT_SIBLING_MAX_TOKENS:
+            return []
+        d = GemmTactic.from_json(default_for(m))
+        others = (replace(d, split_k=s) for s in SPLIT_K if s != d.split_k)
+        return [canon(t) for t in others if invalid_reason(t, "gemm1", device, "bf16") is None]
+
+    return siblings
+
+
 @functools.lru_cache(maxsize=16)
 def kernel_space(problem: ProblemKey, device: DeviceInfo) -> tuple[str, ...]:
     """Every valid variant of the bundled kernel for ``problem`` on ``device`` under its activation

@@ -39,11 +39,13 @@ def tune_layer(
     valid_for: Callable[[ProblemKey], int] | None = None,
     label_for: Callable[[ProblemKey], str | None] | None = None,
     neighbours_for: Callable[[ProblemKey], Callable[[str], Sequence[str]] | None] | None = None,
+    point_extras_for: Callable[[ProblemKey], Callable[[int], Sequence[str]] | None] | None = None,
 ) -> LayerReport:
     """Sweep each GEMM of a layer in turn (the other GEMM at its default), splitting the time
     budget over what is left; then, where the backend can, time the whole layer with the default
     pair and with the tuned pair at every point (the number users feel). ``valid_for``: the size
-    of each problem's variant space, for the coverage; ``label_for``: what progress calls each."""
+    of each problem's variant space, for the coverage; ``label_for``: what progress calls each;
+    ``point_extras_for``: each problem's variants timed at one point only (:func:`.sweep.sweep`)."""
     start = clock()
     results: list[SweepResult] = []
     # A thorough search shares the budget by the work each GEMM has left (a resumed run gives its
@@ -65,6 +67,7 @@ def tune_layer(
             on_progress=on_progress, clock=clock, check_backends=check_backends,
             n_valid=valid_for(problem) if valid_for else None, label=label_for(problem) if label_for else None,
             neighbours=neighbours_for(problem) if neighbours_for else None,
+            point_extras=point_extras_for(problem) if point_extras_for else None,
         )  # fmt: skip
         results.append(res)
         if on_result:

@@ -25,7 +25,14 @@ from prepkit.tactics.keys import DENSE_ROLE, KERNEL_NAME, Environment, ProblemKe
 from prepkit.tactics.lookup import TOKEN_POINTS, bundled_db_path, user_db_path
 from prepkit.tune import thorough
 from prepkit.tune.backend import SubprocessBackend, Worker, open_gpu_workers
-from prepkit.tune.candidates import kernel_candidates, kernel_defaults, kernel_space, neighbourhood, rule_space
+from prepkit.tune.candidates import (
+    gemm1_split_siblings,
+    kernel_candidates,
+    kernel_defaults,
+    kernel_space,
+    neighbourhood,
+    rule_space,
+)
 from prepkit.tune.decode_problems import DecodeTarget, decode_targets
 from prepkit.tune.decode_sweep import DecodeResult, decode_winner_row, tune_decode
 from prepkit.tune.dense import DENSE_ANCHORS, DenseTarget, dense_targets
@@ -270,6 +277,7 @@ def _sweep_into(
         check_backends=checkers or None,
         valid_for=lambda p: len(kernel_space(p, info)),
         neighbours_for=lambda p: None if opts.thorough or p.role == DENSE_ROLE else neighbourhood(rule_space(p, info)),
+        point_extras_for=lambda p: gemm1_split_siblings(p, info),
     )
     try:
         # The MoE layer first, as a run without dense problems sweeps it (its budget, its

@@ -13,7 +13,9 @@ Procedure (docs/tuning.md says why):
    then (``neighbours`` given) the variants one move away from each anchor's best
    ``refine_seeds`` are checked and timed at that anchor, for up to ``refine_rounds`` rounds
    while those best few change (:func:`prepkit.tune.candidates.neighbourhood`);
-3. every token point: the survivors and that point's default are timed in the same run;
+3. every token point: the survivors and that point's default are timed in the same run, with
+   the point's own extras (``point_extras``: GEMM1's K splits next to a decode default), which
+   are checked with the candidates but timed at their point only;
 4. per point, the candidates within ``retime.margin`` of the best are timed again in
    ``retime.rounds`` rounds, the order rotated each round (:mod:`prepkit.tune.retime`), and
    their medians over the rounds replace the one-shot timings (a point with a close call read
@@ -72,6 +74,7 @@ def sweep(
     n_valid: int | None = None,
     label: str | None = None,
     neighbours: Callable[[str], Sequence[str]] | None = None,
+    point_extras: Callable[[int], Sequence[str | JsonTactic]] | None = None,
 ) -> SweepResult:
     """Run the procedure in the module docstring. Returns every record it made or reused.
 
@@ -86,7 +89,8 @@ def sweep(
     ``n_valid``: the size of the variant space the candidates came from, for the coverage.
     ``label``: what progress and the result call the problem (default: its role and shape).
     ``neighbours``: ``tactic -> variants one move away``; the pruned search refines its anchors
-    with it (none: no refinement).
+    with it (none: no refinement). ``point_extras``: ``m -> variants`` checked like candidates but
+    timed at that point only, next to its default (never at the anchors).
     """
     cfg = config or SweepConfig()
     points = tuple(sorted(set(cfg.points)))
@@ -103,6 +107,11 @@ def sweep(
         for t in sorted(set(defaults.values()) & blocked_set)
     ]
     cands = [t for t in order if t not in blocked_set]
+    swept = list(order)  # what the coverage counts: the point extras are outside the space
+    extras = {m: [canon(t) for t in point_extras(m)] if point_extras else [] for m in points}
+    for t in (t for ts in extras.values() for t in ts):
+        order.setdefault(t, None)
+    extra_only = [t for t in order if t not in blocked_set and t not in cands]
 
     st = SweepRun(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None), label)
     n_reused = st.reuse(order, previous_measurements or {}, previous_checks or {})
@@ -116,7 +125,7 @@ def sweep(
                 anchors = st.anchors(points)
                 keep = st.check_and_screen(cpool, pool, cands, anchors)
             else:  # 1. numerics, before any timing
-                to_check = [t for t in cands if t not in st.checks]
+                to_check = [t for t in (*cands, *extra_only) if t not in st.checks]
                 st.estimate = len(to_check) + len(points) * min(len(cands), cfg.keep_per_anchor + 1)
                 st.check_all(cpool, to_check)
                 # 2. anchors: prune a large candidate set on a few token counts, then refine
@@ -130,6 +139,8 @@ def sweep(
                         near = unblocked(neighbours, blocked_set)
                         previous = (previous_measurements or {}, previous_checks or {}, blocked_set)
                         keep = st.refine(cpool, pool, passed, anchors, near, previous)
+            if cfg.thorough:  # the point extras are checked after the candidates' screens
+                st.check_all(cpool, [t for t in extra_only if t not in st.checks])
         finally:
             if cpool is not pool:
                 cpool.shutdown()
@@ -137,11 +148,11 @@ def sweep(
                     for b in check_backends or ():
                         b.close()
 
-        # 3. every point: the survivors and that point's default, in the same run
+        # 3. every point: the survivors, that point's default and extras, in the same run
         def for_point(m: int) -> list[str]:
-            d = defaults[m]
-            extra = [d] if st.passed(d) and d not in keep else []
-            return extra + keep  # the default first: its timing anchors the comparison
+            # The default first: its timing anchors the comparison.
+            own = [t for t in dict.fromkeys([defaults[m], *extras[m]]) if t not in blocked_set]
+            return [t for t in own if st.passed(t) and t not in keep] + keep
 
         point_label = None
         if cfg.thorough:  # progress: the pairs left to time
@@ -167,9 +178,10 @@ def sweep(
         points, choices, extends_up=complete and points[-1] >= cfg.extend_up_from, extends_up_ok=extends_up_ok
     )
     coverage = Coverage(
-        search=cfg.search, activations=problem.act_dtype, valid=n_valid, candidates=len(order),
-        checked=sum(t in st.checks for t in order), failed=sum(t in st.failed or t in blocked_set for t in order),
-        measured=len({t for (_, t), x in st.measurements.items() if measured_ok(x)}), anchors=anchors,
+        search=cfg.search, activations=problem.act_dtype, valid=n_valid, candidates=len(swept),
+        checked=sum(t in st.checks for t in swept), failed=sum(t in st.failed or t in blocked_set for t in swept),
+        measured=len({t for (_, t), x in st.measurements.items() if measured_ok(x) and t not in extra_only}),
+        anchors=anchors,
     )  # fmt: skip
     return SweepResult(
         problem=problem, points=points, choices=choices, winners=winners,

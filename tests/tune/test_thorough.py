@@ -39,7 +39,7 @@ from prepkit.tune import (
 )
 from prepkit.tune import candidates as tune_candidates
 from prepkit.tune import run as tune_run
-from prepkit.tune.candidates import kernel_space, moe_problem
+from prepkit.tune.candidates import gemm1_split_siblings, kernel_space, moe_problem
 from prepkit.tune.gpu_bench import CHECK_M, SINGLE_CHECK_M
 from prepkit.tune.records import Screen
 from prepkit.tune.worker import trim_kernel_caches
@@ -261,7 +261,10 @@ def test_thorough_checks_run_in_worker_processes_at_one_shape(
     assert len({r["pid"] for r in checks}) >= 2  # the two check workers (restarted per GEMM)
     assert all(r["m_values"] == [33] for r in checks)
     space = {p.role: small_space(p, H100_INFO) for p in problems().values()}
-    assert len(checks) == sum(len(s) for s in space.values())
+    siblings = gemm1_split_siblings(problems()["gemm1"], H100_INFO)
+    assert siblings is not None
+    extras = {t for m in POINTS for t in siblings(m)} - set(space["gemm1"])  # GEMM1's splits, at up to 8 tokens
+    assert extras and len(checks) == sum(len(s) for s in space.values()) + len(extras)
     assert stored(db, "SELECT DISTINCT m_values FROM correctness") == [("[33]",)]
     space_of_run = json.loads(stored(db, "SELECT search_space FROM tuning_run")[0][0])
     assert (space_of_run["check_workers"], space_of_run["check_m"], space_of_run["search"]) == (2, [33], "thorough")
@@ -376,8 +379,12 @@ def test_a_stopped_thorough_run_resumes_without_measuring_anything_twice(
     assert report.status == "complete" and report.search == "thorough"
     assert not second.timed("screen") & kept  # nothing stored was screened again
     # Checked again: exactly the passes not screened yet (the check compiles them for the timing
-    # worker); no failure and no screened variant.
-    assert {t for op, role, t, _ in second.calls if op == "check" and role == "gemm1"} == unscreened
+    # worker); no failure and no screened variant. New: GEMM1's K splits, checked after the screens.
+    siblings = gemm1_split_siblings(problems()["gemm1"], H100_INFO)
+    assert siblings is not None
+    first_checked = {t for op, role, t, _ in first.calls if op == "check" and role == "gemm1"}
+    new = {t for m in POINTS for t in siblings(m)} - first_checked
+    assert new and {t for op, role, t, _ in second.calls if op == "check" and role == "gemm1"} == unscreened | new
     assert stored(db, "SELECT status FROM tuning_run ORDER BY started_at") == [("aborted",), ("complete",)]
     # a pair once screened and once timed in full (a survivor), never twice the same way
     dup = (
