@@ -108,10 +108,10 @@ def sweep(
     ]
     cands = [t for t in order if t not in blocked_set]
     swept = list(order)  # what the coverage counts: the point extras are outside the space
-    extras = {m: [canon(t) for t in point_extras(m)] if point_extras else [] for m in points}
-    for t in (t for ts in extras.values() for t in ts):
-        order.setdefault(t, None)
-    extra_only = [t for t in order if t not in blocked_set and t not in cands]
+    listed = point_extras or (lambda m: ())
+    extras = {m: [t for t in map(canon, listed(m)) if t not in blocked_set] for m in points}
+    extra_only = [t for t in dict.fromkeys(t for ts in extras.values() for t in ts) if t not in order]
+    order.update(dict.fromkeys(extra_only))
 
     st = SweepRun(problem, defaults, cfg, clock, on_batch or (lambda b: None), on_progress or (lambda *a: None), label)
     n_reused = st.reuse(order, previous_measurements or {}, previous_checks or {})
@@ -150,8 +150,7 @@ def sweep(
 
         # 3. every point: the survivors, that point's default and extras, in the same run
         def for_point(m: int) -> list[str]:
-            # The default first: its timing anchors the comparison.
-            own = [t for t in dict.fromkeys([defaults[m], *extras[m]]) if t not in blocked_set]
+            own = dict.fromkeys([defaults[m], *extras[m]])  # the default first: its timing anchors the comparison
             return [t for t in own if st.passed(t) and t not in keep] + keep
 
         point_label = None
